@@ -1,0 +1,3 @@
+from flashrun.cli import main
+
+main()

@@ -1,0 +1,224 @@
+"""The ``flashrun`` command line. Only assembly lives here: each command's work is a function in
+its own module, callable from Python. Typed errors become one red line plus a hint here, and
+nowhere else. torch and triton are imported inside the commands that need them, never at
+import time, so ``--help``, ``--version`` and config errors answer at once.
+
+Exit codes: 0 ok, 1 a check or verification failed, 2 usage/config/input error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from flashrun import __version__
+from flashrun.config import Config, load_config
+from flashrun.errors import FlashrunError
+from flashrun.redact import RedactingFilter, redact
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+app = typer.Typer(
+    name="flashrun",
+    help="Run, verify and benchmark FlashAttention-style Triton kernels on your GPU (or the CPU interpreter).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+# -- options shared by the commands ---------------------------------------------------------
+ConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", help="config.toml to use (default: ./config.toml, else the shipped default).",
+                 show_default=False),
+]
+SettingsOpt = Annotated[
+    Optional[Path],
+    typer.Option("--settings", help="settings.json to use (default: settings.json next to the config).",
+                 show_default=False),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override a key: section.key=value, value parsed as TOML (repeatable).",
+                 show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail; tracebacks on errors.")]
+DeviceOpt = Annotated[
+    Optional[str],
+    typer.Option("--device", help="auto | cuda | cpu (cpu runs Triton's interpreter).", show_default=False),
+]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        out.print(f"flashrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """Run, verify and benchmark FlashAttention-style Triton kernels."""
+
+
+@contextmanager
+def _boundary(verbose: bool) -> Iterator[None]:
+    """Turn typed errors into one red line + hint and an exit code (no traceback unless -v)."""
+    try:
+        yield
+    except FlashrunError as exc:
+        if verbose:
+            err.print_exception()
+        err.print(f"[bold red]error:[/] {redact(exc.message)}", markup=True)
+        if exc.hint:
+            err.print(f"[dim]hint:[/] {redact(exc.hint)}")
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/] (results written so far are kept)")
+        raise typer.Exit(130) from None
+
+
+def _setup(config: Path | None, settings: Path | None, sets: list[str] | None, verbose: bool,
+           flags: dict[str, Any] | None = None) -> Config:
+    cfg = load_config(config, settings, flags, sets)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RedactingFilter())
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("flashrun")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else cfg.logging.level.upper())
+    for warning in cfg.warnings:
+        err.print(f"[yellow]warning:[/] {redact(warning)}")
+    return cfg
+
+
+# -- verify -------------------------------------------------------------------------------------
+@app.command()
+def verify(
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    kernel: Annotated[
+        Optional[list[str]],
+        typer.Option("--kernel", "-k", help="flash | minimal | PATH.py:FUNCTION (repeatable).", show_default=False),
+    ] = None,
+    cases: Annotated[
+        Optional[Path], typer.Option("--cases", help="Cases file written by `flashrun gen-cases`.", show_default=False)
+    ] = None,
+    grad: Annotated[bool, typer.Option("--grad", help="Also check dq, dk, dv.")] = False,
+    diagnose: Annotated[bool, typer.Option("--diagnose", help="Report the logit range of q·kᵀ·scale.")] = False,
+    device: DeviceOpt = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.", show_default=False)] = None,
+    rerun: Annotated[
+        Optional[str], typer.Option("--rerun", help="Repeat a recorded run (see `flashrun runs`).", show_default=False)
+    ] = None,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Check attention kernels against a float64 reference, forward (and backward with --grad).
+
+    Examples:
+
+      flashrun verify                                   # shipped default config
+
+      flashrun verify --config configs/article.toml     # the article's check
+
+      flashrun verify -k experiments/my_attention.py:attention --grad
+
+      flashrun verify --set experiment.seq_len=1025 --set experiment.dtype=bfloat16
+    """
+    from flashrun import verify as verify_mod
+
+    with _boundary(verbose):
+        if rerun is not None:
+            request = verify_mod.request_from_record(rerun, config, settings)
+        else:
+            request = verify_mod.VerifyRequest(
+                config=config, settings=settings, sets=list(sets or []), kernels=list(kernel or []),
+                cases=cases, grad=grad, diagnose=diagnose, device=device, seed=seed,
+            )
+        cfg = _setup(request.config, request.settings, request.sets, verbose, request.flags())
+        report = verify_mod.run(cfg, request, console=None if json_out else err)
+        if json_out:
+            out.print_json(data=report.to_json())
+        else:
+            verify_mod.render(report, out)
+        raise typer.Exit(report.exit_code)
+
+
+# -- init ---------------------------------------------------------------------------------------
+@app.command()
+def init(
+    directory: Annotated[Path, typer.Argument(help="Folder to scaffold (created if missing).")] = Path("."),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing files.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Scaffold an experiment folder: config.toml, settings.json, experiments/, logs/."""
+    from flashrun.scaffold import scaffold
+
+    with _boundary(verbose):
+        written = scaffold(directory, force=force)
+        for path in written:
+            out.print(f"wrote {path}")
+        out.print(f"next: cd {directory} && flashrun check-env && flashrun verify")
+
+
+# -- runs ---------------------------------------------------------------------------------------
+runs_app = typer.Typer(help="List and show recorded runs (<log_dir>/runs.jsonl).", no_args_is_help=False)
+app.add_typer(runs_app, name="runs")
+
+
+@runs_app.callback(invoke_without_command=True)
+def runs(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", help="How many recent runs.")] = 20,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """List recent runs: time, command, kernels, cases, verdict or best TFLOP/s."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from flashrun import runs as runs_mod
+
+    with _boundary(verbose):
+        cfg = _setup(config, settings, sets, verbose)
+        records = runs_mod.recent(cfg.logging.log_dir, limit)
+        if json_out:
+            out.print_json(data=[runs_mod.summary(r) for r in records])
+        else:
+            runs_mod.render_list(records, cfg.logging.log_dir, out)
+
+
+@runs_app.command("show")
+def runs_show(
+    run_id: Annotated[str, typer.Argument(help="Run id (a unique prefix is enough).")],
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Print one recorded run as JSON."""
+    from flashrun.runlog import find_record
+
+    with _boundary(verbose):
+        cfg = _setup(config, settings, sets, verbose)
+        out.print_json(data=find_record(cfg.logging.log_dir, run_id))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,487 @@
+"""Configuration: ``config.toml`` + optional ``settings.json`` -> one validated :class:`Config`.
+
+Precedence, lowest first: built-in defaults < settings.json < config.toml < command-line
+flags < ``--set section.key=value``. Both files are validated against the same schema
+(unknown keys forbidden); every mistake becomes a :class:`ConfigError` that names the file
+the bad value came from, the key path, what was expected and what was found.
+
+This module must stay cheap to import: no torch, no triton.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from flashrun.errors import ConfigError, MissingKeyError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# The default config ships inside the package so that a non-editable install has it.
+DEFAULT_CONFIG = Path(__file__).parent / "data" / "default.toml"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PathField = Annotated[Path, Field(strict=False)]
+Dtype = Literal["float16", "bfloat16", "float32"]
+HeadDim = Annotated[int, Field(ge=16, le=256)]
+
+# head_dim the kernels accept (16..256; non powers of two are padded inside the kernel).
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def _power_of_two(value: int | None, name: str) -> int | None:
+    if value is not None and (value <= 0 or value & (value - 1)):
+        raise ValueError(f"expected a power of two for {name}")
+    return value
+
+
+def _as_list(value: Any) -> Any:
+    """Sweep keys accept a scalar or a list; a scalar is a one-element sweep."""
+    return value if isinstance(value, list) or value is None else [value]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ApiConfig(_Section):
+    base_url: str = "https://api.openai.com/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    # A literal key is accepted (with a warning) but never shown, dumped or logged.
+    api_key: str | None = Field(default=None, repr=False, exclude=True)
+    default_model: str = "gpt-4o-mini"
+    models: list[str] = []
+    timeout: PositiveFloat = 60.0
+    max_retries: NonNegativeInt = 3
+
+
+class RequestConfig(_Section):
+    timeout: PositiveFloat | None = None  # overrides api.timeout for chat requests
+    max_tokens: PositiveInt = 2048
+    temperature: Annotated[float, Field(ge=0, le=2)] = 0.7
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_dir: PathField = Path("logs")
+
+
+class ExperimentConfig(_Section):
+    name: str = "flashrun"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    dtype: Dtype = "float16"
+    batch_size: PositiveInt = 2
+    seq_len: PositiveInt = 128
+    seq_len_k: PositiveInt | None = None  # key/value length; defaults to seq_len
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt | None = None  # GQA/MQA; defaults to num_heads
+    head_dim: HeadDim = 64
+    causal: bool = False
+    seed: int = 0
+    kernel: list[str] = ["flash"]
+
+    _kernel_list = field_validator("kernel", mode="before")(_as_list)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ExperimentConfig:
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})")
+        return self
+
+
+class TritonConfig(_Section):
+    """Launch overrides for our kernels; unset means autotuned (GPU) or a fixed small config (CPU)."""
+
+    num_warps: PositiveInt | None = None
+    num_stages: PositiveInt | None = None
+    block_m: PositiveInt | None = None
+    block_n: PositiveInt | None = None
+
+    @field_validator("num_warps", "block_m", "block_n")
+    @classmethod
+    def _pow2(cls, value: int | None, info: Any) -> int | None:
+        return _power_of_two(value, info.field_name)
+
+    @field_validator("block_m", "block_n")
+    @classmethod
+    def _block_range(cls, value: int | None) -> int | None:
+        if value is not None and not 16 <= value <= 256:
+            raise ValueError("expected a power of two from 16 to 256")
+        return value
+
+
+class VerifyConfig(_Section):
+    """A sweep: any key given here replaces the [experiment] value with a list of values."""
+
+    batch_size: list[PositiveInt] | None = None
+    num_heads: list[PositiveInt] | None = None
+    num_kv_heads: list[PositiveInt] | None = None
+    seq_len: list[PositiveInt] | None = None
+    seq_len_k: list[PositiveInt] | None = None
+    head_dim: list[HeadDim] | None = None
+    dtype: list[Dtype] | None = None
+    causal: list[bool] | None = None
+    grad: bool = False
+    diagnose: bool = False
+
+    _lists = field_validator(
+        "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",
+        mode="before",
+    )(_as_list)
+
+
+class CasesConfig(_Section):
+    max_seq_len: PositiveInt = 16384
+    count: PositiveInt = 12
+    prompt: str | None = None
+
+
+class BenchConfig(_Section):
+    providers: list[str] = ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "torch-naive"]
+    baseline: str = "sdpa"
+    mode: list[Literal["fwd", "bwd", "fwd_bwd"]] = ["fwd"]
+    dtype: list[Dtype] = ["float16"]
+    seq_len: list[PositiveInt] = [512, 1024, 2048, 4096, 8192, 16384]
+    seq_len_k: PositiveInt | None = None  # decode-like shapes: seq_len queries against this many keys
+    head_dim: list[HeadDim] = [64, 128]
+    causal: list[bool] = [False, True]
+    hidden: PositiveInt = 2048  # heads = hidden // head_dim (the FlashAttention benchmark convention)
+    tokens: PositiveInt = 32768  # batch = tokens // seq_len
+    num_kv_heads: PositiveInt | None = None
+    warmup_ms: PositiveInt = 25
+    rep_ms: PositiveInt = 100
+    out: PathField | None = None  # default <log_dir>/bench
+
+    _lists = field_validator("mode", "dtype", "seq_len", "head_dim", "causal", mode="before")(_as_list)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "api": ApiConfig,
+    "request": RequestConfig,
+    "logging": LoggingConfig,
+    "experiment": ExperimentConfig,
+    "triton": TritonConfig,
+    "verify": VerifyConfig,
+    "cases": CasesConfig,
+    "bench": BenchConfig,
+}
+
+
+class Config(_Section):
+    api: ApiConfig = ApiConfig()
+    request: RequestConfig = RequestConfig()
+    logging: LoggingConfig = LoggingConfig()
+    experiment: ExperimentConfig = ExperimentConfig()
+    triton: TritonConfig = TritonConfig()
+    verify: VerifyConfig = VerifyConfig()
+    cases: CasesConfig = CasesConfig()
+    bench: BenchConfig = BenchConfig()
+
+    # Where the values came from (for messages and run records) and warnings to show the user.
+    _files: list[str] = PrivateAttr(default_factory=list)
+    _key_source: str = PrivateAttr(default="default")
+    _warnings: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        return list(self._files)
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self._warnings)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The resolved config as JSON-able data, without secrets (api.api_key is excluded)."""
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading files
+
+
+def _read_text(path: Path, label: str, what: str) -> str:
+    if not path.exists():
+        raise ConfigError(f"{label}: no such file", hint=f"check the path, or run `flashrun init` to create a {what}")
+    if path.is_dir():
+        raise ConfigError(f"{label}: is a folder, not a file", hint=f"point at the {what} inside it")
+    data = path.read_bytes()
+    if not data.strip():
+        raise ConfigError(f"{label}: the file is empty", hint=f"a {what} needs at least one section; see README")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{label}: not a UTF-8 text file (binary?)", hint=f"is this really the {what}?") from None
+
+
+def _read_toml(path: Path, label: str) -> dict[str, Any]:
+    text = _read_text(path, label, "config file")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{label}: invalid TOML: {exc}", hint="fix the syntax at that line and column") from None
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _read_settings(path: Path, label: str) -> dict[str, Any]:
+    text = _read_text(path, label, "settings.json")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{label}: invalid JSON: {exc.msg} (at line {exc.lineno}, column {exc.colno})",
+            hint="JSON needs double quotes and no trailing commas",
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label}: expected a JSON object at the top level, got {type(data).__name__}")
+    api = data.get("api")
+    if isinstance(api, dict) and isinstance(api.get("api_key"), str):
+        match = _VAR.fullmatch(api["api_key"].strip())
+        if match:  # "${VAR}": a reference to a variable, read only when the key is needed
+            api = dict(api)
+            del api["api_key"]
+            api["api_key_env"] = match.group(1)
+            data = {**data, "api": api}
+    return _expand(data)
+
+
+def _expand(value: Any) -> Any:
+    """Replace ``${VAR}`` in strings from the environment; an unset variable is left as written."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: os.environ.get(m.group(1), m.group(0)), value)
+    if isinstance(value, list):
+        return [_expand(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand(v) for k, v in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Merging with provenance
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["experiment.seq_len=1024", ...]`` -> ``{"experiment.seq_len": 1024}`` (values parsed as TOML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(
+                f"--set {item!r}: expected section.key=value",
+                hint="for example --set experiment.seq_len=1024 or --set experiment.dtype=bfloat16",
+            )
+        try:
+            out[key] = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw.strip()  # a bare word: take it as a string
+    return out
+
+
+def _merge(
+    target: dict[str, Any], origins: dict[tuple[str, ...], str], data: dict[str, Any], source: str
+) -> None:
+    for section, body in data.items():
+        origins[(section,)] = source
+        if isinstance(body, dict) and isinstance(target.get(section, {}), dict):
+            dest = target.setdefault(section, {})
+            for key, value in body.items():
+                dest[key] = value
+                origins[(section, key)] = source
+        else:
+            target[section] = body
+
+
+def _dotted_to_nested(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def _found(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a table"
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _expected(error: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    kind, ctx = error["type"], error.get("ctx", {})
+    simple = {
+        "int_type": "expected an integer", "int_parsing": "expected an integer",
+        "int_from_float": "expected an integer", "float_type": "expected a number",
+        "float_parsing": "expected a number", "bool_type": "expected true or false",
+        "bool_parsing": "expected true or false", "string_type": "expected a string",
+        "list_type": "expected a list", "model_type": "expected a table", "dict_type": "expected a table",
+        "model_attributes_type": "expected a table", "missing": "a value is required",
+    }
+    if kind in simple:
+        return simple[kind]
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected')}"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"expected a value {bounds[kind]} {limit}"
+    if kind == "extra_forbidden":
+        options = list(SECTIONS) if len(loc) == 1 else list(SECTIONS[loc[0]].model_fields) if loc[0] in SECTIONS else []
+        close = difflib.get_close_matches(str(loc[-1]), options, n=1)
+        what = "unknown section" if len(loc) == 1 else "unknown key"
+        return f"{what}" + (f" (did you mean '{close[0]}'?)" if close else f"; known: {', '.join(options)}")
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    return error["msg"]
+
+
+def _config_error(exc: ValidationError, origins: dict[tuple[str, ...], str]) -> ConfigError:
+    error = exc.errors()[0]
+    loc = tuple(part for part in error["loc"] if part not in ("function-after",))
+    source = "defaults"
+    for depth in range(len(loc), 0, -1):
+        if loc[:depth] in origins:
+            source = origins[loc[:depth]]
+            break
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    message = f"{source}: {key}: {_expected(error, loc)}"
+    if error["type"] not in ("extra_forbidden", "missing") and not isinstance(error.get("input"), dict):
+        message += f", got {_found(error['input'])}"
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return ConfigError(message, hint="see the README's config reference for every key, its type and default")
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def find_config(path: Path | None) -> Path:
+    """``--config`` if given, else ``./config.toml`` if present, else the shipped default."""
+    if path is not None:
+        return path
+    local = Path("config.toml")
+    return local if local.is_file() else DEFAULT_CONFIG
+
+
+def load_config(
+    config: Path | None = None,
+    settings: Path | None = None,
+    flags: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+) -> Config:
+    """Load, merge and validate. ``flags`` maps ``"section.key"`` to values from CLI options."""
+    config_path = find_config(config)
+    shipped = config_path == DEFAULT_CONFIG
+    config_label = "default config" if shipped else str(config)
+    if config is None and not shipped:
+        config_label = "config.toml"
+    if settings is None and not shipped:
+        candidate = config_path.parent / "settings.json"
+        settings = candidate if candidate.is_file() else None
+
+    merged: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    bases: dict[str, Path] = {}  # source label -> folder its relative paths resolve against
+    if settings is not None:
+        label = str(settings)
+        _merge(merged, origins, _read_settings(settings, label), label)
+        bases[label] = settings.resolve().parent
+    _merge(merged, origins, _read_toml(config_path, config_label), config_label)
+    if not shipped:
+        bases[config_label] = config_path.resolve().parent
+    if flags:
+        _merge(merged, origins, _dotted_to_nested({k: v for k, v in flags.items() if v is not None}), "command line")
+    if sets:
+        _merge(merged, origins, _dotted_to_nested(parse_set(sets)), "--set")
+
+    try:
+        cfg = Config.model_validate(merged)
+    except ValidationError as exc:
+        raise _config_error(exc, origins) from None
+
+    cfg = _resolve_paths(cfg, origins, bases)
+    cfg._files = [str(p) for p in (settings, config_path) if p is not None]
+    key_source = origins.get(("api", "api_key"))
+    if cfg.api.api_key is not None:
+        cfg._key_source = key_source or "config"
+        cfg._warnings.append(
+            f"{key_source}: api.api_key holds a literal key; it is used but never shown. "
+            f"Keep keys in an environment variable instead (api.api_key_env)"
+        )
+    return cfg
+
+
+def _resolve_paths(cfg: Config, origins: dict[tuple[str, ...], str], bases: dict[str, Path]) -> Config:
+    """Relative paths resolve against the folder of the file that set them (else the cwd)."""
+
+    def base(section: str, key: str) -> Path:
+        return bases.get(origins.get((section, key), ""), Path.cwd())
+
+    log_dir = cfg.logging.log_dir
+    if not log_dir.is_absolute():
+        log_dir = base("logging", "log_dir") / log_dir
+    kernels = [_resolve_kernel(spec, base("experiment", "kernel")) for spec in cfg.experiment.kernel]
+    bench_out = cfg.bench.out
+    if bench_out is not None and not bench_out.is_absolute():
+        bench_out = base("bench", "out") / bench_out
+    updated = cfg.model_copy(
+        update={
+            "logging": cfg.logging.model_copy(update={"log_dir": log_dir}),
+            "experiment": cfg.experiment.model_copy(update={"kernel": kernels}),
+            "bench": cfg.bench.model_copy(update={"out": bench_out}),
+        }
+    )
+    updated._warnings = list(cfg._warnings)
+    return updated
+
+
+def _resolve_kernel(spec: str, base: Path) -> str:
+    """``experiments/x.py:fn`` relative to the config's folder; names like ``flash`` unchanged."""
+    path, sep, func = spec.rpartition(":")
+    if sep and path.endswith(".py") and not Path(path).is_absolute():
+        return f"{base / path}:{func}"
+    return spec
+
+
+def key_variable(cfg: Config) -> str | None:
+    """Name of the variable the key is read from (None when a literal key is configured)."""
+    return None if cfg.api.api_key is not None else cfg.api.api_key_env
+
+
+def resolve_api_key(cfg: Config) -> str:
+    """The API key, from the environment (or a literal in a config file). Never print it."""
+    if cfg.api.api_key is not None:
+        unresolved = _VAR.search(cfg.api.api_key)
+        if unresolved:
+            raise MissingKeyError(
+                f"api.api_key refers to ${{{unresolved.group(1)}}}, which is not set",
+                hint=f"export {unresolved.group(1)}=... in this shell (IDEs may not inherit it)",
+            )
+        return cfg.api.api_key
+    name = cfg.api.api_key_env
+    value = os.environ.get(name, "")
+    if not value.strip():
+        raise MissingKeyError(
+            f"the API key variable {name} is not set" + (" (it is empty)" if name in os.environ else ""),
+            hint=f"export {name}=... in this shell (an IDE or service may not inherit your shell's variables)",
+        )
+    return value.strip()

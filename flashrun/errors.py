@@ -1,0 +1,44 @@
+"""Typed errors. They travel up unchanged; only ``cli.py`` turns them into a message.
+
+Every error carries a one-line ``message`` and an optional ``hint`` (what to do about it).
+``exit_code`` follows the CLI contract: 1 a check failed, 2 usage/config/input error.
+"""
+
+from __future__ import annotations
+
+
+class FlashrunError(Exception):
+    """Base class: a problem the user can act on, reported without a traceback."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class ConfigError(FlashrunError):
+    """A config or settings file (or a ``--set`` override) is missing, malformed or invalid."""
+
+
+class InputError(FlashrunError):
+    """A command-line argument or input file (cases file, run id, ...) is unusable."""
+
+
+class KernelError(FlashrunError):
+    """A kernel cannot be loaded or refuses its inputs (unsupported shape, dtype, signature)."""
+
+
+class DeviceError(FlashrunError):
+    """The requested device cannot be used (no GPU, Triton already imported in another mode)."""
+
+
+class GatewayError(FlashrunError):
+    """The LLM gateway could not be reached or answered with an error."""
+
+    exit_code = 1
+
+
+class MissingKeyError(FlashrunError):
+    """The API key variable is not set."""

@@ -1,0 +1,167 @@
+"""Run records: one JSON line per run in ``<log_dir>/runs.jsonl``, and atomic file writes.
+
+A record holds the command, time, resolved config (never a secret), an environment
+fingerprint and the results, so that any run can be listed, shown and repeated.
+Each record is appended with a single ``write`` on an ``O_APPEND`` descriptor; a reader skips
+a torn last line, so a crash never corrupts earlier records.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from flashrun.errors import InputError
+from flashrun.redact import redact
+
+RUNS_FILE = "runs.jsonl"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    path = Path(path)
+    text = redact(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def new_run_id() -> str:
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def fingerprint() -> dict[str, Any]:
+    """Where a run happened. Reads torch's GPU facts only when torch is already imported."""
+    from flashrun import __version__
+
+    info: dict[str, Any] = {
+        "flashrun": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "git_commit": _git_commit(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+        info["cuda_runtime"] = torch.version.cuda
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info["gpu"] = props.name
+            info["compute_capability"] = f"{props.major}.{props.minor}"
+            info["driver"] = _driver_version()
+    return info
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def append_record(log_dir: Path, record: dict[str, Any]) -> Path:
+    """Append one record as one line. Returns the file written."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / RUNS_FILE
+    line = (redact(json.dumps(record, default=str, separators=(",", ":"))) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def make_record(command: str, argv: list[str], config: dict[str, Any], results: Any, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": new_run_id(),
+        "time": now_iso(),
+        "command": command,
+        "argv": argv,
+        "cwd": str(Path.cwd()),
+        "config": config,
+        "env": fingerprint(),
+        **extra,
+        "results": results,
+    }
+
+
+def load_records(log_dir: Path) -> list[dict[str, Any]]:
+    """All readable records, oldest first; torn or foreign lines are skipped."""
+    path = Path(log_dir) / RUNS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "id" in record:
+                records.append(record)
+    return records
+
+
+def find_record(log_dir: Path, run_id: str) -> dict[str, Any]:
+    """The record whose id is ``run_id`` (or starts with it, when that is unambiguous)."""
+    records = load_records(log_dir)
+    exact = [r for r in records if r["id"] == run_id]
+    matches = exact or [r for r in records if str(r["id"]).startswith(run_id)]
+    if len(matches) == 1:
+        return matches[0]
+    where = Path(log_dir) / RUNS_FILE
+    if not matches:
+        raise InputError(f"no run {run_id!r} in {where}", hint="`flashrun runs` lists the recorded runs")
+    raise InputError(f"run id {run_id!r} is ambiguous ({len(matches)} runs match)", hint="give more characters")
