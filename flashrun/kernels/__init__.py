@@ -1,0 +1,115 @@
+"""Attention kernels and their registry.
+
+``get("flash")``, ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
+:class:`Kernel` called as ``kernel(q, k, v, causal=False, sm_scale=None) -> o``.
+
+A user's function may take ``(q, k, v)`` - the article's signature, accepted as is; it is then
+judged against the case's causal flag and the default ``1/sqrt(head_dim)`` scale - or
+``(q, k, v, causal, sm_scale)`` (positional or keyword).
+
+Import this package only after :func:`flashrun.device.select`: Triton decides between
+compiling and interpreting when the kernels are defined.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from flashrun.errors import KernelError
+from flashrun.kernels.flash import attention_forward, flash_attention
+from flashrun.kernels.minimal import minimal_attention
+from flashrun.kernels.tuning import LaunchConfig
+
+__all__ = ["Kernel", "LaunchConfig", "attention_forward", "flash_attention", "get", "minimal_attention"]
+
+BUILTIN = ("flash", "minimal")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    fn: Callable[..., torch.Tensor] = field(repr=False)
+    supports_backward: bool  # False: forward only; None-like "unknown" is decided by trying
+    takes_causal: bool = True  # False for the (q, k, v) signature
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                 sm_scale: float | None = None) -> torch.Tensor:
+        if self.takes_causal:
+            return self.fn(q, k, v, causal=causal, sm_scale=sm_scale)
+        return self.fn(q, k, v)
+
+
+def get(spec: str, launch: LaunchConfig | None = None) -> Kernel:
+    """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch`` pins flash's launch config."""
+    if spec == "flash":
+        def flash(q, k, v, causal=False, sm_scale=None):
+            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch)
+        return Kernel("flash", flash, supports_backward=True)
+    if spec == "minimal":
+        return Kernel("minimal", minimal_attention, supports_backward=False)
+    path, sep, func = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not func:
+        raise KernelError(
+            f"unknown kernel {spec!r}",
+            hint=f"use one of {', '.join(BUILTIN)}, or PATH.py:FUNCTION for your own (e.g. experiments/my_attention.py:attention)",
+        )
+    return _load_user_kernel(Path(path), func, spec)
+
+
+def _load_user_kernel(path: Path, func: str, spec: str) -> Kernel:
+    if not path.is_file():
+        raise KernelError(f"kernel file {path} not found", hint="paths in a config are relative to the config's folder")
+    module_name = f"flashrun_user_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise KernelError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # Triton's @jit reads the module's source and globals
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)
+        raise KernelError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure in the user's file becomes one message
+        sys.modules.pop(module_name, None)
+        raise KernelError(f"importing {path} failed at {_where(exc, path)}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, func, None)
+    if fn is None or not callable(fn):
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise KernelError(
+            f"{path} has no function {func!r}",
+            hint=f"functions there: {', '.join(found) or 'none'}",
+        )
+    return Kernel(spec, fn, supports_backward=True, takes_causal=_takes_causal(fn, spec))
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return f"line {frames[-1].lineno}" if frames else str(path)
+
+
+def _takes_causal(fn: Callable, spec: str) -> bool:
+    """True for (q, k, v, causal, sm_scale), False for (q, k, v); anything else is an error."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise KernelError(f"cannot read the signature of {spec}") from None
+    names = list(params)
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if {"causal", "sm_scale"} <= set(names) and len(positional) >= 3:
+        return True
+    if len(positional) >= 3 and len(required) <= 3 and not {"causal", "sm_scale"} & set(names):
+        return False
+    raise KernelError(
+        f"{spec} has signature {inspect.signature(fn)}",
+        hint="a kernel takes (q, k, v) or (q, k, v, causal, sm_scale)",
+    )

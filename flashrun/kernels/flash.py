@@ -1,0 +1,492 @@
+"""FlashAttention-2 forward and backward in Triton.
+
+Maths (Dao, "FlashAttention-2", 2023). For one (batch, head):
+    S = Q Kᵀ · sm_scale,   P = softmax(S) row-wise,   O = P V,   LSE_i = log Σ_j exp(S_ij)
+Forward: one program owns BLOCK_M query rows and streams K/V in BLOCK_N blocks, keeping the
+running row max ``m_i``, running sum ``l_i`` and the unnormalized output ``acc`` on chip
+(online softmax); it never materializes S. Exponentials run in base 2: exp(x) = exp2(x·log2 e),
+with ``sm_scale · log2 e`` folded into one multiplier ``qk_scale``.
+Backward: ``delta_i = Σ_d dO_id O_id`` (a preprocess kernel), P is recomputed from LSE, then
+    dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  dQ = dS K · sm_scale,  dK = dSᵀ Q · sm_scale
+in two kernels without atomics (so results are deterministic): dK/dV per key block (looping over
+query blocks, and over the query heads of a GQA group), and dQ per query block.
+
+Conventions (shared with ``flashrun.reference``, which this module never imports):
+  * layout (batch, heads, seq, head_dim), any strides; k/v may have fewer heads than q (GQA/MQA);
+  * causal with Nq != Nk is aligned bottom-right (FlashAttention >= 2.1): query i sees keys
+    j <= i + Nk - Nq; a query that sees no key outputs zeros and LSE = -inf, never NaN;
+  * head_dim 16..256: the tile is padded to the next power of two and the padding masked;
+  * float16/bfloat16 use tensor cores with float32 accumulation; float32 inputs use IEEE fp32
+    dots (``input_precision="ieee"``, no TF32), so float32 is exact enough to check against, not fast.
+  * Causal work is split into the key blocks every query of the tile sees (no mask) and the few
+    diagonal/edge blocks that need one, so only those pay for masking.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashrun.errors import KernelError
+from flashrun.kernels.tuning import LaunchConfig, choose
+
+LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
+LOG2E_C = tl.constexpr(LOG2E)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# @triton.jit helpers
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # Triton's CPU interpreter computes bfloat16 tl.dot wrongly (seen with triton 3.9): there,
+    # and only there, bf16 operands go through float32 - exact for bf16 values, like an MMA.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _key_range(start_m, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys for query rows [start_m, start_m + BLOCK_M): [0, lo) need no mask, [lo, hi) do."""
+    full = (N_K // BLOCK_N) * BLOCK_N  # blocks entirely inside the sequence
+    if CAUSAL:
+        shift = N_K - N_Q  # bottom-right alignment: row i sees keys j <= i + shift
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), N_K)
+        # the tile's first row sees keys <= start_m + shift: whole blocks below that are unmasked
+        lo = tl.minimum((tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N, full)
+        lo = tl.minimum(lo, hi)
+    else:
+        lo = full
+        hi = N_K
+    return lo, hi
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk
+        # -- load K, V (masks only where the tile leaves the sequence or the padded head_dim) --
+        if MASKED:
+            kv_ok = (cols[:, None] < N_K) & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
+        # -- update m_i and l_i --
+        if MASKED:
+            keep = cols[None, :] < N_K
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # a row that has seen no key yet keeps m = -inf; use 0 so exp2 below stays finite
+            # (keys are a prefix for every row, so such a row never sees a key later either)
+            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            qk = qk - m_ij[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- update the output accumulator --
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, UPCAST, PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward kernel
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qz, stride_qh, stride_qm, stride_qk,
+              stride_kz, stride_kh, stride_kn, stride_kk,
+              stride_vz, stride_vh, stride_vn, stride_vk,
+              stride_oz, stride_oh, stride_om, stride_ok,
+              H, N_Q, N_K, qk_scale,
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_N >= 16)
+    start_m = tl.program_id(0) * BLOCK_M
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)  # int64: batch offsets can pass 2**31 elements
+    off_h = off_hz % H
+    off_hkv = off_h // GROUP  # GQA: GROUP query heads share one k/v head
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
+    k_base = K + off_z * stride_kz + off_hkv * stride_kh
+    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # q stays in registers/SRAM for the whole loop over K/V
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    lo, hi = _key_range(start_m, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    # stage 1: key blocks every row of the tile sees in full - no mask
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, 0, lo, N_Q, N_K, qk_scale,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION)
+    # stage 2: the causal diagonal and the ragged end of the sequence - masked
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION)
+
+    # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf --
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E_C, float("-inf"))
+    row_ok = offs_m < N_Q
+    tl.store(LSE + off_hz.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
+    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward kernels
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, Delta,
+                         stride_oz, stride_oh, stride_om, stride_ok,
+                         stride_doz, stride_doh, stride_dom, stride_dok,
+                         H, N_Q,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = off_hz % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
+                mask=ok, other=0.0)
+    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dok, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # delta_i = rowsum(dO * O)
+    tl.store(Delta + off_hz.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                         stride_qm, stride_qk, stride_dom, stride_dok,
+                         offs_n, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    d_ok = offs_d < HEAD_DIM
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N_Q
+        # rows past N_Q load as zeros: their q, dO and delta are 0, so they add nothing
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dok,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        # a row that saw no key (LSE = -inf) has P = 0: make exp2 give 0, not inf
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+        qkT = _dot(k, tl.trans(q), None, UPCAST, PRECISION)  # (BLOCK_N, BLOCK_M) = (Q Kᵀ)ᵀ
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if MASKED:  # causal diagonal: query i sees key j iff j <= i + Nk - Nq
+            pT = tl.where(offs_n[:, None] <= offs_m[None, :] + (N_K - N_Q), pT, 0.0)
+        dv = _dot(pT.to(do.dtype), do, dv, UPCAST, PRECISION)  # dV += Pᵀ dO
+        dpT = _dot(v, tl.trans(do), None, UPCAST, PRECISION)  # (dO Vᵀ)ᵀ
+        dsT = pT * (dpT - delta[None, :])
+        dk = _dot(dsT.to(q.dtype), q, dk, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
+                   stride_qz, stride_qh, stride_qm, stride_qk,
+                   stride_kz, stride_kh, stride_kn, stride_kk,
+                   stride_vz, stride_vh, stride_vn, stride_vk,
+                   stride_doz, stride_doh, stride_dom, stride_dok,
+                   stride_dkz, stride_dkh, stride_dkn, stride_dkk,
+                   H, H_KV, N_Q, N_K, sm_scale, qk_scale,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_zh = tl.program_id(1)
+    off_z = (off_zh // H_KV).to(tl.int64)
+    off_hkv = off_zh % H_KV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
+    # k and v stay on chip while every query block that sees them streams past
+    k = tl.load(K + off_z * stride_kz + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kk,
+                mask=kv_ok, other=0.0)
+    v = tl.load(V + off_z * stride_vz + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk,
+                mask=kv_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        shift = N_K - N_Q
+        # queries that see some key of this block start at start_n - shift; all of it, at
+        # start_n + BLOCK_N - 1 - shift
+        q_lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+        q_full = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
+        q_mid = tl.minimum(q_full, N_Q)
+    else:
+        q_lo = 0
+        q_mid = 0
+    # GQA: dK/dV of a shared k/v head sum over its query heads - here, in order, without atomics
+    for g in range(GROUP):
+        off_h = off_hkv * GROUP + g
+        off_hz = off_z * H + off_h
+        q_base = Q + off_z * stride_qz + off_h * stride_qh
+        do_base = DO + off_z * stride_doz + off_h * stride_doh
+        lse_base = LSE + off_hz * N_Q
+        delta_base = Delta + off_hz * N_Q
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                      stride_qm, stride_qk, stride_dom, stride_dok,
+                                      offs_n, offs_d, q_lo, q_mid, N_Q, N_K, qk_scale,
+                                      BLOCK_M, HEAD_DIM, BLOCK_D, True, UPCAST, PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                      stride_qm, stride_qk, stride_dom, stride_dok,
+                                      offs_n, offs_d, tl.maximum(q_mid, q_lo), N_Q, N_Q, N_K, qk_scale,
+                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, UPCAST, PRECISION)
+    dk *= sm_scale
+    out = off_z * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)  # DV shares DK's (contiguous) strides
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                       offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_ok = d_ok[None, :]
+        if MASKED:
+            kv_ok = kv_ok & (cols[:, None] < N_K)
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk, mask=kv_ok, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk, mask=kv_ok, other=0.0)
+        qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = cols[None, :] < N_K
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            p = tl.where(keep, p, 0.0)
+        dp = _dot(do, tl.trans(v), None, UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(k.dtype), k, dq, UPCAST, PRECISION)  # dQ += dS K (scaled at the end)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
+                 stride_qz, stride_qh, stride_qm, stride_qk,
+                 stride_kz, stride_kh, stride_kn, stride_kk,
+                 stride_vz, stride_vh, stride_vn, stride_vk,
+                 stride_doz, stride_doh, stride_dom, stride_dok,
+                 stride_dqz, stride_dqh, stride_dqm, stride_dqk,
+                 H, N_Q, N_K, sm_scale, qk_scale,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = off_hz % H
+    off_hkv = off_h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
+                mask=ok, other=0.0)
+    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dok, mask=ok, other=0.0)
+    lse = tl.load(LSE + off_hz.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    delta = tl.load(Delta + off_hz.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)  # no key seen -> P = 0
+    k_base = K + off_z * stride_kz + off_hkv * stride_kh
+    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, hi = _key_range(start_m, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                            offs_m, offs_d, 0, lo, N_Q, N_K, qk_scale,
+                            BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                            offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                            BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION)
+    dq *= sm_scale
+    tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
+             dq.to(DQ.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python launchers
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Preconditions shared by every kernel here, with messages that say what to change."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise KernelError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise KernelError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise KernelError(f"dtype {q.dtype} is not supported", hint="use float16, bfloat16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise KernelError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise KernelError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise KernelError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise KernelError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise KernelError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise KernelError(
+            f"q's {q.shape[1]} heads are not a multiple of k/v's {k.shape[1]} heads",
+            hint="GQA/MQA needs num_heads % num_kv_heads == 0",
+        )
+    if not MIN_HEAD_DIM <= q.shape[3] <= MAX_HEAD_DIM:
+        raise KernelError(f"head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[3]}")
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+        raise KernelError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise KernelError(
+            "tensors are on the CPU but Triton is set up for the GPU",
+            hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported",
+        )
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_options(dtype: torch.dtype) -> dict:
+    """Constexprs for ``_dot``: bf16 upcast only in the interpreter; IEEE fp32 dots for float32."""
+    return {
+        "UPCAST": INTERPRETED and dtype == torch.bfloat16,
+        "PRECISION": "ieee" if dtype == torch.float32 else None,  # None: the dtype's own MMA
+    }
+
+
+def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float,
+                  launch: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    Z, H, N_Q, D = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    o = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
+
+    def run(cfg: LaunchConfig) -> None:
+        grid = (triton.cdiv(N_Q, cfg.block_m), Z * H)
+        _attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                        H, N_Q, N_K, sm_scale * LOG2E,
+                        GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
+
+    run(choose("fwd", q, k, causal, launch, run))
+    return o, lse
+
+
+def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, sm_scale: float,
+                   launch: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    Z, H, N_Q, D = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    group = H // H_KV
+    dq = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((Z, H_KV, N_K, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
+    delta = torch.empty_like(lse)
+    common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **dot_options(q.dtype))
+
+    pre_m = 64 if N_Q >= 64 else 16
+    _attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), Z * H)](
+        o, do, delta, *o.stride(), *do.stride(), H, N_Q, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
+
+    def run_dkdv(cfg: LaunchConfig) -> None:
+        _attn_bwd_dkdv[(triton.cdiv(N_K, cfg.block_n), Z * H_KV)](
+            q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+            H, H_KV, N_Q, N_K, sm_scale, sm_scale * LOG2E, GROUP=group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+
+    def run_dq(cfg: LaunchConfig) -> None:
+        _attn_bwd_dq[(triton.cdiv(N_Q, cfg.block_m), Z * H)](
+            q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            H, N_Q, N_K, sm_scale, sm_scale * LOG2E, GROUP=group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+
+    run_dkdv(choose("bwd_dkdv", q, k, causal, launch, run_dkdv))
+    run_dq(choose("bwd_dq", q, k, causal, launch, run_dq))
+    return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, launch):
+        o, lse = _attn_forward(q, k, v, causal, sm_scale, launch)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale, ctx.launch = causal, sm_scale, launch
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale, ctx.launch)
+        return dq, dk, dv, None, None, None
+
+
+def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      sm_scale: float | None = None, launch: LaunchConfig | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only, no autograd: returns ``(o, lse)``, lse in natural log, float32, (B, H, Nq)."""
+    check_inputs(q, k, v)
+    return _attn_forward(q, k, v, bool(causal), _scale(q, sm_scale), launch)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    sm_scale: float | None = None, launch: LaunchConfig | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D)."""
+    check_inputs(q, k, v)
+    return FlashAttention.apply(q, k, v, bool(causal), _scale(q, sm_scale), launch)

@@ -1,0 +1,159 @@
+"""Launch configurations for the attention kernels: pinned, fixed (interpreter) or autotuned.
+
+On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket)
+times a small pruned set of configs on the real inputs and keeps the fastest; the choice is
+cached in memory and on disk per (GPU, triton version, kernel source) so the next process
+starts fast. ``[triton]`` in the config pins a config instead (unset fields fall back to the
+fixed default for that kernel). In Triton's interpreter a small fixed config is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+log = logging.getLogger("flashrun.tuning")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """BLOCK_M x BLOCK_N tile (queries x keys), warps per program, software-pipelining depth.
+
+    Any field may be None in a user override; :meth:`filled` completes it from a default.
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def filled(self, default: LaunchConfig) -> LaunchConfig:
+        return replace(default, **{f.name: getattr(self, f.name) for f in fields(self)
+                                   if getattr(self, f.name) is not None})
+
+    @property
+    def complete(self) -> bool:
+        return all(getattr(self, f.name) is not None for f in fields(self))
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+C = LaunchConfig
+# The interpreter runs every program in numpy: fewer, larger tiles are faster, but tiles must stay
+# small enough that short test sequences still cross block boundaries.
+INTERPRETER = C(32, 32, 4, 1)
+
+# Pruned candidate spaces, per kernel and head_dim class. Kernels: "fwd" (block_m = query tile),
+# "bwd_dkdv" (block_m = query tile streamed past a block_n key tile it owns), "bwd_dq".
+_SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
+    ("fwd", "small"): [C(128, 64, 4, 3), C(128, 128, 8, 3), C(128, 64, 4, 4), C(64, 64, 4, 3)],
+    ("fwd", "large"): [C(128, 64, 4, 3), C(128, 128, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 3)],
+    ("fwd", "huge"): [C(64, 64, 4, 2), C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 32, 4, 2)],
+    ("bwd_dkdv", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
+    ("bwd_dkdv", "large"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 2)],
+    ("bwd_dkdv", "huge"): [C(32, 64, 4, 2), C(64, 64, 8, 2), C(16, 64, 4, 2)],
+    ("bwd_dq", "small"): [C(128, 32, 4, 3), C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 32, 4, 3)],
+    ("bwd_dq", "large"): [C(128, 32, 4, 3), C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 32, 4, 2)],
+    ("bwd_dq", "huge"): [C(64, 32, 4, 2), C(64, 64, 8, 2), C(64, 16, 4, 2)],
+}
+# float32 (IEEE dots on CUDA cores) needs more registers per element: small tiles only.
+_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2)]
+
+
+def _head_dim_class(head_dim: int) -> str:
+    return "small" if head_dim <= 64 else "large" if head_dim <= 128 else "huge"
+
+
+def candidates(kind: str, head_dim: int, dtype: torch.dtype) -> list[LaunchConfig]:
+    if dtype == torch.float32:
+        return list(_FP32)
+    return list(_SPACE[(kind, _head_dim_class(head_dim))])
+
+
+def default(kind: str, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
+    """The config used when tuning is skipped: the first candidate (the usual winner)."""
+    return INTERPRETER if INTERPRETED else candidates(kind, head_dim, dtype)[0]
+
+
+def _bucket(n: int) -> int:
+    return min(max(16, triton.next_power_of_2(n)), 1 << 16)
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("FLASHRUN_CACHE_DIR") or Path.home() / ".cache" / "flashrun")
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+    source = (Path(__file__).parent / "flash.py").read_bytes()
+    digest = hashlib.sha1(source).hexdigest()[:10]  # new kernel code -> new tuning
+    return root / f"tune-{gpu}-triton{triton.__version__}-{digest}.json"
+
+
+_memory: dict[str, dict[str, int]] = {}
+_loaded_from: set[Path] = set()
+
+
+def _load(path: Path) -> None:
+    if path in _loaded_from:
+        return
+    _loaded_from.add(path)
+    try:
+        _memory.update(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        pass  # no cache yet, or a damaged one: tune again
+
+
+def _save(path: Path) -> None:
+    from flashrun.runlog import atomic_write_json
+
+    try:
+        atomic_write_json(path, _memory)
+    except OSError as exc:  # a read-only home must not break a run
+        log.warning("could not save tuning cache %s: %s", path, exc)
+
+
+def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool, launch: LaunchConfig | None,
+           run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+    """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first."""
+    head_dim = q.shape[-1]
+    if launch is not None and any(getattr(launch, f.name) is not None for f in fields(launch)):
+        return launch.filled(default(kind, head_dim, q.dtype))
+    if INTERPRETED:
+        return INTERPRETER
+    key = "|".join(str(part) for part in (
+        kind, str(q.dtype).removeprefix("torch."), f"d{head_dim}", "causal" if causal else "full",
+        f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(q.shape[2])}", f"nk{_bucket(k.shape[2])}"))
+    path = _cache_path()
+    _load(path)
+    if key in _memory:
+        return LaunchConfig(**_memory[key])
+
+    start = time.perf_counter()
+    timings: list[tuple[float, LaunchConfig]] = []
+    for cfg in candidates(kind, head_dim, q.dtype):
+        try:
+            run(cfg)  # compile + check it launches (shared memory limits differ per GPU)
+            ms = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception as exc:  # noqa: BLE001 - an unlaunchable candidate is skipped, not fatal
+            log.debug("skipping %s %s: %s", kind, cfg, exc)
+            continue
+        timings.append((ms, cfg))
+    if not timings:
+        raise RuntimeError(f"no launch configuration of {kind} runs for head_dim={head_dim}, dtype={q.dtype}")
+    best_ms, best = min(timings, key=lambda t: t[0])
+    _memory[key] = {f.name: getattr(best, f.name) for f in fields(best)}
+    _save(path)
+    log.info("tuned %s (%s) in %.1fs over %d configs: %s (%.3f ms); cached in %s",
+             kind, key, time.perf_counter() - start, len(timings), best, best_ms, path)
+    return best
