@@ -140,17 +140,17 @@ def verify(
       flashrun verify --set experiment.seq_len=1025 --set experiment.dtype=bfloat16
     """
     from flashrun import verify as verify_mod
+    from flashrun.runlog import find_record
 
+    flags = {"experiment.kernel": kernel or None, "experiment.device": device, "experiment.seed": seed,
+             "verify.grad": grad or None, "verify.diagnose": diagnose or None}
     with _boundary(verbose):
+        cfg = _setup(config, settings, sets, verbose, flags)
         if rerun is not None:
-            request = verify_mod.request_from_record(rerun, config, settings)
+            cfg, plan = verify_mod.plan_from_record(find_record(cfg.logging.log_dir, rerun))
         else:
-            request = verify_mod.VerifyRequest(
-                config=config, settings=settings, sets=list(sets or []), kernels=list(kernel or []),
-                cases=cases, grad=grad, diagnose=diagnose, device=device, seed=seed,
-            )
-        cfg = _setup(request.config, request.settings, request.sets, verbose, request.flags())
-        report = verify_mod.run(cfg, request, console=None if json_out else err)
+            plan = verify_mod.make_plan(cfg, cases)
+        report = verify_mod.run(cfg, plan, console=None if json_out else err, argv=sys.argv[1:])
         if json_out:
             out.print_json(data=report.to_json())
         else:

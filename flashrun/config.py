@@ -285,11 +285,18 @@ def parse_set(items: list[str]) -> dict[str, Any]:
                 f"--set {item!r}: expected section.key=value",
                 hint="for example --set experiment.seq_len=1024 or --set experiment.dtype=bfloat16",
             )
-        try:
-            out[key] = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw.strip()  # a bare word: take it as a string
+        out[key] = _parse_value(raw.strip())
     return out
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML value; else a bare word as a string; ``[a, b]`` of bare words as a list of them."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if raw.startswith("[") and raw.endswith("]"):
+            return [_parse_value(item.strip()) for item in raw[1:-1].split(",") if item.strip()]
+        return raw
 
 
 def _merge(

@@ -37,7 +37,7 @@ BUILTIN = ("flash", "minimal")
 class Kernel:
     name: str
     fn: Callable[..., torch.Tensor] = field(repr=False)
-    supports_backward: bool  # False: forward only; None-like "unknown" is decided by trying
+    supports_backward: bool  # False: forward only (users' kernels: decided by trying autograd)
     takes_causal: bool = True  # False for the (q, k, v) signature
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -88,7 +88,7 @@ def _load_user_kernel(path: Path, func: str, spec: str) -> Kernel:
             f"{path} has no function {func!r}",
             hint=f"functions there: {', '.join(found) or 'none'}",
         )
-    return Kernel(spec, fn, supports_backward=True, takes_causal=_takes_causal(fn, spec))
+    return Kernel(f"{path.name}:{func}", fn, supports_backward=True, takes_causal=_takes_causal(fn, spec))
 
 
 def _where(exc: BaseException, path: Path) -> str:

@@ -1,0 +1,1 @@
+../flashrun/data/attention_template.py

@@ -1,0 +1,402 @@
+"""``flashrun verify``: run attention kernels against a high-precision reference.
+
+For each case and kernel: fresh seeded random inputs; the kernel gets clones (so it cannot
+corrupt what the reference sees) and runs with every fresh allocation poisoned, so an element
+it never writes shows up; the reference runs in float64 (CPU) or float32 (GPU); PyTorch's own
+maths in the kernel's dtype is the yardstick; :mod:`flashrun.tolerance` judges. ``--grad`` does
+the same for dq, dk, dv.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from flashrun.config import Config, ExperimentConfig
+from flashrun.errors import InputError, KernelError
+
+POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
+SHAPE_KEYS = ("batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal")
+SLOW_CASE_S = 30.0  # warn before an interpreter case expected to take longer than this
+
+
+@dataclass(frozen=True)
+class Case:
+    batch_size: int
+    num_heads: int
+    num_kv_heads: int
+    seq_len: int
+    seq_len_k: int
+    head_dim: int
+    dtype: str
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        heads = f"H{self.num_heads}" + (f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else "")
+        seq = f"N{self.seq_len}" + (f"x{self.seq_len_k}" if self.seq_len_k != self.seq_len else "")
+        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.dtype]
+        return f"B{self.batch_size} {heads} {seq} D{self.head_dim} {short}" + (" causal" if self.causal else "")
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any], base: ExperimentConfig, where: str) -> Case:
+        """Fill the fields a case leaves out from ``[experiment]``, then validate them."""
+        unknown = set(values) - set(SHAPE_KEYS) - {"model", "source"}
+        if unknown:
+            raise InputError(f"{where}: unknown case field(s) {', '.join(sorted(unknown))}",
+                             hint=f"a case may set {', '.join(SHAPE_KEYS)}")
+        merged = {**base.model_dump(), **{k: v for k, v in values.items() if k in SHAPE_KEYS and v is not None}}
+        try:  # the same checks as [experiment] (types, ranges, heads divisible)
+            exp = ExperimentConfig.model_validate({k: merged[k] for k in SHAPE_KEYS if merged.get(k) is not None})
+        except Exception as exc:  # pydantic.ValidationError; one line per case is enough
+            first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+            key = ".".join(str(p) for p in first["loc"])
+            raise InputError(f"{where}: {key or 'case'}: {first['msg']}", hint="fix or drop that case") from None
+        return cls(exp.batch_size, exp.num_heads, exp.num_kv_heads or exp.num_heads, exp.seq_len,
+                   exp.seq_len_k or exp.seq_len, exp.head_dim, exp.dtype, exp.causal)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run needs besides the config: enough to repeat it from its record."""
+
+    kernels: list[str]
+    cases: list[Case]
+    grad: bool
+    diagnose: bool
+    device: str
+    seed: int
+
+
+def expand_cases(cfg: Config) -> list[Case]:
+    """``[experiment]`` as one case, or the cartesian product of the ``[verify]`` lists."""
+    exp, sweep = cfg.experiment, cfg.verify
+    axes = {key: getattr(sweep, key) for key in SHAPE_KEYS if getattr(sweep, key) is not None}
+    names = list(axes)
+    cases = []
+    for combo in itertools.product(*(axes[n] for n in names)):
+        cases.append(Case.from_fields(dict(zip(names, combo)), exp, "[verify] sweep"))
+    return list(dict.fromkeys(cases))  # drop duplicates, keep order
+
+
+def make_plan(cfg: Config, cases_file: Path | None, device: str | None = None) -> Plan:
+    if cases_file is not None:
+        from flashrun.cases import load_cases
+
+        cases = [Case.from_fields(c, cfg.experiment, f"{cases_file}: case {i + 1}")
+                 for i, c in enumerate(load_cases(cases_file))]
+        if not cases:
+            raise InputError(f"{cases_file}: holds no cases", hint="run `flashrun gen-cases --offline` to make some")
+        cases = list(dict.fromkeys(cases))
+    else:
+        cases = expand_cases(cfg)
+    return Plan(list(cfg.experiment.kernel), cases, cfg.verify.grad, cfg.verify.diagnose,
+                device or cfg.experiment.device, cfg.experiment.seed)
+
+
+def plan_from_record(record: dict[str, Any]) -> tuple[Config, Plan]:
+    """The config and plan stored in a verify run record (``--rerun``)."""
+    if record.get("command") != "verify" or "plan" not in record:
+        raise InputError(f"run {record.get('id')} is a {record.get('command')} run, not a verify run",
+                         hint="`flashrun runs` lists the runs; pick a verify one")
+    stored = record["plan"]
+    config = Config.model_validate(record["config"])
+    plan = Plan(stored["kernels"], [Case(**c) for c in stored["cases"]], stored["grad"], stored["diagnose"],
+                stored["device"], stored["seed"])
+    return config, plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class CaseResult:
+    kernel: str
+    case: Case
+    status: str  # pass | fail | error | oom | unsupported | skipped
+    checks: list[Any] = field(default_factory=list)  # tolerance.Comparison
+    message: str = ""
+    seconds: float = 0.0
+    logits: tuple[float, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
+            "message": self.message, "seconds": round(self.seconds, 4), "notes": self.notes,
+            "logit_range": list(self.logits) if self.logits else None,
+            "checks": [c.to_json() for c in self.checks],
+        }
+
+
+@dataclass
+class Report:
+    results: list[CaseResult]
+    device: str
+    notices: list[str]
+    run_id: str | None = None
+
+    @property
+    def passed(self) -> int:
+        return sum(r.status == "pass" for r in self.results)
+
+    @property
+    def failed(self) -> int:
+        return sum(r.status in ("fail", "error", "oom") for r in self.results)
+
+    @property
+    def skipped(self) -> int:
+        return sum(r.status in ("unsupported", "skipped") for r in self.results)
+
+    @property
+    def verdict(self) -> str:
+        text = f"{self.passed} passed, {self.failed} failed"
+        return text + (f", {self.skipped} skipped" if self.skipped else "")
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "device": self.device, "notices": self.notices, "verdict": self.verdict,
+                "passed": self.passed, "failed": self.failed, "skipped": self.skipped,
+                "results": [r.to_json() for r in self.results]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _poisoned_allocations():
+    """A dispatch mode that fills every fresh floating-point allocation with POISON."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PoisonEmpty(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func.overloadpacket.__name__.startswith(("empty", "new_empty"))
+                    and isinstance(out, torch.Tensor) and out.is_floating_point()):
+                out.fill_(POISON)
+            return out
+
+    return PoisonEmpty()
+
+
+def interpreter_seconds(case: Case, grad: bool) -> float:
+    """Rough time of one case through the interpreter (measured on a 2-core CPU, block 32)."""
+    tiles = case.batch_size * case.num_heads * math.ceil(case.seq_len / 32) * math.ceil(case.seq_len_k / 32)
+    per_tile = 2e-3 * max(1.0, case.head_dim / 64)
+    return tiles * per_tile * (4.0 if grad else 1.0)
+
+
+def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None = None) -> Report:
+    """Run every (case, kernel) check; write a run record. ``console`` None: no progress output."""
+    from flashrun import device as device_mod
+
+    dev = device_mod.select(plan.device)
+    notices = [dev.notice] if dev.notice else []
+    if console is not None:
+        for notice in notices:
+            console.print(f"[yellow]note:[/] {notice}")
+
+    from flashrun import kernels
+
+    launch = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
+    loaded: dict[str, Any] = {}
+    for spec in plan.kernels:
+        loaded[spec] = kernels.get(spec, launch)  # a bad kernel spec is an input error: exit 2
+
+    bf16_ok = True
+    if dev.interpreter and any(c.dtype == "bfloat16" for c in plan.cases):
+        bf16_ok = _interpreter_bf16_dot_ok()
+        if not bf16_ok:
+            notices.append("this Triton's interpreter computes bfloat16 tl.dot wrongly (probe failed): flash and "
+                           "minimal upcast those dots to float32 there; your own kernels' bfloat16 cases are skipped")
+
+    results: list[CaseResult] = []
+    jobs = [(case, spec) for case in plan.cases for spec in plan.kernels]
+    progress = _progress(console, len(jobs))
+    with progress:
+        task = progress.add_task("verify", total=len(jobs))
+        for index, (case, spec) in enumerate(jobs):
+            if dev.interpreter and console is not None:
+                eta = interpreter_seconds(case, plan.grad)
+                if eta > SLOW_CASE_S:
+                    console.print(f"[yellow]note:[/] {case.label} will take about {eta / 60:.1f} min "
+                                  "through the interpreter")
+            progress.update(task, description=f"{spec} {case.label}")
+            seed = plan.seed + index // len(plan.kernels)  # every kernel sees the same inputs per case
+            result = check_case(loaded[spec], case, plan, seed, dev.torch_device, bf16_ok or not dev.interpreter)
+            results.append(result)
+            progress.advance(task)
+    report = Report(results, dev.kind + (" (Triton interpreter)" if dev.interpreter else ""), notices)
+    report.run_id = _record(cfg, plan, report, argv)
+    return report
+
+
+def _progress(console: Console | None, total: int) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=console is None or total < 2)
+
+
+def _interpreter_bf16_dot_ok() -> bool:
+    from flashrun.kernels.probe import bf16_dot_error
+
+    return bf16_dot_error() < 1e-2
+
+
+def _inputs(case: Case, seed: int, device: str):
+    import torch
+
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape_q = (case.batch_size, case.num_heads, case.seq_len, case.head_dim)
+    shape_kv = (case.batch_size, case.num_kv_heads, case.seq_len_k, case.head_dim)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+               for s in (shape_q, shape_kv, shape_kv))
+    do = torch.randn(shape_q, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    return q, k, v, do
+
+
+def check_case(kernel: Any, case: Case, plan: Plan, seed: int, device: str, bf16_dots_ok: bool) -> CaseResult:
+    """One kernel on one case: forward (and backward) against the reference."""
+    import torch
+
+    from flashrun.reference import attention_ref, logit_range
+    from flashrun.tolerance import compare
+
+    result = CaseResult(kernel.name, case, "pass")
+    if case.dtype == "bfloat16" and not bf16_dots_ok and kernel.name not in ("flash", "minimal"):
+        result.status = "skipped"
+        result.message = "bfloat16 on this Triton's interpreter: its tl.dot is wrong for bf16; run on a GPU"
+        return result
+    q, k, v, do = _inputs(case, seed, device)
+    sm_scale = 1.0 / math.sqrt(case.head_dim)
+    if plan.diagnose:
+        result.logits = logit_range(q, k, sm_scale)
+        if max(abs(result.logits[0]), abs(result.logits[1])) > 10:
+            result.notes.append(f"logits q·kᵀ·scale span [{result.logits[0]:.1f}, {result.logits[1]:.1f}], "
+                                "outside about ±10: softmax saturates")
+    if not kernel.takes_causal:
+        result.notes.append("called as (q, k, v): judged against causal="
+                            f"{case.causal} and scale 1/sqrt({case.head_dim})")
+    # the kernel works on clones; the reference on the originals
+    kq, kk, kv = (t.clone().requires_grad_(plan.grad) for t in (q, k, v))
+    start = time.perf_counter()
+    try:
+        with _poisoned_allocations():
+            out = kernel(kq, kk, kv, causal=case.causal, sm_scale=sm_scale)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        _check_output_shape(out, q)
+        grads = None
+        if plan.grad:
+            if not out.requires_grad:
+                result.notes.append("forward only: no gradients to check")
+            else:
+                with _poisoned_allocations():
+                    grads = torch.autograd.grad(out, (kq, kk, kv), do)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+    except KernelError as exc:
+        result.status = "unsupported"
+        result.message = exc.message + (f" ({exc.hint})" if exc.hint else "")
+        return result
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        result.status = "oom"
+        result.message = "CUDA out of memory: reduce batch_size/seq_len, or use the tiled kernel (flash)"
+        return result
+    except Exception as exc:  # noqa: BLE001 - a kernel that raises fails this case, with its message
+        result.status = "error"
+        result.message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return result
+    result.seconds = time.perf_counter() - start
+
+    leaf = [t.detach().clone().requires_grad_(plan.grad) for t in (q, k, v)]
+    ref = attention_ref(*leaf, causal=case.causal, sm_scale=sm_scale, upcast=True)
+    low = [t.detach().clone().requires_grad_(plan.grad) for t in (q, k, v)]
+    yard = attention_ref(*low, causal=case.causal, sm_scale=sm_scale, upcast=False)
+    result.checks.append(compare("out", out, ref, yard, POISON))
+    if grads is not None:
+        ref_grads = torch.autograd.grad(ref, leaf, do.to(ref.dtype))
+        yard_grads = torch.autograd.grad(yard, low, do)
+        for name, g, rg, yg in zip(("dq", "dk", "dv"), grads, ref_grads, yard_grads):
+            if g is None or g.shape != rg.shape:
+                result.status = "fail"
+                result.message = f"{name}: expected shape {tuple(rg.shape)}, got {None if g is None else tuple(g.shape)}"
+                return result
+            result.checks.append(compare(name, g, rg, yg, POISON))
+    failing = [c for c in result.checks if not c.passed]
+    if failing:
+        result.status = "fail"
+        result.message = "; ".join(c.reason() for c in failing)
+    return result
+
+
+def _check_output_shape(out: Any, q: Any) -> None:
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the kernel returned {type(out).__name__}, expected a tensor")
+    if out.shape != q.shape:
+        raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"the kernel returned {out.dtype}, expected {q.dtype}")
+
+
+def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> str:
+    from flashrun.runlog import append_record, make_record
+
+    plan_json = {**{f.name: getattr(plan, f.name) for f in fields(plan)}, "cases": [asdict(c) for c in plan.cases]}
+    record = make_record(
+        "verify", argv or [], cfg.public_dict(),
+        {"verdict": report.verdict, "passed": report.passed, "failed": report.failed, "device": report.device,
+         "checks": [r.to_json() for r in report.results]},
+        kernels=plan.kernels, n_cases=len(plan.cases), plan=plan_json,
+    )
+    append_record(cfg.logging.log_dir, record)
+    return record["id"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+_STYLE = {"pass": "green", "fail": "red", "error": "red", "oom": "red", "unsupported": "yellow", "skipped": "yellow"}
+
+
+def render(report: Report, console: Console) -> None:
+    table = Table(title=f"verify on {report.device}", title_justify="left")
+    # max err: the worst tensor's max |kernel - ref|; ×torch: that error over PyTorch's own in the
+    # same dtype (the yardstick); nan: NaN/Inf values; unwr: elements the kernel never wrote
+    for name in ("kernel", "case", "result", "max err", "rel L2", "×torch", "nan", "unwr", "ms"):
+        left = name in ("kernel", "case", "result")
+        table.add_column(name, justify="left" if left else "right", no_wrap=left)
+    for r in report.results:
+        worst = max(r.checks, key=lambda c: (not c.passed, c.max_abs / c.bound if c.bound else 0), default=None)
+        ratio = "" if worst is None or worst.ratio is None else f"{worst.ratio:.2f}x"
+        cells = [r.kernel, r.case.label, f"[{_STYLE[r.status]}]{r.status}[/]"]
+        if worst is None:
+            cells += ["", "", "", "", "", ""]
+        else:
+            cells += [f"{worst.max_abs:.2e}" + ("" if len(r.checks) == 1 else f" ({worst.name})"),
+                      f"{worst.rel_l2:.2e}", ratio, str(sum(c.nonfinite for c in r.checks)),
+                      str(sum(c.unwritten for c in r.checks)), f"{r.seconds * 1e3:.1f}"]
+        table.add_row(*cells)
+    console.print(table)
+    for r in report.results:
+        for line in ([r.message] if r.message else []) + r.notes:
+            console.print(f"  [dim]{r.kernel} {r.case.label}:[/] {line}")
+    style = "green" if report.exit_code == 0 else "red"
+    console.print(f"[{style}]{report.verdict}[/]" + (f"  (run {report.run_id})" if report.run_id else ""))
+
