@@ -105,7 +105,8 @@ def _takes_causal(fn: Callable, spec: str) -> bool:
     names = list(params)
     positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    if {"causal", "sm_scale"} <= set(names) and len(positional) >= 3:
+    extra = {p.name for p in required[3:]} - {"causal", "sm_scale"}  # required beyond the contract
+    if {"causal", "sm_scale"} <= set(names) and len(positional) >= 3 and not extra:
         return True
     if len(positional) >= 3 and len(required) <= 3 and not {"causal", "sm_scale"} & set(names):
         return False

@@ -123,10 +123,12 @@ def _save(path: Path) -> None:
         log.warning("could not save tuning cache %s: %s", path, exc)
 
 
-def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool, launch: LaunchConfig | None,
-           run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
+           launch: LaunchConfig | dict[str, LaunchConfig] | None, run: Callable[[LaunchConfig], None]) -> LaunchConfig:
     """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first."""
     head_dim = q.shape[-1]
+    if isinstance(launch, dict):  # per-kernel pins, e.g. {"fwd": LaunchConfig(128, 64, 4, 3)}
+        launch = launch.get(kind)
     if launch is not None and any(getattr(launch, f.name) is not None for f in fields(launch)):
         return launch.filled(default(kind, head_dim, q.dtype))
     if INTERPRETED:

@@ -1,0 +1,169 @@
+"""flashrun verify end to end (CPU interpreter): verdicts, reasons, exit codes, records, rerun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flashrun.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+BAD = Path(__file__).parent / "kernels" / "bad_kernels.py"
+ARTICLE = Path(__file__).parent / "kernels" / "article_kernel.py"
+runner = CliRunner()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A folder with a small config; logs go to its logs/."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.toml").write_text(
+        '[experiment]\nbatch_size = 1\nnum_heads = 2\nseq_len = 37\nhead_dim = 32\ncausal = true\n'
+        'dtype = "float32"\n\n[logging]\nlog_dir = "logs"\n'
+    )
+    return tmp_path
+
+
+def verify(*args):
+    result = runner.invoke(app, ["verify", *args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def verify_json(*args):
+    result = verify(*args, "--json")
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_default_config_passes(workdir):
+    code, data = verify_json("--grad")
+    assert code == 0, data
+    assert data["verdict"] == "1 passed, 0 failed"
+    checks = data["results"][0]["checks"]
+    assert [c["name"] for c in checks] == ["out", "dq", "dk", "dv"]
+    assert all(c["passed"] and c["unwritten"] == 0 and c["nonfinite"] == 0 for c in checks)
+
+
+@pytest.mark.parametrize(
+    "kernel,reason",
+    [
+        ("no_scale", "max error"),
+        ("wrong_mask", "max error"),
+        ("unwritten_row", "never written"),
+        ("returns_nan", "NaN/Inf"),
+        ("raises", "RuntimeError: boom"),
+    ],
+)
+def test_wrong_kernels_fail_for_the_right_reason(workdir, kernel, reason):
+    code, data = verify_json("--kernel", f"{BAD}:{kernel}")
+    assert code == 1
+    (result,) = data["results"]
+    assert result["status"] in ("fail", "error")
+    assert reason in result["message"]
+
+
+def test_unwritten_row_is_counted(workdir):
+    _, data = verify_json("--kernel", f"{BAD}:unwritten_row")
+    (check,) = data["results"][0]["checks"]
+    assert check["unwritten"] == 2 * 32  # one row of 32 in each of 2 heads
+    assert check["nonfinite"] == 0
+
+
+def test_articles_kernel_is_caught_and_flash_passes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    article = ROOT / "configs" / "article.toml"
+    code, data = verify_json("--config", str(article), "--kernel", f"{ARTICLE}:flash_attention_forward",
+                             "--kernel", "flash", "--set", f"logging.log_dir={tmp_path / 'logs'}")
+    assert code == 1
+    by_kernel = {r["kernel"]: r for r in data["results"]}
+    assert by_kernel["flash"]["status"] == "pass"
+    caught = by_kernel["article_kernel.py:flash_attention_forward"]
+    assert caught["status"] == "fail" and "max error" in caught["message"]
+    assert any("called as (q, k, v)" in note for note in caught["notes"])
+
+
+def test_correct_user_kernel_passes_with_grad(workdir):
+    code, data = verify_json("--kernel", f"{BAD}:correct", "--grad")
+    assert code == 0, data["results"][0]["message"]
+    assert len(data["results"][0]["checks"]) == 4
+
+
+def test_sweep_expands_cartesian_product(workdir):
+    code, data = verify_json("--set", "verify.seq_len=[1,17]", "--set", "verify.causal=[false,true]",
+                             "--set", "verify.num_kv_heads=[1,2]")
+    assert code == 0
+    labels = [r["label"] for r in data["results"]]
+    assert len(labels) == 8 and len(set(labels)) == 8
+
+
+def test_minimal_refusal_is_a_skip_not_a_failure(workdir):
+    code, data = verify_json("--kernel", "minimal", "--set", "verify.seq_len=[17,65]")
+    statuses = [r["status"] for r in data["results"]]
+    assert statuses == ["pass", "unsupported"] and code == 0
+    assert "flash" in data["results"][1]["message"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kernel", "nope"], "unknown kernel"),
+        (["--kernel", "missing.py:attention"], "not found"),
+        (["--rerun", "20990101-000000-beef"], "no run"),
+        (["--set", "experiment.head_dim=300"], "experiment.head_dim"),
+        (["--device", "tpu"], "experiment.device"),
+    ],
+)
+def test_input_errors_exit_2(workdir, args, message):
+    result = verify(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_cuda_request_falls_back_to_the_interpreter_with_a_notice(workdir):
+    result = verify("--device", "cuda")
+    assert result.exit_code == 0
+    assert "running through Triton's interpreter on the CPU" in result.output
+
+
+def test_diagnose_reports_logit_range(workdir):
+    _, data = verify_json("--diagnose")
+    low, high = data["results"][0]["logit_range"]
+    assert low < 0 < high
+
+
+def test_run_record_and_rerun(workdir):
+    code, first = verify_json("--set", "verify.seq_len=[1,17]", "--seed", "5")
+    assert code == 0
+    records = [json.loads(line) for line in (workdir / "logs" / "runs.jsonl").read_text().splitlines()]
+    record = records[-1]
+    assert record["id"] == first["run_id"] and record["command"] == "verify"
+    assert record["kernels"] == ["flash"] and record["n_cases"] == 2
+    assert {"config", "env", "plan", "results", "time", "argv"} <= set(record)
+    assert record["env"]["triton_interpret"] is True
+    # change the config: the rerun must still repeat the recorded run
+    (workdir / "config.toml").write_text('[experiment]\nseq_len = 999\n[logging]\nlog_dir = "logs"\n')
+    code, again = verify_json("--rerun", first["run_id"][:15])
+    assert code == 0
+    assert [r["label"] for r in again["results"]] == [r["label"] for r in first["results"]]
+    assert [r["checks"][0]["max_abs"] for r in again["results"]] == [r["checks"][0]["max_abs"] for r in first["results"]]
+    listing = runner.invoke(app, ["runs", "--json"])
+    assert listing.exit_code == 0
+    assert [r["id"] for r in json.loads(listing.stdout)][-2:] == [first["run_id"], again["run_id"]]
+
+
+def test_table_output(workdir):
+    result = verify("--kernel", f"{BAD}:no_scale", "--kernel", "flash")
+    assert result.exit_code == 1
+    assert "1 passed, 1 failed" in result.output
+
+
+def test_verify_as_a_subprocess(workdir):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "flashrun", "verify"], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 passed, 0 failed" in proc.stdout
