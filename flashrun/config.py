@@ -213,11 +213,14 @@ class Config(_Section):
 
 
 def _read_text(path: Path, label: str, what: str) -> str:
-    if not path.exists():
-        raise ConfigError(f"{label}: no such file", hint=f"check the path, or run `flashrun init` to create a {what}")
-    if path.is_dir():
-        raise ConfigError(f"{label}: is a folder, not a file", hint=f"point at the {what} inside it")
-    data = path.read_bytes()
+    try:
+        if not path.exists():
+            raise ConfigError(f"{label}: no such file", hint=f"check the path, or run `flashrun init` to create a {what}")
+        if path.is_dir():
+            raise ConfigError(f"{label}: is a folder, not a file", hint=f"point at the {what} inside it")
+        data = path.read_bytes()
+    except OSError as exc:  # unreadable, name too long, a file where a folder should be, ...
+        raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}", hint=f"check the path to the {what}") from None
     if not data.strip():
         raise ConfigError(f"{label}: the file is empty", hint=f"a {what} needs at least one section; see README")
     try:
@@ -285,10 +288,17 @@ def parse_set(items: list[str]) -> dict[str, Any]:
                 f"--set {item!r}: expected section.key=value",
                 hint="for example --set experiment.seq_len=1024 or --set experiment.dtype=bfloat16",
             )
+        value = raw.strip()
         try:
-            out[key] = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw.strip()  # a bare word: take it as a string
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            if value[:1] in ('"', "'", "[", "{"):  # meant as TOML (a quoted string, a list, a table)
+                reason = str(exc).split(" (at ")[0]  # positions would count the "v = " we added
+                raise ConfigError(
+                    f"--set {item!r}: invalid TOML value: {reason}",
+                    hint='quote strings and close lists: --set experiment.kernel=\'["flash", "minimal"]\'',
+                ) from None
+            out[key] = value  # a bare word: take it as a string
     return out
 
 
@@ -333,6 +343,7 @@ def _expected(error: dict[str, Any], loc: tuple[Any, ...]) -> str:
         "bool_parsing": "expected true or false", "string_type": "expected a string",
         "list_type": "expected a list", "model_type": "expected a table", "dict_type": "expected a table",
         "model_attributes_type": "expected a table", "missing": "a value is required",
+        "path_type": "expected a path (a string)",
     }
     if kind in simple:
         return simple[kind]
