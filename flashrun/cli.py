@@ -158,6 +158,43 @@ def verify(
         raise typer.Exit(report.exit_code)
 
 
+# -- check-env ----------------------------------------------------------------------------------
+@app.command("check-env")
+def check_env(
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    online: Annotated[bool, typer.Option("--online", help="Also send one minimal request to the gateway.")] = False,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Diagnose Python, PyTorch, driver, CUDA, Triton, ptxas, GPU and API-key setup, with a fix
+    hint for every problem, and prove the stack by running a tiny Triton kernel (through the
+    CPU interpreter when there is no GPU). Exit code 1 when any check fails.
+
+    Examples:
+
+      flashrun check-env
+
+      flashrun check-env --online            # also ask the gateway for its models
+
+      flashrun check-env --json | jq '.checks[] | select(.status != "ok")'
+    """
+    from flashrun import envcheck
+
+    with _boundary(verbose):
+        cfg = _setup(config, settings, sets, verbose)
+        if json_out:
+            report = envcheck.run_checks(cfg, online=online)
+            out.print_json(data=report.to_json())
+        else:
+            with err.status("checking the environment..."):
+                report = envcheck.run_checks(cfg, online=online)
+            envcheck.render(report, out)
+        envcheck.record(cfg, report, sys.argv[1:])
+        raise typer.Exit(report.exit_code)
+
+
 # -- init ---------------------------------------------------------------------------------------
 @app.command()
 def init(
