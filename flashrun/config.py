@@ -250,7 +250,10 @@ def _read_settings(path: Path, label: str) -> dict[str, Any]:
             hint="JSON needs double quotes and no trailing commas",
         ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{label}: expected a JSON object at the top level, got {type(data).__name__}")
+        raise ConfigError(
+            f"{label}: expected a JSON object at the top level, got {type(data).__name__}",
+            hint='settings.json maps sections to tables: {"api": {...}, "request": {...}, "logging": {...}}',
+        )
     api = data.get("api")
     if isinstance(api, dict) and isinstance(api.get("api_key"), str):
         match = _VAR.fullmatch(api["api_key"].strip())
