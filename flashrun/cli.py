@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
 
@@ -184,12 +184,12 @@ def check_env(
 
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose)
-        if json_out:
+        # No spinner when stdout is JSON or when -v logs to the same terminal.
+        with nullcontext() if json_out or verbose else err.status("checking the environment..."):
             report = envcheck.run_checks(cfg, online=online)
+        if json_out:
             out.print_json(data=report.to_json())
         else:
-            with err.status("checking the environment..."):
-                report = envcheck.run_checks(cfg, online=online)
             envcheck.render(report, out)
         envcheck.record(cfg, report, sys.argv[1:])
         raise typer.Exit(report.exit_code)

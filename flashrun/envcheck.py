@@ -360,12 +360,16 @@ def driver_problem_hint(problem: str) -> str:
     return "run `nvidia-smi` yourself and fix what it reports; reinstalling the driver usually helps"
 
 
-def check_driver(driver: DriverInfo) -> Check:
+def check_driver(driver: DriverInfo, torch_sees_gpu: bool = False) -> Check:
     if driver.problem:
         first = driver.problem.strip().splitlines()[0]
         return Check("driver", "fail", f"{driver.source} failed: {first}", driver_problem_hint(driver.problem))
     if not driver.found:
-        return Check("driver", "warn", "no NVIDIA driver: nvidia-smi is not on PATH and NVML (libnvidia-ml.so.1) does not load",
+        missing = "nvidia-smi is not on PATH and NVML (libnvidia-ml.so.1) does not load"
+        if torch_sees_gpu:  # a driver is there (torch uses it); only the tools to ask it are not
+            return Check("driver", "warn", f"version unknown: {missing}, though torch sees a GPU",
+                         "put nvidia-smi on PATH (NVIDIA's utils package) to compare the driver's CUDA with torch's")
+        return Check("driver", "warn", f"no NVIDIA driver: {missing}",
                      "if this machine has an NVIDIA GPU, install its driver (WSL2: the Windows driver, not a Linux one)")
     cuda = f", supports CUDA {driver.cuda} and older" if driver.cuda else ", CUDA version not reported"
     return Check("driver", "ok", f"{driver.version}{cuda} (from {driver.source})")
@@ -489,6 +493,7 @@ def check_nvcc(nvcc: Nvcc | None, toolkits: list[Toolkit], torch_cuda: str | Non
 
 
 def check_libcuda(lib: LibcudaInfo, wsl: int | None, driver_found: bool) -> Check:
+    # driver_found: the driver answered, or torch reached a GPU through it
     """Where Triton will find libcuda.so.1 (TRITON_LIBCUDA_PATH, the loader cache, LD_LIBRARY_PATH)."""
     if lib.env_path:
         if lib.env_has_lib:
@@ -583,9 +588,8 @@ def smoke_hint(error: str) -> str:
     return "run `flashrun check-env -v` for the traceback, and compare the torch, triton and driver rows"
 
 
-def smoke_verdict(notice: str, gpu: str | None, seconds: float, max_error: float, ok: bool) -> Check:
-    where = f"GPU ({gpu})" if gpu else notice
-    ran = f"a 20x20 tl.dot kernel ran in {seconds:.2f} s (compile included), max error {max_error:.1e}"
+def smoke_verdict(where: str, kernel: str, seconds: float, max_error: float, ok: bool) -> Check:
+    ran = f"{kernel} ran in {seconds:.2f} s (compile included), max error {max_error:.1e}"
     if ok:
         return Check("smoke", "ok", f"{where}: {ran}")
     return Check("smoke", "fail", f"{where}: wrong result: {ran}",
@@ -788,7 +792,7 @@ def smoke_test(torch: TorchInfo, triton_ok: bool) -> Check:
         chosen = device.select("auto")  # before the kernel is defined: it sets TRITON_INTERPRET
     except FlashrunError as exc:
         return Check("smoke", "fail", exc.message, exc.hint or smoke_hint(exc.message))
-    gpu = torch.gpus[0].name if chosen.kind == "cuda" and torch.gpus else None
+    where = f"GPU ({torch.gpus[0].name})" if chosen.kind == "cuda" and torch.gpus else device.INTERPRETER_NOTICE
     try:
         from flashrun import smoke
 
@@ -797,8 +801,8 @@ def smoke_test(torch: TorchInfo, triton_ok: bool) -> Check:
         log.debug("smoke test failed", exc_info=True)
         text = f"{type(exc).__name__}: {exc}"
         first = text.strip().splitlines()[0]
-        return Check("smoke", "fail", f"{'GPU' if gpu else device.INTERPRETER_NOTICE}: {first}", smoke_hint(text))
-    return smoke_verdict(device.INTERPRETER_NOTICE, gpu, result.seconds, result.max_error, result.ok)
+        return Check("smoke", "fail", f"{where}: {first}", smoke_hint(text))
+    return smoke_verdict(where, smoke.KERNEL, result.seconds, result.max_error, result.ok)
 
 
 def check_gateway(cfg: Config, online: bool) -> Check:
@@ -864,13 +868,13 @@ def run_checks(cfg: Config, online: bool = False) -> Report:
         ("torch", lambda: check_torch(facts.torch)),
         ("cuda", lambda: check_cuda(facts.torch, facts.driver, os.environ.get("CUDA_VISIBLE_DEVICES"))),
         ("gpu", lambda: check_gpus(facts.torch, facts.driver)),
-        ("driver", lambda: check_driver(facts.driver)),
+        ("driver", lambda: check_driver(facts.driver, facts.torch.available)),
         ("driver_vs_torch", lambda: check_driver_vs_torch(facts.driver.cuda, facts.torch.cuda)),
         ("triton", lambda: check_triton(facts.triton)),
         ("ptxas", lambda: check_ptxas(facts.ptxas, facts.driver.cuda)),
         ("cuda_home", lambda: check_cuda_home(facts.toolkits, facts.torch.cuda)),
         ("nvcc", lambda: check_nvcc(probe_nvcc(), facts.toolkits, facts.torch.cuda)),
-        ("libcuda", lambda: check_libcuda(probe_libcuda(), wsl, facts.driver.found)),
+        ("libcuda", lambda: check_libcuda(probe_libcuda(), wsl, facts.driver.found or facts.torch.available)),
         ("log_dir", lambda: check_log_dir(cfg.logging.log_dir, probe_log_dir(cfg.logging.log_dir))),
         ("api_key", lambda: check_api_key(cfg)),
         ("base_url", lambda: check_base_url(cfg.api.base_url)),

@@ -21,6 +21,7 @@ import triton.language as tl
 N = 20  # not a multiple of BLOCK: the masks must work
 BLOCK = 32
 TOLERANCE = 1e-2  # fp16 products are exact in fp32; only the summation order may differ
+KERNEL = f"a {N}x{N} tl.dot kernel"  # how check-env names it
 
 
 @triton.jit

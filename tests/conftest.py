@@ -39,6 +39,9 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in list(os.environ):
         if name.startswith(_DROPPED_PREFIXES) or name in _DROPPED:
             monkeypatch.delenv(name)
+    # device.select() edits TRITON_INTERPRET directly (on a GPU machine check-env drops it);
+    # setting it through monkeypatch restores the session's value after every test.
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
     monkeypatch.setattr(redact, "_secrets", set())
     monkeypatch.chdir(tmp_path)
     yield tmp_path
