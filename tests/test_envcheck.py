@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import math
 import os
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -205,6 +208,38 @@ def test_probe_nvml_without_the_library_is_no_driver(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(envcheck.ctypes, "CDLL", no_library)
     assert envcheck.probe_nvml() == DriverInfo()
+
+
+FAKE_NVML = r"""
+#include <string.h>
+typedef struct { unsigned long long total, free, used; } memory_t;
+int nvmlInit_v2(void) { return INIT_RESULT; }
+int nvmlShutdown(void) { return 0; }
+int nvmlSystemGetDriverVersion(char *buf, unsigned int n) { strncpy(buf, "580.95.05", n); return 0; }
+int nvmlSystemGetCudaDriverVersion(int *v) { *v = 12080; return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *c) { *c = 2; return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned int i, void **h) { *h = (void *)(long)(i + 1); return 0; }
+int nvmlDeviceGetName(void *h, char *buf, unsigned int n) {
+    strncpy(buf, h == (void *)1 ? "NVIDIA H200" : "NVIDIA A100", n); return 0;
+}
+int nvmlDeviceGetMemoryInfo(void *h, memory_t *m) { m->total = 1ULL << 34; m->free = m->used = 0; return 0; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in libnvidia-ml")
+@pytest.mark.parametrize("init_result", [0, 9])
+def test_probe_nvml_reads_the_driver_through_ctypes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     init_result: int) -> None:
+    (tmp_path / "nvml.c").write_text(FAKE_NVML.replace("INIT_RESULT", str(init_result)))
+    library = tmp_path / "libnvidia-ml.so.1"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(tmp_path / "nvml.c")], check=True)
+    load = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: load(str(tmp_path / name)))
+    driver = envcheck.probe_nvml()
+    if init_result:  # 9: NVML_ERROR_DRIVER_NOT_LOADED
+        assert driver == DriverInfo(source="NVML", problem="nvmlInit failed with NVML error 9")
+    else:
+        assert driver == DriverInfo("NVML", "580.95.05", "12.8", (Gpu("NVIDIA H200", 2**34), Gpu("NVIDIA A100", 2**34)))
 
 
 def test_toolkit_version_sources(tmp_path: Path) -> None:
