@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 from urllib.parse import urlsplit
 
 from rich.console import Console
@@ -45,6 +45,9 @@ from rich.text import Text
 from flashrun.config import Config, key_variable, resolve_api_key
 from flashrun.errors import FlashrunError, MissingKeyError
 from flashrun.redact import redact, redact_data, register_secret
+
+if TYPE_CHECKING:
+    from packaging.requirements import Requirement
 
 log = logging.getLogger("flashrun.envcheck")
 
@@ -230,10 +233,10 @@ def parse_nvidia_smi_xml(text: str) -> DriverInfo:
 
 def parse_ldconfig(output: str) -> tuple[str, ...]:
     """Paths of libcuda.so.1 in ``ldconfig -p`` output (``libcuda.so.1 (libc6,x86-64) => /path``)."""
-    return tuple(line.split("=>")[-1].strip() for line in output.splitlines() if "libcuda.so.1 " in line + " ")
+    return tuple(line.split("=>")[-1].strip() for line in output.splitlines() if line.split()[:1] == ["libcuda.so.1"])
 
 
-def torch_triton_requirements(requires: list[str]) -> list[Any]:
+def torch_triton_requirements(requires: list[str]) -> list[Requirement]:
     """The Triton pins in torch's Requires-Dist whose environment markers hold on this machine."""
     from packaging.requirements import InvalidRequirement, Requirement
 
