@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.util
 import json
 import math
@@ -10,6 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,21 +124,24 @@ def test_a_crashing_check_is_reported_and_the_rest_still_runs(monkeypatch: pytes
     assert found["torch"].status == "ok"
 
 
-def test_interpreter_smoke_kernel() -> None:
+def interpreted_smoke(monkeypatch: pytest.MonkeyPatch):
+    """flashrun.smoke imported afresh, so its kernel is defined for the interpreter even where an
+    in-process check-env on a GPU machine already imported it compiled."""
     from flashrun import device
 
     assert device.select("cpu").interpreter
-    from flashrun import smoke
+    monkeypatch.delitem(sys.modules, "flashrun.smoke", raising=False)
+    return importlib.import_module("flashrun.smoke")
 
+
+def test_interpreter_smoke_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    smoke = interpreted_smoke(monkeypatch)
     result = smoke.run("cpu")
     assert result.ok and result.max_error <= smoke.TOLERANCE
 
 
 def test_smoke_kernel_that_writes_nothing_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flashrun import device
-
-    device.select("cpu")
-    from flashrun import smoke
+    smoke = interpreted_smoke(monkeypatch)
 
     class NoLaunch:  # a "kernel" whose launch does nothing: the poisoned output must show it
         def __getitem__(self, grid):
