@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
 
@@ -155,6 +155,43 @@ def verify(
             out.print_json(data=report.to_json())
         else:
             verify_mod.render(report, out)
+        raise typer.Exit(report.exit_code)
+
+
+# -- check-env ----------------------------------------------------------------------------------
+@app.command("check-env")
+def check_env(
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    online: Annotated[bool, typer.Option("--online", help="Also send one minimal request to the gateway.")] = False,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Diagnose Python, PyTorch, driver, CUDA, Triton, ptxas, GPU and API-key setup, with a fix
+    hint for every problem, and prove the stack by running a tiny Triton kernel (through the
+    CPU interpreter when there is no GPU). Exit code 1 when any check fails.
+
+    Examples:
+
+      flashrun check-env
+
+      flashrun check-env --online            # also ask the gateway for its models
+
+      flashrun check-env --json | jq '.checks[] | select(.status != "ok")'
+    """
+    from flashrun import envcheck
+
+    with _boundary(verbose):
+        cfg = _setup(config, settings, sets, verbose)
+        # No spinner when stdout is JSON or when -v logs to the same terminal.
+        with nullcontext() if json_out or verbose else err.status("checking the environment..."):
+            report = envcheck.run_checks(cfg, online=online)
+        if json_out:
+            out.print_json(data=report.to_json())
+        else:
+            envcheck.render(report, out)
+        envcheck.record(cfg, report, sys.argv[1:])
         raise typer.Exit(report.exit_code)
 
 

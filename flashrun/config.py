@@ -213,11 +213,14 @@ class Config(_Section):
 
 
 def _read_text(path: Path, label: str, what: str) -> str:
-    if not path.exists():
-        raise ConfigError(f"{label}: no such file", hint=f"check the path, or run `flashrun init` to create a {what}")
-    if path.is_dir():
-        raise ConfigError(f"{label}: is a folder, not a file", hint=f"point at the {what} inside it")
-    data = path.read_bytes()
+    try:
+        if not path.exists():
+            raise ConfigError(f"{label}: no such file", hint=f"check the path, or run `flashrun init` to create a {what}")
+        if path.is_dir():
+            raise ConfigError(f"{label}: is a folder, not a file", hint=f"point at the {what} inside it")
+        data = path.read_bytes()
+    except OSError as exc:  # unreadable, name too long, a file where a folder should be, ...
+        raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}", hint=f"check the path to the {what}") from None
     if not data.strip():
         raise ConfigError(f"{label}: the file is empty", hint=f"a {what} needs at least one section; see README")
     try:
@@ -247,7 +250,10 @@ def _read_settings(path: Path, label: str) -> dict[str, Any]:
             hint="JSON needs double quotes and no trailing commas",
         ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{label}: expected a JSON object at the top level, got {type(data).__name__}")
+        raise ConfigError(
+            f"{label}: expected a JSON object at the top level, got {type(data).__name__}",
+            hint='settings.json maps sections to tables: {"api": {...}, "request": {...}, "logging": {...}}',
+        )
     api = data.get("api")
     if isinstance(api, dict) and isinstance(api.get("api_key"), str):
         match = _VAR.fullmatch(api["api_key"].strip())
@@ -285,18 +291,25 @@ def parse_set(items: list[str]) -> dict[str, Any]:
                 f"--set {item!r}: expected section.key=value",
                 hint="for example --set experiment.seq_len=1024 or --set experiment.dtype=bfloat16",
             )
-        out[key] = _parse_value(raw.strip())
+        out[key] = _parse_value(raw.strip(), item)
     return out
 
 
-def _parse_value(raw: str) -> Any:
-    """A TOML value; else a bare word as a string; ``[a, b]`` of bare words as a list of them."""
+def _parse_value(raw: str, item: str) -> Any:
+    """A TOML value; ``[a, b]`` of bare words as a list of them; else a bare word as a string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        if raw.startswith("[") and raw.endswith("]"):
-            return [_parse_value(item.strip()) for item in raw[1:-1].split(",") if item.strip()]
-        return raw
+    except tomllib.TOMLDecodeError as exc:
+        inner = raw[1:-1]
+        if raw.startswith("[") and raw.endswith("]") and not any(c in inner for c in "\"'[]{}"):
+            return [_parse_value(part.strip(), item) for part in inner.split(",") if part.strip()]
+        if raw[:1] in ('"', "'", "[", "{"):  # meant as TOML (a quoted string, a list, a table)
+            reason = str(exc).split(" (at ")[0]  # positions would count the "v = " we added
+            raise ConfigError(
+                f"--set {item!r}: invalid TOML value: {reason}",
+                hint='quote strings and close lists: --set experiment.kernel=\'["flash", "minimal"]\'',
+            ) from None
+        return raw  # a bare word: take it as a string
 
 
 def _merge(
@@ -340,6 +353,7 @@ def _expected(error: dict[str, Any], loc: tuple[Any, ...]) -> str:
         "bool_parsing": "expected true or false", "string_type": "expected a string",
         "list_type": "expected a list", "model_type": "expected a table", "dict_type": "expected a table",
         "model_attributes_type": "expected a table", "missing": "a value is required",
+        "path_type": "expected a path (a string)",
     }
     if kind in simple:
         return simple[kind]

@@ -111,15 +111,21 @@ def _driver_version() -> str | None:
 def append_record(log_dir: Path, record: dict[str, Any]) -> Path:
     """Append one record as one line. Returns the file written."""
     log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / RUNS_FILE
     line = (redact(json.dumps(record, default=str, separators=(",", ":"))) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise InputError(
+            f"cannot record the run in {path}: {exc.strerror or exc}",
+            hint="set logging.log_dir to a folder you can write (--set logging.log_dir=PATH)",
+        ) from None
     return path
 
 

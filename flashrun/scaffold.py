@@ -23,6 +23,9 @@ def scaffold(directory: Path, force: bool = False) -> list[Path]:
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory} exists and is not a folder")
     targets = {directory / name: template for name, template in FILES.items()}
+    blocking = sorted({str(up) for path in targets for up in path.parents if up.exists() and not up.is_dir()})
+    if blocking:
+        raise InputError(f"{', '.join(blocking)} is a file where a folder is needed", hint="nothing was written")
     existing = [str(path) for path in targets if path.exists()]
     if existing and not force:
         raise InputError(
@@ -34,5 +37,8 @@ def scaffold(directory: Path, force: bool = False) -> list[Path]:
         for path, template in targets.items()
     }
     for path, text in texts.items():
-        atomic_write_text(path, text)
+        try:
+            atomic_write_text(path, text)
+        except OSError as exc:  # a read-only folder, a full disk, ...
+            raise InputError(f"cannot write {path}: {exc.strerror or exc}", hint="pick a folder you can write") from None
     return list(targets)
