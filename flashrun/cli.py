@@ -16,6 +16,7 @@ from typing import Annotated, Any, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flashrun import __version__
 from flashrun.config import Config, load_config
@@ -81,9 +82,11 @@ def _boundary(verbose: bool) -> Iterator[None]:
     except FlashrunError as exc:
         if verbose:
             err.print_exception()
-        err.print(f"[bold red]error:[/] {redact(exc.message)}", markup=True)
+        # Messages may quote server text or paths with [brackets]: escape them so rich neither
+        # swallows them as markup nor raises on a stray closing tag.
+        err.print(f"[bold red]error:[/] {escape(redact(exc.message))}", markup=True)
         if exc.hint:
-            err.print(f"[dim]hint:[/] {redact(exc.hint)}")
+            err.print(f"[dim]hint:[/] {escape(redact(exc.hint))}")
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("[red]interrupted[/] (results written so far are kept)")
@@ -100,7 +103,7 @@ def _setup(config: Path | None, settings: Path | None, sets: list[str] | None, v
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else cfg.logging.level.upper())
     for warning in cfg.warnings:
-        err.print(f"[yellow]warning:[/] {redact(warning)}")
+        err.print(f"[yellow]warning:[/] {escape(redact(warning))}")
     return cfg
 
 
