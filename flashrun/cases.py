@@ -96,9 +96,12 @@ def _load(candidate: str) -> Any:
     except ValueError:
         pass
     try:
-        return ast.literal_eval(candidate)  # literals only: never evaluates code
+        value = ast.literal_eval(candidate)  # literals only: never evaluates code
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return None
+    # Tuples become lists and sets, bytes, complex numbers strings, so every item (kept or
+    # rejected) can go into the JSON file and the --json output as it is.
+    return json.loads(json.dumps(value, default=str))
 
 
 def _unwrap(value: Any) -> list[Any] | None:

@@ -41,10 +41,10 @@ class Seen:
     time: float
 
 
-def completion(content: str | None, *, finish_reason: str = "stop", model: str = "served-model",
-               prompt_tokens: int = 50, completion_tokens: int = 20) -> Reply:
+def completion(content: str | None, *, finish_reason: str = "stop", prompt_tokens: int = 50,
+               completion_tokens: int = 20) -> Reply:
     return Reply(body={
-        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
+        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": "served-model",
         "choices": [{"index": 0, "finish_reason": finish_reason,
                      "message": {"role": "assistant", "content": content}}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -440,6 +440,7 @@ def test_all_models_needs_a_list(isolated: Path) -> None:
     [
         ('{"cases": [{"seq_len": 1, "head_dim": 64}]}', 1, None),
         ("[(3, 64), (4, 32)]", 2, None),  # a Python literal
+        ("[{3, 64}, b'x']", 2, None),  # not JSON-able as is: turned into strings
         ('{"test_cases": [[1, 64]]}', 1, None),
         ('{"seq_len": 1, "head_dim": 64}', 1, None),
         ('x {"cases": [{"seq_len": 2, "head_dim": 64, "note": "a ] \\" }"}]} y', 1, None),
@@ -451,6 +452,15 @@ def test_all_models_needs_a_list(isolated: Path) -> None:
 def test_extract_items(text: str, n_items: int, why: str | None) -> None:
     items, reason = extract_items(text)
     assert (len(items), reason) == (n_items, why)
+
+
+def test_odd_literals_are_rejected_with_a_reason(gateway: FakeGateway, isolated: Path) -> None:
+    gateway.script("good-model", completion("[(1, 64), {3, 64}, (17, 64j)]"))
+    result = gen(write_config(isolated, gateway.base_url), "--json")
+    assert result.exit_code == 0, result.output
+    reasons = [r["reason"] for r in json.loads(result.stdout)["models"][0]["rejected"]]
+    assert reasons == ['expected {"seq_len": N, "head_dim": D} or a [seq_len, head_dim] pair',
+                       'head_dim "64j" is not an integer']
 
 
 def test_validate_caps_at_count() -> None:
