@@ -16,6 +16,7 @@ from typing import Annotated, Any, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flashrun import __version__
 from flashrun.config import Config, load_config
@@ -81,9 +82,11 @@ def _boundary(verbose: bool) -> Iterator[None]:
     except FlashrunError as exc:
         if verbose:
             err.print_exception()
-        err.print(f"[bold red]error:[/] {redact(exc.message)}", markup=True)
+        # Messages may quote server text or paths with [brackets]: escape them so rich neither
+        # swallows them as markup nor raises on a stray closing tag.
+        err.print(f"[bold red]error:[/] {escape(redact(exc.message))}", markup=True)
         if exc.hint:
-            err.print(f"[dim]hint:[/] {redact(exc.hint)}")
+            err.print(f"[dim]hint:[/] {escape(redact(exc.hint))}")
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("[red]interrupted[/] (results written so far are kept)")
@@ -100,7 +103,7 @@ def _setup(config: Path | None, settings: Path | None, sets: list[str] | None, v
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else cfg.logging.level.upper())
     for warning in cfg.warnings:
-        err.print(f"[yellow]warning:[/] {redact(warning)}")
+        err.print(f"[yellow]warning:[/] {escape(redact(warning))}")
     return cfg
 
 
@@ -192,6 +195,66 @@ def check_env(
         else:
             envcheck.render(report, out)
         envcheck.record(cfg, report, sys.argv[1:])
+        raise typer.Exit(report.exit_code)
+
+
+# -- gen-cases ----------------------------------------------------------------------------------
+@app.command("gen-cases")
+def gen_cases(
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    model: Annotated[
+        Optional[list[str]],
+        typer.Option("--model", "-m", help="Model to ask, as the gateway spells it (repeatable; default "
+                     "api.default_model).", show_default=False),
+    ] = None,
+    all_models: Annotated[bool, typer.Option("--all-models", help="Ask every model in api.models.")] = False,
+    count: Annotated[
+        Optional[int],
+        typer.Option("--count", "-n", help="Cases per model (default cases.count); caps --offline's set.",
+                     show_default=False),
+    ] = None,
+    max_seq_len: Annotated[
+        Optional[int], typer.Option("--max-seq-len", help="Largest seq_len to accept (default cases.max_seq_len).",
+                                    show_default=False),
+    ] = None,
+    prompt: Annotated[
+        Optional[str], typer.Option("--prompt", help="What to ask for (the JSON format is always requested).",
+                                    show_default=False),
+    ] = None,
+    out_file: Annotated[Path, typer.Option("--out", "-o", help="Cases file to write.")] = Path("cases.json"),
+    offline: Annotated[bool, typer.Option("--offline", help="Built-in edge cases; no gateway, no key.")] = False,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Ask gateway models for (seq_len, head_dim) test cases, validate them, save them with provenance.
+
+    Examples:
+
+      flashrun gen-cases                                  # api.default_model -> ./cases.json
+
+      flashrun gen-cases --all-models --count 20          # compare models: cases, tokens, latency
+
+      flashrun gen-cases -m gpt-4o -m deepseek-chat --max-seq-len 4096 --out cases/mixed.json
+
+      flashrun gen-cases --offline && flashrun verify --cases cases.json
+    """
+    from flashrun import gencases
+
+    with _boundary(verbose):
+        flags = {"cases.count": count, "cases.max_seq_len": max_seq_len, "cases.prompt": prompt}
+        cfg = _setup(config, settings, sets, verbose, flags)
+        # The merged value (so --set still wins over a flag); passed only when --count was given,
+        # because --offline caps its fixed set only on request.
+        report = gencases.run(cfg, model, all_models, cfg.cases.count if count is not None else None,
+                              out=out_file, offline=offline)
+        if json_out:
+            out.print_json(data=report.to_json())
+        else:
+            gencases.render(report, out, err)
+        if report.error is not None:
+            raise report.error
         raise typer.Exit(report.exit_code)
 
 
