@@ -34,6 +34,11 @@ import triton.language as tl
 from flashrun.errors import KernelError
 from flashrun.kernels.tuning import LaunchConfig, choose
 
+try:  # host-side tensor descriptors (TMA) arrived in triton 3.4; without them, pointers only
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old triton
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
 LOG2E_C = tl.constexpr(LOG2E)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,27 +77,34 @@ def _key_range(start_m, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
                     offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    TMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk
-        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk
-        # -- load K, V (masks only where the tile leaves the sequence or the padded head_dim) --
-        if MASKED:
-            kv_ok = (cols[:, None] < N_K) & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        # -- load K, V --
+        if TMA:  # tensor descriptors over (batch*heads*seq, head_dim): TMA copies, zero-filled edges
+            k = k_src.load([kv_row + start_n, 0])
+            v = v_src.load([kv_row + start_n, 0])
+            if MASKED:  # rows past N_K belong to the next head: keep them out of P V
+                v = tl.where(cols[:, None] < N_K, v, 0.0)
+        else:  # pointers (any strides); masks only where the tile leaves the sequence or head_dim
+            k_ptrs = k_src + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk
+            v_ptrs = v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk
+            if MASKED:
+                kv_ok = (cols[:, None] < N_K) & d_ok[None, :]
+                k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+                v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
         qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         # -- update m_i and l_i --
         if MASKED:
@@ -131,10 +143,14 @@ def _attn_fwd(Q, K, V, O, LSE,
               H, N_Q, N_K, qk_scale,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     off_hz = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)  # int64: batch offsets can pass 2**31 elements
     off_h = off_hz % H
@@ -142,25 +158,32 @@ def _attn_fwd(Q, K, V, O, LSE,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # q stays in registers/SRAM for the whole loop over K/V
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if TMA:
+        # rows past N_Q are the next head's: computed, never stored
+        q = Q.load([off_hz * N_Q + start_m, 0])
+        k_src = K
+        v_src = V
+        kv_row = ((off_hz // H) * (H // GROUP) + off_hkv) * N_K
+    else:
+        q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        k_src = K + off_z * stride_kz + off_hkv * stride_kh
+        v_src = V + off_z * stride_vz + off_hkv * stride_vh
+        kv_row = 0
 
     lo, hi = _key_range(start_m, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
                                     offs_m, offs_d, 0, lo, N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION)
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION, TMA)
     # stage 2: the causal diagonal and the ragged end of the sequence - masked
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
                                     offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION)
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION, TMA)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf --
     seen = l_i > 0.0
@@ -322,7 +345,10 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # heaviest query tiles first, as in the forward
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     off_hz = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
     off_h = off_hz % H
@@ -392,6 +418,33 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def _rows_collapse(t: torch.Tensor) -> bool:
+    """(batch, heads, seq) strides nest, so the tensor is one (batch*heads*seq, head_dim) matrix."""
+    z, h, n, _ = t.shape
+    sz, sh, sn, sd = t.stride()
+    return sd == 1 and (h == 1 or sh == n * sn) and (z == 1 or sz == h * n * sn)
+
+
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """TMA needs a Hopper-class GPU (or the interpreter), row-collapsible tensors, 16-byte
+    aligned bases and row strides, and row counts that fit the descriptor's int32 coordinates."""
+    if TensorDescriptor is None or q.dtype == torch.float32:
+        return False
+    if not INTERPRETED and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    size = q.element_size()
+    return all(
+        _rows_collapse(t) and t.data_ptr() % 16 == 0 and (t.stride(2) * size) % 16 == 0
+        and t.shape[0] * t.shape[1] * t.shape[2] < 2**31
+        for t in (q, k, v)
+    )
+
+
+def _rows_descriptor(t: torch.Tensor, block_rows: int):
+    z, h, n, d = t.shape
+    return TensorDescriptor(t, shape=[z * h * n, d], strides=[t.stride(2), 1], block_shape=[block_rows, _block_d(d)])
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -413,10 +466,13 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     def run(cfg: LaunchConfig) -> None:
         grid = (triton.cdiv(N_Q, cfg.block_m), Z * H)
-        _attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        tma = bool(cfg.tma) and _tma_ok(q, k, v)
+        srcs = (_rows_descriptor(q, cfg.block_m), _rows_descriptor(k, cfg.block_n),
+                _rows_descriptor(v, cfg.block_n)) if tma else (q, k, v)
+        _attn_fwd[grid](*srcs, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                         H, N_Q, N_K, sm_scale * LOG2E,
                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TMA=tma,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
 
     run(choose("fwd", q, k, causal, launch, run))

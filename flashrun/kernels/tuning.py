@@ -38,6 +38,7 @@ class LaunchConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    tma: bool | None = None  # forward only: load Q/K/V through tensor descriptors (Hopper TMA)
 
     def filled(self, default: LaunchConfig) -> LaunchConfig:
         return replace(default, **{f.name: getattr(self, f.name) for f in fields(self)
@@ -48,20 +49,23 @@ class LaunchConfig:
         return all(getattr(self, f.name) is not None for f in fields(self))
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
 
 
 C = LaunchConfig
 # The interpreter runs every program in numpy: fewer, larger tiles are faster, but tiles must stay
 # small enough that short test sequences still cross block boundaries.
-INTERPRETER = C(32, 32, 4, 1)
+INTERPRETER = C(32, 32, 4, 1, False)
 
 # Pruned candidate spaces, per kernel and head_dim class. Kernels: "fwd" (block_m = query tile),
 # "bwd_dkdv" (block_m = query tile streamed past a block_n key tile it owns), "bwd_dq".
 _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
-    ("fwd", "small"): [C(128, 64, 4, 3), C(128, 128, 8, 3), C(128, 64, 4, 4), C(64, 64, 4, 3)],
-    ("fwd", "large"): [C(128, 64, 4, 3), C(128, 128, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 3)],
-    ("fwd", "huge"): [C(64, 64, 4, 2), C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 32, 4, 2)],
+    ("fwd", "small"): [C(128, 64, 4, 3, False), C(64, 64, 4, 3, False), C(128, 128, 8, 3, False),
+                       C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(64, 64, 4, 3, True)],
+    ("fwd", "large"): [C(128, 64, 4, 3, False), C(64, 64, 4, 3, False), C(128, 128, 8, 3, False),
+                       C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(128, 64, 8, 3, True)],
+    ("fwd", "huge"): [C(64, 64, 4, 2, False), C(128, 64, 8, 2, False), C(64, 32, 4, 2, False),
+                      C(64, 64, 4, 2, True), C(128, 64, 8, 2, True)],
     ("bwd_dkdv", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
     ("bwd_dkdv", "large"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 2)],
     ("bwd_dkdv", "huge"): [C(32, 64, 4, 2), C(64, 64, 8, 2), C(16, 64, 4, 2)],
@@ -70,7 +74,7 @@ _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
     ("bwd_dq", "huge"): [C(64, 32, 4, 2), C(64, 64, 8, 2), C(64, 16, 4, 2)],
 }
 # float32 (IEEE dots on CUDA cores) needs more registers per element: small tiles only.
-_FP32 = [C(64, 32, 4, 2), C(32, 32, 4, 2)]
+_FP32 = [C(64, 32, 4, 2, False), C(32, 32, 4, 2, False)]
 
 
 def _head_dim_class(head_dim: int) -> str:
