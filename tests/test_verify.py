@@ -167,3 +167,23 @@ def test_verify_as_a_subprocess(workdir):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "1 passed, 0 failed" in proc.stdout
+
+
+def test_cases_file_from_gen_cases_offline(workdir):
+    made = runner.invoke(app, ["gen-cases", "--offline", "--max-seq-len", "40", "--count", "4", "--out", "cases.json"])
+    assert made.exit_code == 0, made.output
+    code, data = verify_json("--cases", "cases.json")
+    assert code == 0
+    cases = json.loads((workdir / "cases.json").read_text())["cases"]
+    assert [(r["case"]["seq_len"], r["case"]["head_dim"]) for r in data["results"]] == \
+        [(c["seq_len"], c["head_dim"]) for c in cases]
+    # fields a case leaves out come from [experiment]
+    assert {r["case"]["dtype"] for r in data["results"]} == {"float32"}
+
+
+def test_cases_file_errors(workdir):
+    (workdir / "bad.json").write_text('{"cases": [{"seq_len": 0, "head_dim": 64}]}')
+    result = verify("--cases", "bad.json")
+    assert result.exit_code == 2 and "bad.json" in result.output
+    result = verify("--cases", "missing.json")
+    assert result.exit_code == 2
