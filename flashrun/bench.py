@@ -260,7 +260,8 @@ def _row(provider: str, case: Case, cell: Cell, ceiling: float | None, baseline_
         peak_mem_mb=cell.peak_mem_mb,
         speedup=baseline_ms / ms if ms and baseline_ms else None,
         correct=cell.correct, seq_len_k=case.seq_len_k, status=cell.status, max_err=cell.max_err,
-        note=cell.note, gpu=env.get("gpu") or "cpu", torch=env.get("torch"), triton=env.get("triton"),
+        note=cell.note, setup_s=cell.setup_s, gpu=env.get("gpu") or "cpu", torch=env.get("torch"),
+        triton=env.get("triton"),
         timestamp=now_iso(),
     )
 
@@ -340,8 +341,16 @@ def render(report: BenchReport, console: Console) -> None:
         style = {"n/a": "dim", "wrong": "bold red", "note": "dim"}[kind]
         cells = f"{count} cell{'s' if count > 1 else ''}"
         console.print(f"[{style}]{kind}[/] {provider} ({cells}): {note}", markup=True, highlight=False)
+    setup: dict[str, dict[str, float]] = {}  # provider -> shape -> seconds (once per shape, not per mode)
+    for r in rows:
+        if r.setup_s is not None:
+            setup.setdefault(r.provider, {})[_shape(r)] = r.setup_s
+    if setup:
+        spent = ", ".join(f"{name} {sum(shapes.values()):.1f} s" for name, shapes in setup.items())
+        console.print(f"setup (prepare + first checked call, compiling and autotuning included): {spent}")
     if report.ceiling_tflops is not None:
-        console.print(f"% peak: of a bf16 8192³ matrix product measured in this run, {report.ceiling_tflops:.0f} TFLOP/s")
+        console.print(f"% peak: of a bf16 8192³ matrix product measured in this run, "
+                      f"{report.ceiling_tflops:.0f} TFLOP/s")
     for notice in report.notices:
         console.print(f"[yellow]note:[/] {notice}")
     wrong = sorted({r.provider for r in rows if r.status == "wrong"})

@@ -168,16 +168,18 @@ def bench(
     settings: SettingsOpt = None,
     sets: SetOpt = None,
     kernel: Annotated[ListOpt, typer.Option(
-        "--kernel", "-k", help="Add a kernel: flash | minimal | PATH.py:FUNCTION (repeatable).", show_default=False)] = None,
+        "--kernel", "-k", help="Add a kernel: flash | minimal | PATH.py:FUNCTION (repeatable).",
+        show_default=False)] = None,
     provider: Annotated[ListOpt, typer.Option(
         "--provider", "-p", help="Providers instead of \\[bench].providers (repeatable or comma-separated).",
         show_default=False)] = None,
     baseline: Annotated[Optional[str], typer.Option(
         "--baseline", help="Speedups are against this provider (default sdpa; always measured).",
         show_default=False)] = None,
-    mode: Annotated[ListOpt, typer.Option("--mode", help="fwd | bwd | fwd_bwd (repeatable).", show_default=False)] = None,
+    mode: Annotated[ListOpt, typer.Option(
+        "--mode", help="fwd | bwd | fwd_bwd (repeatable or comma-separated).", show_default=False)] = None,
     dtype: Annotated[ListOpt, typer.Option(
-        "--dtype", help="float16 | bfloat16 | float32 (repeatable).", show_default=False)] = None,
+        "--dtype", help="float16 | bfloat16 | float32 (repeatable or comma-separated).", show_default=False)] = None,
     seq_lens: Annotated[ListOpt, typer.Option(
         "--seq-lens", help="Query lengths, e.g. 512,1024 (repeatable).", show_default=False)] = None,
     seq_lens_k: Annotated[ListOpt, typer.Option(

@@ -21,6 +21,7 @@ set fits in L2, several sets are rotated so that no call finds its inputs alread
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -59,7 +60,7 @@ QUANTILES = [0.5, 0.2, 0.8]  # median, p20, p80
 
 # Messages of CUDA errors that poison the context: every later call would fail the same way.
 _FATAL = ("illegal memory access", "unspecified launch failure", "device-side assert",
-          "misaligned address", "illegal instruction", "an illegal", "uncorrectable ECC")
+          "misaligned address", "illegal instruction", "uncorrectable ECC")
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class Cell:
     peak_mem_mb: float | None = None
     max_err: float | None = None
     note: str = ""
+    setup_s: float | None = None  # prepare + the checked first call: compiling and autotuning show here
 
 
 def _judge(checks: list[tuple[str, torch.Tensor, torch.Tensor, tuple[float, float]]]) -> Verdict:
@@ -216,7 +218,7 @@ def _failure(name: str, case: Case, exc: BaseException, caught: list[warnings.Wa
     text = str(exc)
     if is_oom(exc):
         return Verdict("OOM", "out of memory")
-    if any(marker in text for marker in _FATAL):
+    if isinstance(exc, RuntimeError) and any(marker in text for marker in _FATAL):
         raise GPUFault(
             f"{name} on {case.label()} left the GPU unusable: {failure_reason(name, exc, caught)}",
             hint="the rows measured before it are written; run `flashrun verify` on this kernel and shape",
@@ -239,8 +241,9 @@ def check(provider: Provider, attn: Attention, case: Case, inputs: Inputs, ref: 
     except Exception as exc:  # noqa: BLE001 - any failure of the first try is a verdict
         verdict = _failure(provider.name, case, exc, caught[start:])
         return verdict, verdict
-    if tuple(out.shape) != tuple(q.shape):
-        verdict = Verdict("wrong", f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.device != q.device:
+        got = f"a tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        verdict = Verdict("wrong", f"returned {got}, expected a tensor of shape {tuple(q.shape)} on {q.device}")
         return verdict, verdict
     out_check = ("out", ref.slice_q(out), ref.out, tol["out"])
     forward = _judge([out_check])
@@ -251,18 +254,20 @@ def check(provider: Provider, attn: Attention, case: Case, inputs: Inputs, ref: 
     start = len(caught)
     try:
         out.backward(inputs.dout)
+        if any(leaf.grad is None for leaf in (q, k, v)):
+            return forward, Verdict("wrong", "the backward left a gradient of q, k or v unset")
+        assert ref.grads is not None, "the bench computes reference gradients when a backward mode is asked"
+        dq, dk, dv = ref.grads
+        return forward, _judge([
+            out_check,
+            ("dq", ref.slice_q(q.grad), dq, tol["grad"]),
+            ("dk", ref.slice_kv(k.grad), dk, tol["grad"]),
+            ("dv", ref.slice_kv(v.grad), dv, tol["grad"]),
+        ])
     except Exception as exc:  # noqa: BLE001
         return forward, _failure(provider.name, case, exc, caught[start:])
-    assert ref.grads is not None, "the bench computes reference gradients when a backward mode is asked"
-    dq, dk, dv = ref.grads
-    backward = _judge([
-        out_check,
-        ("dq", ref.slice_q(q.grad), dq, tol["grad"]),
-        ("dk", ref.slice_kv(k.grad), dk, tol["grad"]),
-        ("dv", ref.slice_kv(v.grad), dv, tol["grad"]),
-    ])
-    reset_grads([inputs])
-    return forward, backward
+    finally:
+        reset_grads([inputs])
 
 
 # -- timing ----------------------------------------------------------------------------------------------
@@ -313,7 +318,8 @@ def _cpu_bench(fn: Callable[[], object], timing: Timing,
     return values[0], values[1], values[2]
 
 
-def _timed_call(attn: Attention, sets: list[Inputs], mode: str) -> tuple[Callable[[], object], list[torch.Tensor] | None]:
+def _timed_call(attn: Attention, sets: list[Inputs], mode: str
+                ) -> tuple[Callable[[], object], list[torch.Tensor] | None]:
     """The zero-argument callable timed for ``mode``, rotating the input sets, and the
     tensors whose .grad is reset before each call."""
     if mode == "fwd":
@@ -368,6 +374,7 @@ def measure(provider: Provider, case: Case, sets: list[Inputs], ref: Reference, 
     """Every mode of ``provider`` on ``case``: checked first, then timed (see module doc)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        started = time.perf_counter()
         try:
             attn = provider.prepare(case, device)
         except Exception as exc:  # noqa: BLE001
@@ -375,7 +382,14 @@ def measure(provider: Provider, case: Case, sets: list[Inputs], ref: Reference, 
             return [Cell(mode, verdict.status, None, note=verdict.note) for mode in modes]
         backward_asked = any(mode != "fwd" for mode in modes)
         with attn.scope():
-            forward, backward = check(provider, attn, case, sets[0], ref, backward_asked and provider.backward, caught)
+            try:
+                forward, backward = check(provider, attn, case, sets[0], ref, backward_asked and provider.backward,
+                                          caught)
+            except GPUFault:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. judging a strange output: this cell, not the run
+                forward = backward = Verdict("n/a", f"could not check this provider: {type(exc).__name__}: {exc}")
+            setup_s = time.perf_counter() - started  # the check ends on .item(): the GPU is done
             if backward_asked and not provider.backward:
                 backward = Verdict("n/a", f"{provider.name} has no backward")
             cells = []
@@ -383,10 +397,11 @@ def measure(provider: Provider, case: Case, sets: list[Inputs], ref: Reference, 
                 verdict = forward if mode == "fwd" else backward
                 if verdict.status != "ok":
                     correct = False if verdict.status == "wrong" else None
-                    cells.append(Cell(mode, verdict.status, correct, max_err=verdict.max_err,
-                                      note=_join(attn.note, verdict.note)))
+                    cell = Cell(mode, verdict.status, correct, max_err=verdict.max_err,
+                                note=_join(attn.note, verdict.note))
                 else:
-                    cells.append(_time_mode(provider, attn, case, sets, mode, verdict, device, timing, caught))
+                    cell = _time_mode(provider, attn, case, sets, mode, verdict, device, timing, caught)
+                cells.append(dataclasses.replace(cell, setup_s=setup_s))
     for message in caught:
         log.debug("%s on %s: %s", provider.name, case.label(), message.message)
     return cells

@@ -122,7 +122,8 @@ def _kernel(spec: str) -> Provider:
     try:
         from flashrun import kernels  # after device.select: Triton reads TRITON_INTERPRET at import
     except ImportError as exc:
-        raise KernelError(f"cannot import flashrun.kernels: {exc}", hint="`flashrun check-env` checks the install") from None
+        raise KernelError(f"cannot import flashrun.kernels: {exc}",
+                          hint="`flashrun check-env` checks the install") from None
     kernel = kernels.get(spec)
 
     def prepare(case: Case, device: torch.device) -> Attention:
@@ -189,8 +190,8 @@ def _sdpa(name: str, case: Case, device: torch.device) -> Attention:
     if name == "sdpa-math":
         _check_cpu_scores(case, device, 4)  # the math backend materializes float32 scores
     if backend_name is not None and not hasattr(SDPBackend, backend_name):
-        raise KernelError(f"this torch ({torch.__version__}) has no SDPA {backend_name} backend"
-                          + ("; cuDNN attention needs torch>=2.5 with cuDNN 9 on sm80+" if name == "sdpa-cudnn" else ""))
+        needs = "; cuDNN attention needs torch>=2.5 with cuDNN 9 on sm80+" if name == "sdpa-cudnn" else ""
+        raise KernelError(f"this torch ({torch.__version__}) has no SDPA {backend_name} backend{needs}")
     is_causal, mask, note = _sdpa_causal(case)
     gqa = case.kv_heads != case.heads
     native_gqa = gqa and _sdpa_has_gqa()

@@ -20,7 +20,7 @@ from flashrun.runlog import atomic_write_json, atomic_write_text
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
-EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "gpu", "torch", "triton", "timestamp")
+EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp")
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim")
 
@@ -48,6 +48,7 @@ class Row:
     status: str  # ok | wrong | n/a | OOM
     max_err: float | None
     note: str
+    setup_s: float | None  # prepare + first checked call (compile, autotune), once per provider and shape
     gpu: str
     torch: str | None
     triton: str | None

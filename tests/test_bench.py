@@ -189,7 +189,7 @@ def test_cpu_run_checks_times_and_writes_everything(isolated: Path) -> None:
     result = invoke(*TINY, "-p", f"{TORCH_PROVIDERS},sdpa-cudnn,flex", "--mode", "fwd,bwd,fwd_bwd",
                     "--causal", "both", "--plot", "bench.png")
     assert result.exit_code == 0, result.output + result.stderr
-    assert "CPU run" in result.stdout and "sdpa-cudnn" in result.stdout
+    assert "CPU run" in result.stdout and "sdpa-cudnn" in result.stdout and "setup (prepare" in result.stdout
 
     csv_path, json_path = result_files(isolated)
     assert csv_path.name.startswith("cpu-")
@@ -209,6 +209,7 @@ def test_cpu_run_checks_times_and_writes_everything(isolated: Path) -> None:
             assert float(row["tflops"]) == pytest.approx(flops(shape, row["mode"]) / ms / 1e9, rel=1e-4)
             assert float(row["max_err"]) <= 1e-2
             assert row["pct_peak"] == "" and row["peak_mem_mb"] == ""  # GPU-only measures
+            assert float(row["setup_s"]) > 0
         else:
             assert row["status"] == "n/a" and row["correct"] == "" and row["ms"] == ""
             assert "not timed on the CPU" in row["note"]
@@ -365,6 +366,41 @@ def test_wrong_gradients_are_flagged_even_when_the_output_is_right() -> None:
     assert bwd.note.startswith("dq: max error")
 
 
+def test_an_output_of_the_wrong_kind_is_wrong_not_a_crash() -> None:
+    tuple_out = run_one(plain(lambda q, k, v: (naive_fn(q, k, v), None)), modes=("fwd",))
+    assert tuple_out[0].status == "wrong" and "returned tuple" in tuple_out[0].note
+    short = run_one(plain(lambda q, k, v: naive_fn(q, k, v)[:, :, :1]), modes=("fwd",))
+    assert short[0].status == "wrong" and "shape (2, 4, 1, 16)" in short[0].note
+
+
+def test_a_backward_that_skips_an_input_is_wrong() -> None:
+    class NoKGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                ctx.out, ctx.leaves = naive_fn(*leaves), leaves
+            return ctx.out.detach()
+
+        @staticmethod
+        def backward(ctx, dout):
+            dq, _, dv = torch.autograd.grad(ctx.out, ctx.leaves, dout)
+            return dq, None, dv
+
+    fwd, bwd = run_one(plain(NoKGrad.apply))
+    assert fwd.status == "ok" and (bwd.status, bwd.note) == ("wrong", "the backward left a gradient of q, k or v unset")
+
+
+def test_a_failure_while_checking_costs_the_cell_not_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_judge(checks):
+        raise IndexError("index 3 is out of bounds")
+
+    monkeypatch.setattr(measure, "_judge", broken_judge)
+    cells = run_one(plain(naive_fn))
+    note = "could not check this provider: IndexError: index 3 is out of bounds"
+    assert {(c.status, c.note) for c in cells} == {("n/a", note)}
+
+
 def test_nan_output_is_wrong() -> None:
     cells = run_one(plain(lambda q, k, v: naive_fn(q, k, v) * float("nan")), modes=("fwd",))
     assert cells[0].status == "wrong" and "NaN/Inf" in cells[0].note
@@ -377,7 +413,8 @@ def test_a_refusal_is_na_with_the_reason_and_oom_is_oom() -> None:
     def ooms(q, k, v):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert [(c.status, c.note) for c in run_one(plain(refuses))] == [("n/a", "minimal takes seq_len <= 64, got 128")] * 2
+    reason = "minimal takes seq_len <= 64, got 128"
+    assert [(c.status, c.note) for c in run_one(plain(refuses))] == [("n/a", reason)] * 2
     assert [c.status for c in run_one(plain(ooms))] == ["OOM", "OOM"]
 
 
