@@ -242,7 +242,8 @@ def check(provider: Provider, attn: Attention, case: Case, inputs: Inputs, ref: 
         verdict = _failure(provider.name, case, exc, caught[start:])
         return verdict, verdict
     if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.device != q.device:
-        got = f"a tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        got = (f"a tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
         verdict = Verdict("wrong", f"returned {got}, expected a tensor of shape {tuple(q.shape)} on {q.device}")
         return verdict, verdict
     out_check = ("out", ref.slice_q(out), ref.out, tol["out"])
