@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import re
 import shlex
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -151,11 +151,16 @@ def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchRep
     out_dir = bench.out or cfg.logging.log_dir / "bench"
     env = fingerprint()
     csv_path, json_path = _result_paths(out_dir, env.get("gpu") or "cpu")
-    timing = Timing(bench.warmup_ms, bench.rep_ms)
-    ceiling = matmul_ceiling(device, timing)
     header = {"command": "flashrun " + shlex.join(request.argv), "argv": list(request.argv), "started": now_iso(),
               "device": device.type, "env": env, "bench": bench.model_dump(mode="json"),
-              "seed": cfg.experiment.seed, "tolerance": TOLERANCE, "ceiling_tflops": ceiling}
+              "seed": cfg.experiment.seed, "tolerance": TOLERANCE, "ceiling_tflops": None}
+    try:  # the empty files now: an unwritable --out must fail before the GPU works, not after
+        results.write(csv_path, json_path, [], header, complete=False)
+    except OSError as exc:
+        raise InputError(f"cannot write the results to {out_dir}: {exc.strerror or exc}",
+                         hint="pick a writable folder with --out or [bench].out") from None
+    timing = Timing(bench.warmup_ms, bench.rep_ms)
+    ceiling = header["ceiling_tflops"] = matmul_ceiling(device, timing)
     rows = _sweep(resolved, cases, modes, device, cfg, timing, ceiling, header, (csv_path, json_path), env, console)
     files = {"csv": str(csv_path), "json": str(json_path)}
     if request.plot is not None:
@@ -210,8 +215,11 @@ def _sweep(resolved: list[Provider], cases: list[Case], modes: list[str], device
     baseline = cfg.bench.baseline
     rows: list[results.Row] = []
     complete = False
+    # Only FlexAttention compiles; importing dynamo for nothing costs seconds.
+    compiles = device.type == "cuda" and any(p.name == "flex" for p in resolved)
     try:
-        with _progress(console, len(cases) * len(resolved) * len(modes)) as advance, compile_limits(len(cases)):
+        with _progress(console, len(cases) * len(resolved) * len(modes)) as advance, \
+                (compile_limits(len(cases)) if compiles else nullcontext()):
             for case in cases:
                 sets = make_inputs(case, device, cfg.experiment.seed)
                 try:

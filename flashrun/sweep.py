@@ -80,6 +80,10 @@ def flops(case: Case, mode: str) -> float:
 def expand(bench: BenchConfig) -> list[Case]:
     """The cartesian product of the [bench] lists, shape-major (all providers and modes of one
     shape run together, so inputs and compiled callables are made once per shape)."""
+    for key in ("mode", "dtype", "head_dim", "causal", "seq_len"):
+        if not getattr(bench, key):
+            raise InputError(f"bench.{key} is an empty list: the sweep has nothing to measure",
+                             hint=f"give at least one value, e.g. --set bench.{key}=... or remove the key")
     cases: list[Case] = []
     lengths_k = bench.seq_len_k or [None]
     for dtype, head_dim, causal, n_q, n_k in itertools.product(

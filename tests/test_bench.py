@@ -152,8 +152,11 @@ def test_baseline_comes_first_and_kernels_are_added_once() -> None:
     (["--mode", "sideways"], "bench.mode"),
     (["--compare", "missing.json"], "--compare missing.json: no such file"),
     (["--plot", "bench.bmpx"], "unknown image format .bmpx"),
+    (["--set", "bench.seq_len=[]"], "bench.seq_len is an empty list"),
+    (["--out", "taken"], "cannot write the results to"),
 ])
-def test_user_errors_exit_2_without_a_traceback(args: list[str], message: str) -> None:
+def test_user_errors_exit_2_without_a_traceback(args: list[str], message: str, isolated: Path) -> None:
+    (isolated / "taken").write_text("a file where --out wants a folder")
     result = invoke(*TINY, *args)
     assert result.exit_code == 2, result.output
     assert message in result.stderr
@@ -168,20 +171,44 @@ def test_no_gpu_explains_itself_and_exits_2() -> None:
     assert not (Path("logs") / "bench").exists()  # nothing measured, nothing written
 
 
-@pytest.mark.skipif(not NO_GPU, reason="the no-GPU refusal needs a machine without a GPU")
-def test_real_process_no_gpu_and_help_never_import_torch() -> None:
-    """As a user runs it: `--help` and option errors answer without torch; no GPU -> exit 2."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def test_help_and_option_errors_answer_without_torch() -> None:
+    """In a fresh process: `--help` and an option error never import torch or triton."""
     probe = ("import sys; from typer.testing import CliRunner; from flashrun.cli import app; "
              "r1 = CliRunner().invoke(app, ['--help']); r2 = CliRunner().invoke(app, ['bench', '--help']); "
              "r3 = CliRunner().invoke(app, ['bench', '--causal', 'maybe']); "
              "print(r1.exit_code, r2.exit_code, r3.exit_code, 'torch' in sys.modules, 'triton' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.split() == ["0", "0", "2", "False", "False"], out.stderr
-    run = subprocess.run([sys.executable, "-m", "flashrun", "bench"], capture_output=True, text=True, env=env,
-                         timeout=120)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the no-GPU refusal needs a machine without a GPU")
+def test_real_process_without_a_gpu_exits_2() -> None:
+    run = subprocess.run([sys.executable, "-m", "flashrun", "bench"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 2
     assert "timings mean nothing" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_gpu_timing_calls_do_bench_as_its_signature_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU branch, minus the GPU: our arguments must bind to triton's do_bench (3.6 and 3.9
+    share this signature) and its list of quantiles becomes (median, p20, p80)."""
+    import inspect
+
+    import triton.testing
+
+    signature = inspect.signature(triton.testing.do_bench)
+    calls = []
+
+    def fake_do_bench(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs).arguments)  # TypeError on an argument it lacks
+        return [1.0, 0.9, 1.2]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    leaves = [torch.zeros(1, requires_grad=True)]
+    assert measure.time_call(lambda: None, torch.device("cuda"), TIMING, leaves) == (1.0, 0.9, 1.2)
+    assert calls[0]["quantiles"] == [0.5, 0.2, 0.8] and calls[0]["grad_to_none"] is leaves
+    assert (calls[0]["warmup"], calls[0]["rep"]) == (1, 2)
 
 
 # -- the CPU run: mechanics -----------------------------------------------------------------------------
