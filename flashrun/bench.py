@@ -221,18 +221,19 @@ def _sweep(resolved: list[Provider], cases: list[Case], modes: list[str], device
         with _progress(console, len(cases) * len(resolved) * len(modes)) as advance, \
                 (compile_limits(len(cases)) if compiles else nullcontext()):
             for case in cases:
-                sets = make_inputs(case, device, cfg.experiment.seed)
                 try:
+                    sets = make_inputs(case, device, cfg.experiment.seed)
                     ref = Reference(sets[0], case, grads=any(mode != "fwd" for mode in modes))
-                except Exception as exc:  # noqa: BLE001 - an OOM makes the shape n/a; anything else is a bug
+                except Exception as exc:  # noqa: BLE001 - an OOM costs the shape; anything else is a bug
                     if not is_oom(exc):
                         raise
-                    ref = None
+                    sets = ref = None
+                    free_memory(device)
                 baseline_ms: dict[str, float] = {}
                 for provider in resolved:
                     advance(f"{case.label()}  {provider.name}", 0)
                     if ref is None:
-                        cells = [Cell(mode, "n/a", None, note="the reference ran out of memory on this shape")
+                        cells = [Cell(mode, "OOM", None, note="the inputs and reference alone ran out of memory")
                                  for mode in modes]
                     else:
                         cells = measure(provider, case, sets, ref, modes, device, timing)

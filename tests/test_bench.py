@@ -323,6 +323,21 @@ def test_an_oom_cell_says_so_and_the_sweep_goes_on(isolated: Path, monkeypatch: 
         ("sdpa", 16, "ok"), ("torch-naive", 16, "OOM"), ("sdpa", 32, "ok"), ("torch-naive", 32, "OOM")]
 
 
+def test_a_shape_whose_inputs_do_not_fit_is_oom_and_the_sweep_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_make_inputs = measure.make_inputs
+
+    def make_inputs(case: Case, device: torch.device, seed: int):
+        if case.seq_len == 32:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB")
+        return real_make_inputs(case, device, seed)
+
+    monkeypatch.setattr(measure, "make_inputs", make_inputs)
+    result = invoke(*TINY_NO_N, "-p", "sdpa,torch-naive", "--seq-lens", "32,16", "--causal", "no", "--json")
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["seq_len"], r["status"]) for r in rows] == [(32, "OOM"), (32, "OOM"), (16, "ok"), (16, "ok")]
+
+
 def test_an_interrupted_run_keeps_the_rows_measured_so_far(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_measure = measure.measure
     calls = []
