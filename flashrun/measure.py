@@ -141,33 +141,30 @@ class Reference:
         def leaf(t: torch.Tensor) -> torch.Tensor:  # (N, D) -> (1, 1, N, D), a high-precision copy
             return t[None, None].to(dtype, copy=True).requires_grad_(grads)
 
-        outs, dqs, dks, dvs = [], [], [], []
+        outs, dqs, dks, dvs = [], [], [], []  # flat, in slice order: batch element, then head
         for b in self._batches:
-            out_b, dq_b, dk_b, dv_b = [], [], [], []
             for j in self._kv_heads:
                 kj, vj = leaf(k[b, j]), leaf(v[b, j])
-                dk_j = torch.zeros_like(kj[0, 0])
-                dv_j = torch.zeros_like(vj[0, 0])
+                dk_j, dv_j = torch.zeros_like(kj[0, 0]), torch.zeros_like(vj[0, 0])
                 for h in range(j * group, (j + 1) * group):
                     qh = leaf(q[b, h])
                     with torch.set_grad_enabled(grads):
                         o = attention_ref(qh, kj, vj, causal=self.case.causal)
-                    out_b.append(o.detach()[0, 0])
+                    outs.append(o.detach()[0, 0])
                     if grads:
                         gq, gk, gv = torch.autograd.grad(o, (qh, kj, vj), dout[b, h][None, None].to(dtype))
-                        dq_b.append(gq[0, 0])
+                        dqs.append(gq[0, 0])
                         dk_j += gk[0, 0]  # a kv head's gradient sums over the query heads it serves
                         dv_j += gv[0, 0]
-                dk_b.append(dk_j)
-                dv_b.append(dv_j)
-            outs.append(torch.stack(out_b))
-            dqs.append(dq_b)
-            dks.append(torch.stack(dk_b))
-            dvs.append(torch.stack(dv_b))
-        out = torch.stack(outs)  # (checked batches, checked query heads, Nq, D)
+                dks.append(dk_j)
+                dvs.append(dv_j)
+
+        def shaped(parts: list[torch.Tensor]) -> torch.Tensor:  # -> (checked batches, checked heads, N, D)
+            return torch.stack(parts).unflatten(0, (len(self._batches), -1))
+
         if not grads:
-            return out, None
-        return out, (torch.stack([torch.stack(d) for d in dqs]), torch.stack(dks), torch.stack(dvs))
+            return shaped(outs), None
+        return shaped(outs), (shaped(dqs), shaped(dks), shaped(dvs))
 
 
 # -- verdicts -----------------------------------------------------------------------------------------

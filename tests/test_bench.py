@@ -443,6 +443,18 @@ def test_a_failure_while_checking_costs_the_cell_not_the_run(monkeypatch: pytest
     assert {(c.status, c.note) for c in cells} == {("n/a", note)}
 
 
+def test_the_checked_slice_reaches_the_last_batch_element_and_kv_head() -> None:
+    def last_batch_off(q, k, v):
+        out = naive_fn(q, k, v)
+        return torch.cat([out[:-1], out[-1:] * 1.5])
+
+    def last_kv_head_off(q, k, v):  # the last kv head's keys, seen through its last query head
+        return torch.cat([naive_fn(q, k, v)[:, :-1], naive_fn(q[:, -1:], k[:, -1:] * 2, v[:, -1:])], dim=1)
+
+    assert run_one(plain(last_batch_off), modes=("fwd",))[0].status == "wrong"
+    assert run_one(plain(last_kv_head_off), modes=("fwd",))[0].status == "wrong"
+
+
 def test_nan_output_is_wrong() -> None:
     cells = run_one(plain(lambda q, k, v: naive_fn(q, k, v) * float("nan")), modes=("fwd",))
     assert cells[0].status == "wrong" and "NaN/Inf" in cells[0].note
