@@ -150,7 +150,9 @@ def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchRep
 
     out_dir = bench.out or cfg.logging.log_dir / "bench"
     env = fingerprint()
-    csv_path, json_path = _result_paths(out_dir, env.get("gpu") or "cpu")
+    # What the rows were measured on: the GPU's name, or "cpu" (even on a GPU machine).
+    env["measured_on"] = env.get("gpu", "cpu") if device.type == "cuda" else "cpu"
+    csv_path, json_path = _result_paths(out_dir, env["measured_on"])
     header = {"command": "flashrun " + shlex.join(request.argv), "argv": list(request.argv), "started": now_iso(),
               "device": device.type, "env": env, "bench": bench.model_dump(mode="json"),
               "seed": cfg.experiment.seed, "tolerance": TOLERANCE, "ceiling_tflops": None}
@@ -269,7 +271,7 @@ def _row(provider: str, case: Case, cell: Cell, ceiling: float | None, baseline_
         peak_mem_mb=cell.peak_mem_mb,
         speedup=baseline_ms / ms if ms and baseline_ms else None,
         correct=cell.correct, seq_len_k=case.seq_len_k, status=cell.status, max_err=cell.max_err,
-        note=cell.note, setup_s=cell.setup_s, gpu=env.get("gpu") or "cpu", torch=env.get("torch"),
+        note=cell.note, setup_s=cell.setup_s, gpu=env["measured_on"], torch=env.get("torch"),
         triton=env.get("triton"),
         timestamp=now_iso(),
     )
