@@ -233,7 +233,7 @@ def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
         if case.causal:
             offset = case.seq_len_k - case.seq_len  # bottom-right alignment
 
-            def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001 - FlexAttention's signature
+            def mask_mod(b, h, q_idx, kv_idx):
                 return kv_idx <= q_idx + offset
 
             block_mask = create_block_mask(mask_mod, None, None, case.seq_len, case.seq_len_k, device=device)

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashrun.errors import InputError
 from flashrun.runlog import atomic_write_json, atomic_write_text
+from flashrun.sweep import MODES
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
@@ -166,46 +167,44 @@ def check_plot_target(path: Path) -> None:
 
 
 def plot(rows: list[Row], path: Path) -> Path:
-    """TFLOP/s against sequence length, one line per provider, one panel per (head_dim,
-    causal, mode) - and dtype when the run has several. Only valid rows are drawn."""
+    """TFLOP/s against sequence length, one line per provider: a row of panels per (dtype when
+    the run has several, head_dim, causal), a column per mode. Only valid rows are drawn."""
     check_plot_target(path)
     from matplotlib.figure import Figure
 
-    valid = [r for r in rows if r.valid and r.tflops is not None]
     # Decode-like runs fix the queries and sweep the keys: then the keys are the x axis.
     x_name = "seq_len_k" if len({r.seq_len for r in rows}) == 1 and len({r.seq_len_k for r in rows}) > 1 else "seq_len"
     other_name, other_label = ("seq_len", "Nq") if x_name == "seq_len_k" else ("seq_len_k", "Nk")
     # One line per provider, unless the other length varies on its own (Nq list x Nk list).
     split = len({getattr(r, other_name) for r in rows}) > 1 and any(r.seq_len != r.seq_len_k for r in rows)
     several_dtypes = len({r.dtype for r in rows}) > 1
-
-    def panel(row: Row) -> tuple:
-        return row.head_dim, row.causal, row.mode, row.dtype if several_dtypes else ""
-
-    panels: dict[tuple, list[Row]] = {panel(row): [] for row in rows}  # a panel even when nothing in it ran
-    for row in valid:
-        panels[panel(row)].append(row)
-    ncols = min(2, len(panels)) or 1
-    nrows = max(1, -(-len(panels) // ncols))
-    fig = Figure(figsize=(6 * ncols, 4 * nrows))
-    for index, ((head_dim, causal, mode, dtype), members) in enumerate(sorted(panels.items()), start=1):
-        ax = fig.add_subplot(nrows, ncols, index)
-        series: dict[str, list[Row]] = {}
-        for row in members:
-            label = row.provider + (f" ({other_label}={getattr(row, other_name)})" if split else "")
-            series.setdefault(label, []).append(row)
-        for label, points in sorted(series.items()):
-            points.sort(key=lambda r: getattr(r, x_name))
-            ax.plot([getattr(r, x_name) for r in points], [r.tflops for r in points], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("keys (Nk)" if x_name == "seq_len_k" else "sequence length")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{mode}, head_dim {head_dim}, {'causal' if causal else 'full'}" + (f", {dtype}" if dtype else ""))
-        ax.grid(True, alpha=0.3)
-        if series:
-            ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "no valid measurement", ha="center", va="center", transform=ax.transAxes)
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    groups = sorted({(r.dtype if several_dtypes else "", r.head_dim, r.causal) for r in rows})
+    ticks = sorted({getattr(r, x_name) for r in rows})
+    fig = Figure(figsize=(5.5 * len(modes), 3.8 * len(groups)))
+    for row_index, (dtype, head_dim, causal) in enumerate(groups):
+        for col_index, mode in enumerate(modes):
+            ax = fig.add_subplot(len(groups), len(modes), row_index * len(modes) + col_index + 1)
+            series: dict[str, list[Row]] = {}
+            for r in rows:
+                if (r.valid and r.tflops is not None and r.mode == mode and r.head_dim == head_dim
+                        and r.causal == causal and (not dtype or r.dtype == dtype)):
+                    label = r.provider + (f" ({other_label}={getattr(r, other_name)})" if split else "")
+                    series.setdefault(label, []).append(r)
+            for label, points in sorted(series.items()):
+                points.sort(key=lambda r: getattr(r, x_name))
+                ax.plot([getattr(r, x_name) for r in points], [r.tflops for r in points], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlabel("keys (Nk)" if x_name == "seq_len_k" else "sequence length")
+            ax.set_ylabel("TFLOP/s")
+            title = f"{mode}, head_dim {head_dim}, {'causal' if causal else 'full'}"
+            ax.set_title(title + (f", {dtype}" if dtype else ""))
+            ax.grid(True, alpha=0.3)
+            if series:
+                ax.legend(fontsize="small")
+            else:
+                ax.text(0.5, 0.5, "no valid measurement", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
