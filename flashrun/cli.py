@@ -258,6 +258,87 @@ def gen_cases(
         raise typer.Exit(report.exit_code)
 
 
+# -- bench --------------------------------------------------------------------------------------
+ListOpt = Optional[list[str]]
+
+
+@app.command()
+def bench(
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    kernel: Annotated[ListOpt, typer.Option(
+        "--kernel", "-k", help="Add a kernel: flash | minimal | PATH.py:FUNCTION (repeatable).",
+        show_default=False)] = None,
+    provider: Annotated[ListOpt, typer.Option(
+        "--provider", "-p", help="Providers instead of \\[bench].providers (repeatable or comma-separated).",
+        show_default=False)] = None,
+    baseline: Annotated[Optional[str], typer.Option(
+        "--baseline", help="Speedups are against this provider (default sdpa; always measured).",
+        show_default=False)] = None,
+    mode: Annotated[ListOpt, typer.Option(
+        "--mode", help="fwd | bwd | fwd_bwd (repeatable or comma-separated).", show_default=False)] = None,
+    dtype: Annotated[ListOpt, typer.Option(
+        "--dtype", help="float16 | bfloat16 | float32 (repeatable or comma-separated).", show_default=False)] = None,
+    seq_lens: Annotated[ListOpt, typer.Option(
+        "--seq-lens", help="Query lengths, e.g. 512,1024 (repeatable).", show_default=False)] = None,
+    seq_lens_k: Annotated[ListOpt, typer.Option(
+        "--seq-lens-k", help="Key lengths for decode-like shapes, e.g. 4096,16384 (default: = query length).",
+        show_default=False)] = None,
+    head_dims: Annotated[ListOpt, typer.Option(
+        "--head-dims", help="Head dimensions, e.g. 64,128 (repeatable).", show_default=False)] = None,
+    causal: Annotated[Optional[str], typer.Option("--causal", help="yes | no | both.", show_default=False)] = None,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", help="auto | cuda | cpu (cpu times only torch-naive, sdpa and sdpa-math).",
+        show_default=False)] = None,
+    out_dir: Annotated[Optional[Path], typer.Option(
+        "--out", help="Folder for the CSV and JSON results (default <log_dir>/bench).", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Also draw TFLOP/s against sequence length into this image (e.g. bench.png).",
+        show_default=False)] = None,
+    compare: Annotated[Optional[Path], typer.Option(
+        "--compare", help="Print ratios against an earlier results file (.csv or .json).", show_default=False)] = None,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Time attention kernels against PyTorch's best (SDPA backends, FlexAttention, ...) on a GPU.
+
+    Each provider is checked against the reference first; a wrong one gets no time (exit 1).
+
+    Shapes follow the FlashAttention benchmarks: heads = hidden / D, batch = tokens / N.
+
+    Writes <out>/<gpu>-<time>.csv and .json, and a record in runs.jsonl.
+
+    Examples:
+
+      flashrun bench                       # the default sweep: forward, float16
+
+      flashrun bench --mode fwd,bwd --dtype float16,bfloat16 --plot bench.png
+
+      flashrun bench -k flash -p sdpa-cudnn,sdpa-flash --seq-lens 1 --seq-lens-k 4096,16384
+
+      flashrun bench -k experiments/my_attention.py:attention --compare logs/bench/earlier.json
+
+      flashrun bench --device cpu -p torch-naive,sdpa --seq-lens 128 --set bench.tokens=256
+    """
+    from flashrun import bench as bench_mod
+
+    with _boundary(verbose):
+        request = bench_mod.BenchRequest(
+            config=config, settings=settings, sets=tuple(sets or ()), kernels=tuple(kernel or ()),
+            providers=tuple(provider or ()), baseline=baseline, modes=tuple(mode or ()), dtypes=tuple(dtype or ()),
+            seq_lens=tuple(seq_lens or ()), seq_lens_k=tuple(seq_lens_k or ()), head_dims=tuple(head_dims or ()),
+            causal=causal, device=device, out=out_dir, plot=plot, compare=compare, argv=tuple(sys.argv[1:]),
+        )
+        cfg = _setup(request.config, request.settings, list(request.sets), verbose, request.flags())
+        report = bench_mod.run(cfg, request, console=None if json_out else err)
+        if json_out:
+            out.print_json(data=report.to_json())
+        else:
+            bench_mod.render(report, out)
+        raise typer.Exit(report.exit_code)
+
+
 # -- init ---------------------------------------------------------------------------------------
 @app.command()
 def init(

@@ -155,7 +155,7 @@ class BenchConfig(_Section):
     mode: list[Literal["fwd", "bwd", "fwd_bwd"]] = ["fwd"]
     dtype: list[Dtype] = ["float16"]
     seq_len: list[PositiveInt] = [512, 1024, 2048, 4096, 8192, 16384]
-    seq_len_k: PositiveInt | None = None  # decode-like shapes: seq_len queries against this many keys
+    seq_len_k: list[PositiveInt] | None = None  # decode-like shapes: seq_len queries against these key lengths
     head_dim: list[HeadDim] = [64, 128]
     causal: list[bool] = [False, True]
     hidden: PositiveInt = 2048  # heads = hidden // head_dim (the FlashAttention benchmark convention)
@@ -165,7 +165,7 @@ class BenchConfig(_Section):
     rep_ms: PositiveInt = 100
     out: PathField | None = None  # default <log_dir>/bench
 
-    _lists = field_validator("mode", "dtype", "seq_len", "head_dim", "causal", mode="before")(_as_list)
+    _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", mode="before")(_as_list)
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -461,6 +461,7 @@ def _resolve_paths(cfg: Config, origins: dict[tuple[str, ...], str], bases: dict
     if not log_dir.is_absolute():
         log_dir = base("logging", "log_dir") / log_dir
     kernels = [_resolve_kernel(spec, base("experiment", "kernel")) for spec in cfg.experiment.kernel]
+    providers = [_resolve_kernel(spec, base("bench", "providers")) for spec in cfg.bench.providers]
     bench_out = cfg.bench.out
     if bench_out is not None and not bench_out.is_absolute():
         bench_out = base("bench", "out") / bench_out
@@ -468,7 +469,7 @@ def _resolve_paths(cfg: Config, origins: dict[tuple[str, ...], str], bases: dict
         update={
             "logging": cfg.logging.model_copy(update={"log_dir": log_dir}),
             "experiment": cfg.experiment.model_copy(update={"kernel": kernels}),
-            "bench": cfg.bench.model_copy(update={"out": bench_out}),
+            "bench": cfg.bench.model_copy(update={"out": bench_out, "providers": providers}),
         }
     )
     updated._warnings = list(cfg._warnings)

@@ -42,3 +42,10 @@ class GatewayError(FlashrunError):
 
 class MissingKeyError(FlashrunError):
     """The API key variable is not set."""
+
+
+class GPUFault(FlashrunError):
+    """A kernel left the GPU unusable (illegal memory access, launch failure): nothing after it
+    in this process can be trusted, so the run stops."""
+
+    exit_code = 1

@@ -1,0 +1,211 @@
+"""Bench results: rows, the CSV/JSON files, ``--compare`` and ``--plot``. No torch here.
+
+CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS`. The JSON file holds
+the same rows plus the environment fingerprint, the command and the settings of the run. Both
+are rewritten atomically after every provider, so an interrupted run leaves the rows measured
+so far (its JSON says ``"complete": false``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from flashrun.errors import InputError
+from flashrun.runlog import atomic_write_json, atomic_write_text
+from flashrun.sweep import MODES
+
+COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
+           "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
+EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp")
+# What makes two rows the same measurement, across runs (for --compare).
+KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim")
+
+
+@dataclass(frozen=True)
+class Row:
+    provider: str
+    mode: str
+    dtype: str
+    causal: bool
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+    ms: float | None  # median
+    ms_p20: float | None
+    ms_p80: float | None
+    tflops: float | None
+    pct_peak: float | None  # of the bf16 matmul ceiling measured in the same run
+    peak_mem_mb: float | None
+    speedup: float | None  # baseline ms / this ms, same case and mode
+    correct: bool | None  # None: never checked (n/a, OOM before the check)
+    seq_len_k: int
+    status: str  # ok | wrong | n/a | OOM
+    max_err: float | None
+    note: str
+    setup_s: float | None  # prepare + first checked call (compile, autotune), once per provider and shape
+    gpu: str
+    torch: str | None
+    triton: str | None
+    timestamp: str
+
+    @property
+    def valid(self) -> bool:
+        """Checked correct and timed: the only rows whose speed counts."""
+        return self.status == "ok" and self.ms is not None
+
+    def key(self) -> tuple:
+        return tuple(getattr(self, name) for name in KEY)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+assert tuple(f.name for f in fields(Row)) == COLUMNS + EXTRA_COLUMNS, "Row must list the columns in order"
+
+def _csv_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.6g}"  # beyond the timer's precision; the JSON keeps every digit
+    return str(value)
+
+
+def to_csv(rows: list[Row]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(COLUMNS + EXTRA_COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_value(getattr(row, name)) for name in COLUMNS + EXTRA_COLUMNS])
+    return buffer.getvalue()
+
+
+def write(csv_path: Path, json_path: Path, rows: list[Row], header: dict[str, Any], complete: bool) -> None:
+    atomic_write_text(csv_path, to_csv(rows))
+    atomic_write_json(json_path, {**header, "complete": complete, "columns": list(COLUMNS + EXTRA_COLUMNS),
+                                  "rows": [row.to_json() for row in rows]})
+
+
+# -- earlier results (--compare) -------------------------------------------------------------------
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of an earlier ``flashrun bench`` CSV or JSON file, with typed key fields."""
+    if not path.is_file():
+        raise InputError(f"--compare {path}: no such file", hint="give a .csv or .json written by flashrun bench")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        if path.suffix.lower() == ".json":
+            raw = json.loads(text)["rows"]
+        else:
+            raw = list(csv.DictReader(io.StringIO(text)))
+        rows = [_typed(r) for r in raw]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        raise InputError(f"--compare {path}: not a flashrun bench results file",
+                         hint="give a .csv or .json written by flashrun bench") from None
+    if not rows:
+        raise InputError(f"--compare {path}: holds no rows")
+    return rows
+
+
+def _typed(raw: dict[str, Any]) -> dict[str, Any]:
+    def integer(name: str) -> int:
+        return int(raw[name])
+
+    causal = raw["causal"]
+    causal = causal if isinstance(causal, bool) else str(causal).strip().lower() == "true"
+    ms = raw.get("ms")
+    status = raw.get("status") or "ok"
+    return {
+        "provider": str(raw["provider"]), "mode": str(raw["mode"]), "dtype": str(raw["dtype"]), "causal": causal,
+        "batch": integer("batch"), "heads": integer("heads"), "kv_heads": integer("kv_heads"),
+        "seq_len": integer("seq_len"), "seq_len_k": int(raw.get("seq_len_k") or raw["seq_len"]),
+        "head_dim": integer("head_dim"),
+        "ms": float(ms) if ms not in (None, "") and status == "ok" else None,
+    }
+
+
+@dataclass(frozen=True)
+class Ratio:
+    row: Row
+    before_ms: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        """before / now: above 1 means faster now."""
+        if self.before_ms is None or not self.row.valid:
+            return None
+        return self.before_ms / self.row.ms
+
+
+def compare(rows: list[Row], earlier: list[dict[str, Any]]) -> list[Ratio]:
+    """Each row of this run matched (same provider, mode and shape) with an earlier one."""
+    before = {tuple(r[name] for name in KEY): r["ms"] for r in earlier}
+    return [Ratio(row, before[row.key()]) for row in rows if row.key() in before]
+
+
+# -- plot --------------------------------------------------------------------------------------------
+def check_plot_target(path: Path) -> None:
+    """Fail before the sweep, not after it: matplotlib present, format known, folder writable."""
+    try:
+        from matplotlib.figure import Figure  # a bare Figure, not pyplot: no display, Agg renders it
+    except ImportError:
+        raise InputError("--plot needs matplotlib", hint="pip install 'flashrun[plot]'") from None
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise InputError(f"--plot {path}: unknown image format {path.suffix or '(none)'}",
+                         hint=f"use one of: {', '.join('.' + f for f in sorted(formats))}")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise InputError(f"--plot {path}: {path.parent} is not a folder")
+
+
+def plot(rows: list[Row], path: Path) -> Path:
+    """TFLOP/s against sequence length, one line per provider: a row of panels per (dtype when
+    the run has several, head_dim, causal), a column per mode. Only valid rows are drawn."""
+    check_plot_target(path)
+    from matplotlib.figure import Figure
+
+    # Decode-like runs fix the queries and sweep the keys: then the keys are the x axis.
+    x_name = "seq_len_k" if len({r.seq_len for r in rows}) == 1 and len({r.seq_len_k for r in rows}) > 1 else "seq_len"
+    other_name, other_label = ("seq_len", "Nq") if x_name == "seq_len_k" else ("seq_len_k", "Nk")
+    # One line per provider, unless the other length varies on its own (Nq list x Nk list).
+    split = len({getattr(r, other_name) for r in rows}) > 1 and any(r.seq_len != r.seq_len_k for r in rows)
+    several_dtypes = len({r.dtype for r in rows}) > 1
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    groups = sorted({(r.dtype if several_dtypes else "", r.head_dim, r.causal) for r in rows})
+    ticks = sorted({getattr(r, x_name) for r in rows})
+    fig = Figure(figsize=(5.5 * len(modes), 3.8 * len(groups)))
+    for row_index, (dtype, head_dim, causal) in enumerate(groups):
+        for col_index, mode in enumerate(modes):
+            ax = fig.add_subplot(len(groups), len(modes), row_index * len(modes) + col_index + 1)
+            series: dict[str, list[Row]] = {}
+            for r in rows:
+                if (r.valid and r.tflops is not None and r.mode == mode and r.head_dim == head_dim
+                        and r.causal == causal and (not dtype or r.dtype == dtype)):
+                    label = r.provider + (f" ({other_label}={getattr(r, other_name)})" if split else "")
+                    series.setdefault(label, []).append(r)
+            for label, points in sorted(series.items()):
+                points.sort(key=lambda r: getattr(r, x_name))
+                ax.plot([getattr(r, x_name) for r in points], [r.tflops for r in points], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xlabel("keys (Nk)" if x_name == "seq_len_k" else "sequence length")
+            ax.set_ylabel("TFLOP/s")
+            title = f"{mode}, head_dim {head_dim}, {'causal' if causal else 'full'}"
+            ax.set_title(title + (f", {dtype}" if dtype else ""))
+            ax.grid(True, alpha=0.3)
+            if series:
+                ax.legend(fontsize="small")
+            else:
+                ax.text(0.5, 0.5, "no valid measurement", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
