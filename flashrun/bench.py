@@ -11,6 +11,8 @@ on the CPU, and says so.
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime as _dt
 import re
 import shlex
@@ -146,7 +148,8 @@ def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchRep
                        "these numbers say nothing about any GPU")
     resolved = [providers_mod.resolve(name, device) for name in names]  # loads kernels: a bad path stops here
 
-    from flashrun.measure import TOLERANCE, Timing, matmul_ceiling
+    from flashrun.measure import Timing, matmul_ceiling
+    from flashrun.tolerance import FACTOR, TOLERANCE
 
     out_dir = bench.out or cfg.logging.log_dir / "bench"
     env = fingerprint()
@@ -155,7 +158,9 @@ def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchRep
     csv_path, json_path = _result_paths(out_dir, env["measured_on"])
     header = {"command": "flashrun " + shlex.join(request.argv), "argv": list(request.argv), "started": now_iso(),
               "device": device.type, "env": env, "bench": bench.model_dump(mode="json"),
-              "seed": cfg.experiment.seed, "tolerance": TOLERANCE, "ceiling_tflops": None}
+              "seed": cfg.experiment.seed, "ceiling_tflops": None,
+              "tolerance": {"factor": FACTOR, **{str(dtype).removeprefix("torch."): dataclasses.asdict(tol)
+                                                 for dtype, tol in TOLERANCE.items()}}}
     try:  # the empty files now: an unwritable --out must fail before the GPU works, not after
         results.write(csv_path, json_path, [], header, complete=False)
     except OSError as exc:

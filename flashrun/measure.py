@@ -38,6 +38,7 @@ from flashrun.errors import GPUFault, KernelError
 from flashrun.providers import Attention, Provider, failure_reason
 from flashrun.reference import attention_ref
 from flashrun.sweep import Case
+from flashrun.tolerance import compare
 
 log = logging.getLogger("flashrun.bench")
 
@@ -49,11 +50,6 @@ log = logging.getLogger("flashrun.bench")
 # errors are of order 0.1 to 1, fails. float32 allows TF32 products (Triton's tl.dot default),
 # whose precision is float16's. `flashrun verify` is the thorough check; this is a guard that
 # no wrong kernel gets a speed.
-TOLERANCE: dict[str, dict[str, tuple[float, float]]] = {
-    "float16": {"out": (1e-2, 1e-2), "grad": (1e-2, 2e-2)},
-    "bfloat16": {"out": (2e-2, 2e-2), "grad": (2e-2, 5e-2)},
-    "float32": {"out": (1e-2, 1e-2), "grad": (1e-2, 2e-2)},
-}
 ROTATED_SETS = 4  # input sets rotated when one set fits in L2
 CPU_CACHE_BYTES = 32 << 20  # nominal last-level cache of a CPU, to decide on rotation
 QUANTILES = [0.5, 0.2, 0.8]  # median, p20, p80
@@ -123,7 +119,9 @@ class Reference:
         self._batch_idx = torch.tensor(self._batches, device=device)
         self._head_idx = torch.tensor(heads, device=device)
         self._kv_idx = torch.tensor(self._kv_heads, device=device)
-        self.out, self.grads = self._compute(inputs, grads)
+        self.out, self.grads = self._compute(inputs, grads, upcast=True)
+        # PyTorch's same maths in the inputs' dtype: the yardstick of flashrun.tolerance
+        self.yard_out, self.yard_grads = self._compute(inputs, grads, upcast=False)
 
     def slice_q(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H, Nq, D) -> the checked (batch, query head) pairs."""
@@ -132,10 +130,10 @@ class Reference:
     def slice_kv(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().index_select(0, self._batch_idx).index_select(1, self._kv_idx)
 
-    def _compute(self, inputs: Inputs, grads: bool
+    def _compute(self, inputs: Inputs, grads: bool, upcast: bool
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         q, k, v, dout = (t.detach() for t in (inputs.q, inputs.k, inputs.v, inputs.dout))
-        dtype = torch.float64 if q.device.type == "cpu" else torch.float32
+        dtype = q.dtype if not upcast else torch.float64 if q.device.type == "cpu" else torch.float32
         group = self.case.group
 
         def leaf(t: torch.Tensor) -> torch.Tensor:  # (N, D) -> (1, 1, N, D), a high-precision copy
@@ -149,7 +147,7 @@ class Reference:
                 for h in range(j * group, (j + 1) * group):
                     qh = leaf(q[b, h])
                     with torch.set_grad_enabled(grads):
-                        o = attention_ref(qh, kj, vj, causal=self.case.causal)
+                        o = attention_ref(qh, kj, vj, causal=self.case.causal, upcast=upcast)
                     outs.append(o.detach()[0, 0])
                     if grads:
                         gq, gk, gv = torch.autograd.grad(o, (qh, kj, vj), dout[b, h][None, None].to(dtype))
@@ -189,17 +187,14 @@ class Cell:
     setup_s: float | None = None  # prepare + the checked first call: compiling and autotuning show here
 
 
-def _judge(checks: list[tuple[str, torch.Tensor, torch.Tensor, tuple[float, float]]]) -> Verdict:
+def _judge(checks: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Verdict:
+    """(name, result slice, reference, yardstick) by flashrun.tolerance, the policy verify uses."""
     worst = 0.0
-    for name, got, ref, (atol, rtol) in checks:
-        got = got.to(ref.dtype)
-        if not torch.isfinite(got).all():
-            return Verdict("wrong", f"{name}: NaN/Inf in the result")
-        err = (got - ref).abs().max().item()
-        bound = atol + rtol * ref.abs().max().item()
-        worst = max(worst, err)
-        if err > bound:
-            return Verdict("wrong", f"{name}: max error {err:.3g} > tolerance {bound:.3g}", worst)
+    for name, got, ref, yard in checks:
+        result = compare(name, got, ref, yard)
+        worst = max(worst, result.max_abs)
+        if not result.passed:
+            return Verdict("wrong", result.reason(), worst)
     return Verdict("ok", max_err=worst)
 
 
@@ -229,7 +224,6 @@ def check(provider: Provider, attn: Attention, case: Case, inputs: Inputs, ref: 
           caught: list[warnings.WarningMessage]) -> tuple[Verdict, Verdict | None]:
     """(forward verdict, backward verdict or None when not asked). The backward verdict also
     covers the forward output: gradients of a wrong forward are wrong too."""
-    tol = TOLERANCE[case.dtype]
     q, k, v = inputs.leaves()
     reset_grads([inputs])
     start = len(caught)
@@ -243,7 +237,7 @@ def check(provider: Provider, attn: Attention, case: Case, inputs: Inputs, ref: 
                else type(out).__name__)
         verdict = Verdict("wrong", f"returned {got}, expected a tensor of shape {tuple(q.shape)} on {q.device}")
         return verdict, verdict
-    out_check = ("out", ref.slice_q(out), ref.out, tol["out"])
+    out_check = ("out", ref.slice_q(out), ref.out, ref.yard_out)
     forward = _judge([out_check])
     if not grads:
         return forward, None
@@ -255,12 +249,11 @@ def check(provider: Provider, attn: Attention, case: Case, inputs: Inputs, ref: 
         if any(leaf.grad is None for leaf in (q, k, v)):
             return forward, Verdict("wrong", "the backward left a gradient of q, k or v unset")
         assert ref.grads is not None, "the bench computes reference gradients when a backward mode is asked"
-        dq, dk, dv = ref.grads
+        assert ref.yard_grads is not None
         return forward, _judge([
             out_check,
-            ("dq", ref.slice_q(q.grad), dq, tol["grad"]),
-            ("dk", ref.slice_kv(k.grad), dk, tol["grad"]),
-            ("dv", ref.slice_kv(v.grad), dv, tol["grad"]),
+            *((name, slice_(leaf.grad), want, yard) for name, slice_, leaf, want, yard in zip(
+                ("dq", "dk", "dv"), (ref.slice_q, ref.slice_kv, ref.slice_kv), (q, k, v), ref.grads, ref.yard_grads)),
         ])
     except Exception as exc:  # noqa: BLE001
         return forward, _failure(provider.name, case, exc, caught[start:])
