@@ -211,7 +211,11 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
 
     from flashrun import kernels
 
-    launch = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
+    # [triton] pins flash's launch config; otherwise verify uses each kernel's default config
+    # rather than autotuning: every case would compile the tuner's whole space (minutes on a GPU
+    # for a sweep), while the GPU suite (tests/test_gpu.py) checks every config it may pick.
+    pinned = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
+    launch = pinned if any(v is not None for v in vars(pinned).values()) else "default"
     loaded: dict[str, Any] = {}
     for spec in plan.kernels:
         loaded[spec] = kernels.get(spec, launch)  # a bad kernel spec is an input error: exit 2

@@ -26,7 +26,7 @@ import torch
 from flashrun.errors import KernelError
 from flashrun.kernels.flash import attention_forward, flash_attention
 from flashrun.kernels.minimal import minimal_attention
-from flashrun.kernels.tuning import LaunchConfig
+from flashrun.kernels.tuning import Launch, LaunchConfig
 
 __all__ = ["Kernel", "LaunchConfig", "attention_forward", "flash_attention", "get", "minimal_attention"]
 
@@ -47,8 +47,8 @@ class Kernel:
         return self.fn(q, k, v)
 
 
-def get(spec: str, launch: LaunchConfig | None = None) -> Kernel:
-    """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch`` pins flash's launch config."""
+def get(spec: str, launch: Launch = None) -> Kernel:
+    """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config."""
     if spec == "flash":
         def flash(q, k, v, causal=False, sm_scale=None):
             return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashrun.errors import KernelError
-from flashrun.kernels.tuning import LaunchConfig, choose
+from flashrun.kernels.tuning import Launch, LaunchConfig, choose
 
 try:  # host-side tensor descriptors (TMA) arrived in triton 3.4; without them, pointers only
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -458,7 +458,7 @@ def dot_options(dtype: torch.dtype) -> dict:
 
 
 def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float,
-                  launch: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor]:
     Z, H, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     o = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
@@ -481,7 +481,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, causal: bool, sm_scale: float,
-                   launch: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     Z, H, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     group = H // H_KV
@@ -534,7 +534,7 @@ def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                      sm_scale: float | None = None, launch: LaunchConfig | None = None
+                      sm_scale: float | None = None, launch: Launch = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only, no autograd: returns ``(o, lse)``, lse in natural log, float32, (B, H, Nq)."""
     check_inputs(q, k, v)
@@ -542,7 +542,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    sm_scale: float | None = None, launch: LaunchConfig | None = None) -> torch.Tensor:
+                    sm_scale: float | None = None, launch: Launch = None) -> torch.Tensor:
     """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D)."""
     check_inputs(q, k, v)
     return FlashAttention.apply(q, k, v, bool(causal), _scale(q, sm_scale), launch)

@@ -53,6 +53,8 @@ class LaunchConfig:
 
 
 C = LaunchConfig
+# How callers choose: None tunes, "default" skips tuning, a LaunchConfig or {kernel: LaunchConfig} pins.
+Launch = LaunchConfig | dict[str, LaunchConfig] | str | None
 # The interpreter runs every program in numpy: fewer, larger tiles are faster, but tiles must stay
 # small enough that short test sequences still cross block boundaries.
 INTERPRETER = C(32, 32, 4, 1, False)
@@ -128,9 +130,15 @@ def _save(path: Path) -> None:
 
 
 def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
-           launch: LaunchConfig | dict[str, LaunchConfig] | None, run: Callable[[LaunchConfig], None]) -> LaunchConfig:
-    """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first."""
+           launch: Launch, run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+    """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first.
+
+    ``launch``: None tunes; ``"default"`` takes the default; a LaunchConfig pins every kernel
+    (unset fields from the default); a dict pins kernels by name.
+    """
     head_dim = q.shape[-1]
+    if launch == "default":  # no tuning: each kernel's default config (what verify checks)
+        return default(kind, head_dim, q.dtype)
     if isinstance(launch, dict):  # per-kernel pins, e.g. {"fwd": LaunchConfig(128, 64, 4, 3)}
         launch = launch.get(kind)
     if launch is not None and any(getattr(launch, f.name) is not None for f in fields(launch)):
