@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
@@ -80,8 +81,8 @@ def _boundary(verbose: bool) -> Iterator[None]:
     try:
         yield
     except FlashrunError as exc:
-        if verbose:
-            err.print_exception()
+        if verbose:  # the traceback may quote a server's reply, so it is masked like the rest
+            err.print(escape(redact(traceback.format_exc())), markup=True)
         # Messages may quote server text or paths with [brackets]: escape them so rich neither
         # swallows them as markup nor raises on a stray closing tag.
         err.print(f"[bold red]error:[/] {escape(redact(exc.message))}", markup=True)

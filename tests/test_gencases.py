@@ -497,3 +497,12 @@ def test_load_cases_hand_written(isolated: Path) -> None:
     path.write_text('[{"seq_len": 97, "head_dim": 40, "causal": true, "dtype": "bfloat16"}, {"seq_len": 1}]')
     assert load_cases(path) == [{"seq_len": 97, "head_dim": 40, "causal": True, "dtype": "bfloat16"},
                                 {"seq_len": 1}]
+
+
+def test_verbose_traceback_masks_the_key(gateway: FakeGateway, isolated: Path) -> None:
+    # -v prints the traceback of a user-facing error; the server's reply in it echoes the key
+    gateway.script("good-model", ECHO_KEY)
+    result = gen(write_config(isolated, gateway.base_url), "-v")
+    assert result.exit_code == 1
+    assert "Traceback" in result.output and "GatewayError" in result.output
+    assert_no_secret(isolated, result.output)
