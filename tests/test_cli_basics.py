@@ -221,3 +221,21 @@ def test_a_literal_key_in_settings_never_appears(cli, tmp_path: Path) -> None:
     assert "literal key" in result.stderr  # the load-time warning
     for text in (result.output, _all_text_under(tmp_path / "logs")):
         assert FAKE_KEY not in text
+
+
+def test_written_files_get_the_usual_mode(tmp_path):
+    # atomic writes go through mkstemp (0600); the result must look like a normal file
+    import os
+
+    from flashrun.runlog import atomic_write_text
+
+    umask = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "new.txt", "x")
+        assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o644
+        (tmp_path / "kept.txt").write_text("old")
+        (tmp_path / "kept.txt").chmod(0o600)
+        atomic_write_text(tmp_path / "kept.txt", "new")
+        assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(umask)
