@@ -194,7 +194,7 @@ def _device(requested: str) -> torch.device:
     if requested == "cpu":
         return torch.device("cpu")
     raise DeviceError(
-        f"no GPU ({device_mod._no_gpu_reason()}): flashrun bench will not time kernels through "
+        f"no GPU ({device_mod.no_gpu_reason()}): flashrun bench will not time kernels through "
         "Triton's CPU interpreter, whose timings mean nothing",
         hint="run it on a machine with a CUDA GPU, or pass --device cpu to time only the plain PyTorch "
              "providers (torch-naive, sdpa, sdpa-math) on the CPU",

@@ -28,7 +28,7 @@ class Device:
         return self.kind
 
 
-def _no_gpu_reason() -> str:
+def no_gpu_reason() -> str:
     import torch
 
     if torch.version.cuda is None:
@@ -46,7 +46,7 @@ def select(requested: str = "auto") -> Device:
     if requested == "cpu" or not has_gpu:
         notice = None
         if requested == "cuda":
-            notice = f"the config asks for cuda, but {_no_gpu_reason()}: running through Triton's interpreter on the CPU"
+            notice = f"the config asks for cuda, but {no_gpu_reason()}: running through Triton's interpreter on the CPU"
         elif requested == "auto":
             notice = f"no GPU found: {INTERPRETER_NOTICE}"
         use_interpreter()

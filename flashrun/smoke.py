@@ -20,7 +20,7 @@ import triton.language as tl
 
 N = 20  # not a multiple of BLOCK: the masks must work
 BLOCK = 32
-TOLERANCE = 1e-2  # fp16 products are exact in fp32; only the summation order may differ
+TOLERANCE = 1e-2  # fp16/bf16 products are exact in fp32; only the summation order may differ
 KERNEL = f"a {N}x{N} tl.dot kernel"  # how check-env names it
 
 
@@ -44,11 +44,15 @@ class SmokeResult:
         return math.isfinite(self.max_error) and self.max_error <= TOLERANCE
 
 
-def run(device: str) -> SmokeResult:
-    """Launch the kernel once on ``device`` ("cuda" or "cpu") and compare with torch."""
+def run(device: str, dtype: torch.dtype = torch.float16) -> SmokeResult:
+    """Launch the kernel once on ``device`` ("cuda" or "cpu") and compare with torch.
+
+    verify also runs it in bfloat16: Triton's interpreter (seen with triton 3.9) computes bf16
+    ``tl.dot`` wrongly, and verify must know before it judges a user's bf16 kernel there.
+    """
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(N, N, generator=gen).half()
-    y = torch.randn(N, N, generator=gen).half()
+    x = torch.randn(N, N, generator=gen).to(dtype)
+    y = torch.randn(N, N, generator=gen).to(dtype)
     z = torch.full((N, N), float("nan"), device=device)  # poisoned: an unwritten element cannot pass
     start = time.perf_counter()
     _dot_kernel[(1,)](x.to(device), y.to(device), z, N, BLOCK=BLOCK)

@@ -254,9 +254,11 @@ def _progress(console: Console | None, total: int) -> Progress:
 
 
 def _interpreter_bf16_dot_ok() -> bool:
-    from flashrun.kernels.probe import bf16_dot_error
+    import torch
 
-    return bf16_dot_error() < 1e-2
+    from flashrun import smoke
+
+    return smoke.run("cpu", torch.bfloat16).ok
 
 
 def _inputs(case: Case, seed: int, device: str):

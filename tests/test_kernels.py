@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flashrun.errors import KernelError
 from flashrun.kernels import LaunchConfig, attention_forward, flash_attention, get, minimal_attention
-from flashrun.kernels.probe import bf16_dot_error
+from flashrun import smoke
 from flashrun.reference import attention_ref
 from flashrun.tolerance import compare
 
@@ -80,10 +80,13 @@ def test_interpreter_bf16_probe_sees_the_fault():
     # If a future Triton fixes its interpreter, the probe says so and verify stops skipping.
     import triton
 
-    error = bf16_dot_error()
+    from flashrun.verify import _interpreter_bf16_dot_ok
+
+    bf16 = smoke.run("cpu", torch.bfloat16)
     if triton.__version__.startswith("3.9"):
-        assert error > 1.0
-    assert error >= 0
+        assert bf16.max_error > 1.0
+    assert _interpreter_bf16_dot_ok() == bf16.ok
+    assert smoke.run("cpu", torch.float16).ok  # the fault is bf16's alone
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
