@@ -132,14 +132,40 @@ def test_launch_override(launch):
     _check_fwd_bwd(q, k, v, do, True, launch=launch)
 
 
+# The TMA forward reads (batch*heads*seq, head_dim) rows, so a tile that runs past a head's last
+# row sees the next head's data: the masks must keep it out. Batch 2 makes that visible.
+TMA = {"fwd": LaunchConfig(32, 32, 4, 1, tma=True, ws=True)}
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 97, 70, 40), (2, 2, 1, 33, 130, 64), (1, 2, 2, 1, 1, 16)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_tensor_descriptor_path(shape, causal):
-    # The TMA forward reads (batch*heads*seq, head_dim) rows, so a tile that runs past a head's
-    # last row sees the next head's data: the masks must keep it out. Batch 2 makes that visible.
     q, k, v, do = _inputs(shape, torch.float16)
-    _check_fwd_bwd(q, k, v, do, causal, launch={"fwd": LaunchConfig(32, 32, 4, 1, tma=True)})
+    _check_fwd_bwd(q, k, v, do, causal, launch=TMA)
+
+
+@pytest.mark.parametrize("launch", [TMA, "default"], ids=["tma", "pointers"])
+def test_heads_do_not_leak_into_each_other(launch):
+    # NaN in every input of one head (batch 0, head 1) must leave the other heads exact
+    q, k, v, do = (t.detach() for t in _inputs((2, 2, 2, 33, 47, 40), torch.float16))
+    for t in (q, k, v, do):
+        t[0, 1] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attention(q, k, v, causal=True, launch=launch)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for z, h in [(0, 0), (1, 0), (1, 1)]:
+        sl = [t[z:z + 1, h:h + 1].detach() for t in (q, k, v, do)]
+        ref_in = [t.clone().requires_grad_() for t in sl[:3]]
+        ref = attention_ref(*ref_in, causal=True)
+        ref_grads = torch.autograd.grad(ref, ref_in, sl[3].double())
+        low_in = [t.clone().requires_grad_() for t in sl[:3]]
+        yard = attention_ref(*low_in, causal=True, upcast=False)
+        yard_grads = torch.autograd.grad(yard, low_in, sl[3])
+        for name, got, want, base in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads),
+                                         (yard, *yard_grads)):
+            result = compare(f"{name} of head ({z}, {h})", got[z:z + 1, h:h + 1], want, base)
+            assert result.passed, result.reason()
 
 
 @settings(max_examples=12, deadline=None)

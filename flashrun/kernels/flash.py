@@ -77,34 +77,44 @@ def _key_range(start_m, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _load_rows(src, head_row, start, stride_row, stride_d, N, offs_d,
+               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) x [0, BLOCK_D) of one head's (seq, head_dim) matrix.
+
+    TMA: ``src`` is a tensor descriptor over all (batch*heads*seq, head_dim) rows and the head
+    starts at row ``head_row``; the copy engine zero-fills past the tensor and past head_dim, but
+    rows past N belong to the next head, so MASKED tiles zero them (a NaN there must not leak).
+    Pointers: ``src`` points at the head; only MASKED tiles (and padded head dims) pay for masks.
+    """
+    rows = start + tl.arange(0, BLOCK)
+    if TMA:
+        x = src.load([head_row + start, 0])
+        if MASKED:
+            x = tl.where(rows[:, None] < N, x, 0.0)
+    else:
+        ptrs = src + rows[:, None] * stride_row + offs_d[None, :] * stride_d
+        if MASKED:
+            x = tl.load(ptrs, mask=(rows[:, None] < N) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
                     offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    TMA: tl.constexpr):
+                    TMA: tl.constexpr, WS: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < HEAD_DIM
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    # WS: let the compiler split the loop into producer (TMA) and consumer warps (Hopper+)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        # -- load K, V --
-        if TMA:  # tensor descriptors over (batch*heads*seq, head_dim): TMA copies, zero-filled edges
-            k = k_src.load([kv_row + start_n, 0])
-            v = v_src.load([kv_row + start_n, 0])
-            if MASKED:  # rows past N_K belong to the next head: keep them out of P V
-                v = tl.where(cols[:, None] < N_K, v, 0.0)
-        else:  # pointers (any strides); masks only where the tile leaves the sequence or head_dim
-            k_ptrs = k_src + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk
-            v_ptrs = v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk
-            if MASKED:
-                kv_ok = (cols[:, None] < N_K) & d_ok[None, :]
-                k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-            elif BLOCK_D != HEAD_DIM:
-                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
+        k = _load_rows(k_src, kv_row, start_n, stride_kn, stride_kk, N_K, offs_d, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, TMA)
+        v = _load_rows(v_src, kv_row, start_n, stride_vn, stride_vk, N_K, offs_d, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, TMA)
         qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         # -- update m_i and l_i --
         if MASKED:
@@ -143,7 +153,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               H, N_Q, N_K, qk_scale,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)
@@ -179,11 +189,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     # stage 1: key blocks every row of the tile sees in full - no mask
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
                                     offs_m, offs_d, 0, lo, N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION, TMA)
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION, TMA, WS)
     # stage 2: the causal diagonal and the ragged end of the sequence - masked
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
                                     offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION, TMA)
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION, TMA, False)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf --
     seen = l_i > 0.0
@@ -472,7 +482,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         _attn_fwd[grid](*srcs, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                         H, N_Q, N_K, sm_scale * LOG2E,
                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TMA=tma,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TMA=tma, WS=tma and bool(cfg.ws),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
 
     run(choose("fwd", q, k, causal, launch, run))

@@ -29,7 +29,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """BLOCK_M x BLOCK_N tile (queries x keys), warps per program, software-pipelining depth.
+    """BLOCK_M x BLOCK_N tile (queries x keys), warps per program, software-pipelining depth,
+    and for the forward: tensor-descriptor (TMA) loads and, with them, warp specialization.
 
     Any field may be None in a user override; :meth:`filled` completes it from a default.
     """
@@ -39,17 +40,15 @@ class LaunchConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     tma: bool | None = None  # forward only: load Q/K/V through tensor descriptors (Hopper TMA)
+    ws: bool | None = None  # forward with tma only: producer/consumer warp specialization
 
     def filled(self, default: LaunchConfig) -> LaunchConfig:
         return replace(default, **{f.name: getattr(self, f.name) for f in fields(self)
                                    if getattr(self, f.name) is not None})
 
-    @property
-    def complete(self) -> bool:
-        return all(getattr(self, f.name) is not None for f in fields(self))
-
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
+        return (f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}" + (" tma" if self.tma else "")
+                + (" ws" if self.ws else ""))
 
 
 C = LaunchConfig
@@ -65,7 +64,8 @@ _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
     ("fwd", "small"): [C(128, 64, 4, 3, False), C(64, 64, 4, 3, False), C(128, 128, 8, 3, False),
                        C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(64, 64, 4, 3, True)],
     ("fwd", "large"): [C(128, 64, 4, 3, False), C(64, 64, 4, 3, False), C(128, 128, 8, 3, False),
-                       C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(128, 64, 8, 3, True)],
+                       C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(128, 64, 8, 3, True),
+                       C(128, 128, 8, 3, True, ws=True)],
     ("fwd", "huge"): [C(64, 64, 4, 2, False), C(128, 64, 8, 2, False), C(64, 32, 4, 2, False),
                       C(64, 64, 4, 2, True), C(128, 64, 8, 2, True)],
     ("bwd_dkdv", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
@@ -162,6 +162,7 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
         except Exception as exc:  # noqa: BLE001 - an unlaunchable candidate is skipped, not fatal
             log.debug("skipping %s %s: %s", kind, cfg, exc)
             continue
+        log.debug("  %s %s: %.3f ms", kind, cfg, ms)
         timings.append((ms, cfg))
     if not timings:
         raise RuntimeError(f"no launch configuration of {kind} runs for head_dim={head_dim}, dtype={q.dtype}")
