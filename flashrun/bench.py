@@ -217,7 +217,7 @@ def _sweep(resolved: list[Provider], cases: list[Case], modes: list[str], device
     """Shape-major: each case's inputs and reference are made once, then every provider runs
     on them. The files are rewritten after every provider, and once more however this ends."""
     from flashrun.measure import Cell, Reference, free_memory, is_oom, make_inputs, measure
-    from flashrun.providers import compile_limits
+    from flashrun.providers import compile_settings
 
     baseline = cfg.bench.baseline
     rows: list[results.Row] = []
@@ -226,7 +226,7 @@ def _sweep(resolved: list[Provider], cases: list[Case], modes: list[str], device
     compiles = device.type == "cuda" and any(p.name == "flex" for p in resolved)
     try:
         with _progress(console, len(cases) * len(resolved) * len(modes)) as advance, \
-                (compile_limits(len(cases)) if compiles else nullcontext()):
+                (compile_settings(len(cases)) if compiles else nullcontext()):
             for case in cases:
                 try:
                     sets = make_inputs(case, device, cfg.experiment.seed)

@@ -215,7 +215,7 @@ def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
     """FlexAttention through one ``torch.compile(dynamic=False)`` wrapper, created on first use.
 
     Dynamo keys its cache on the function's code, so every shape adds one entry to the same
-    cache; ``bench`` raises the recompile limit for the sweep (:func:`compile_limits`), else
+    cache; ``bench`` raises the recompile limit for the sweep (:func:`compile_settings`), else
     the 9th shape would silently fall back to slow eager FlexAttention. Each shape compiles
     exactly once because the sweep is shape-major and its block mask is built once.
     """
@@ -251,9 +251,16 @@ def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
     return prepare
 
 
-def compile_limits(n_shapes: int) -> ContextManager:
-    """Let dynamo keep one compiled FlexAttention per shape of the sweep (see _flex_preparer)."""
+def compile_settings(n_shapes: int) -> ContextManager:
+    """Settings for FlexAttention (the one compiled provider) over a sweep of ``n_shapes``:
+
+    * dynamo keeps one compiled FlexAttention per shape (see _flex_preparer);
+    * compiled backward graphs stay re-runnable: bench times the backward alone, repeatedly on
+      one graph (``retain_graph=True``), which AOTAutograd's donated buffers forbid (seen on
+      the H200 with torch 2.11: "compiled with non-empty donated buffers").
+    """
     import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
 
     limit = 2 * n_shapes + 8  # one entry per shape; twice that leaves room for guard variants
     patch = {}
@@ -262,7 +269,12 @@ def compile_limits(n_shapes: int) -> ContextManager:
         name = next((n for n in names if hasattr(dynamo_config, n)), None)
         if name is not None and getattr(dynamo_config, name) < limit:
             patch[name] = limit
-    return dynamo_config.patch(**patch) if patch else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if patch:
+        stack.enter_context(dynamo_config.patch(**patch))
+    if getattr(functorch_config, "donated_buffer", False):
+        stack.enter_context(functorch_config.patch(donated_buffer=False))
+    return stack
 
 
 # -- flash-attn (Tri Dao's package) ---------------------------------------------------------------

@@ -505,6 +505,19 @@ def test_cpu_providers_refuse_scores_too_large_for_memory() -> None:
             providers.resolve(name, CPU).prepare(huge, CPU)
 
 
+def test_flex_settings_keep_one_compile_per_shape_and_a_rerunnable_backward() -> None:
+    # Backward is timed alone and repeatedly on one graph: with donated buffers, compiled
+    # FlexAttention refused that on the H200 ("compiled with non-empty donated buffers").
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.donated_buffer, dynamo_config.recompile_limit
+    with providers.compile_settings(48):
+        assert functorch_config.donated_buffer is False
+        assert dynamo_config.recompile_limit >= 48
+    assert (functorch_config.donated_buffer, dynamo_config.recompile_limit) == before
+
+
 def test_sdpa_cudnn_on_the_cpu_is_na() -> None:
     cells = run_one(providers.resolve("sdpa-cudnn", CPU))
     assert {(c.status, c.correct) for c in cells} == {("n/a", None)}
