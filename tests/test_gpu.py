@@ -34,6 +34,9 @@ CASES = [
     (1, 4, 2, 3000, 1000, 128, BF16, True),  # Nq > Nk: 2000 rows see no key
     (2, 4, 4, 1, 16384, 128, FP16, True),  # decode-like
     (2, 4, 1, 1, 8191, 64, BF16, False),
+    (1, 8, 2, 64, 16384, 128, FP16, True),  # flash-decoding splits: GQA, causal, a full query tile
+    (4, 8, 8, 16, 4096, 64, BF16, False),
+    (1, 4, 4, 33, 5000, 96, FP16, True),
     (1, 4, 4, 777, 777, 40, FP16, True),
     (1, 4, 4, 777, 777, 80, BF16, False),
     (1, 4, 2, 777, 777, 96, FP16, False),

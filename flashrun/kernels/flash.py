@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashrun.errors import KernelError
-from flashrun.kernels.tuning import Launch, LaunchConfig, choose
+from flashrun.kernels.tuning import INTERPRETER, Launch, LaunchConfig, choose
 
 try:  # host-side tensor descriptors (TMA) arrived in triton 3.4; without them, pointers only
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -203,6 +203,81 @@ def _attn_fwd(Q, K, V, O, LSE,
     tl.store(LSE + off_hz.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
     o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
+                    stride_qz, stride_qh, stride_qm, stride_qk,
+                    stride_kz, stride_kh, stride_kn, stride_kk,
+                    stride_vz, stride_vh, stride_vn, stride_vk,
+                    H, N_Q, N_K, qk_scale, KEYS_PER_SPLIT,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Flash-decoding: when a few query rows face many keys, B*H programs cannot fill the GPU,
+    so program (split, batch*head) attends the head's (<= BLOCK_M) queries to one key range
+    [split * KEYS_PER_SPLIT, ...) only. It writes that range's normalized output (float32) and
+    its log2-sum-exp2; :func:`_attn_fwd_combine` merges the splits."""
+    split = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = off_hz % H
+    off_hkv = off_h // GROUP
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh, 0, 0, stride_qm, stride_qk, N_Q, offs_d,
+                   BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
+    k_src = K + off_z * stride_kz + off_hkv * stride_kh
+    v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # the causal/edge split of the whole key range, clipped to this split's keys
+    lo, hi = _key_range(0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    k_lo = split * KEYS_PER_SPLIT  # a multiple of BLOCK_N, as lo is
+    k_hi = k_lo + KEYS_PER_SPLIT
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, k_lo, tl.minimum(k_hi, lo), N_Q, N_K, qk_scale,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION, False, False)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, tl.maximum(k_lo, lo), tl.minimum(k_hi, hi), N_Q, N_K, qk_scale,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION, False, False)
+    # rows that saw no key of this split: output 0, log-sum -inf (weight 0 in the combine)
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    splits = tl.num_programs(0)
+    row = (off_hz.to(tl.int64) * N_Q + offs_m) * splits + split  # O_PART: (B*H, N_Q, splits, BLOCK_D)
+    row_ok = offs_m < N_Q
+    tl.store(LSE_PART + row, lse2, mask=row_ok)
+    tl.store(O_PART + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _attn_fwd_combine(O_PART, LSE_PART, O, LSE,
+                      stride_oz, stride_oh, stride_om, stride_ok,
+                      H, N_Q, SPLITS,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per (query row, batch*head): O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s."""
+    m = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (off_hz.to(tl.int64) * N_Q + m) * SPLITS
+    lse_s = tl.load(LSE_PART + row + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
+    top = tl.max(lse_s, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights all 0
+    w = tl.math.exp2(lse_s - top)
+    total = tl.sum(w, 0)
+    o_s = tl.load(O_PART + (row + offs_s[:, None]) * BLOCK_D + offs_d[None, :], mask=offs_s[:, None] < SPLITS,
+                  other=0.0)
+    o = tl.sum(w[:, None] * o_s, 0) / tl.where(total > 0.0, total, 1.0)
+    lse = tl.where(total > 0.0, (top + tl.math.log2(tl.where(total > 0.0, total, 1.0))) / LOG2E_C, float("-inf"))
+    tl.store(LSE + off_hz.to(tl.int64) * N_Q + m, lse)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = off_hz % H
+    tl.store(O + off_z * stride_oz + off_h * stride_oh + m * stride_om + offs_d * stride_ok,
+             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,6 +534,42 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+# Flash-decoding applies when every head's queries fit one tile of at most DECODE_MAX_QUERIES
+# rows and B*H such tiles leave SMs idle; each split then takes at least 4 key blocks. Its launch
+# config is fixed (not tuned): the work is bound by reading K and V once.
+DECODE_MAX_QUERIES = 64
+DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
+
+
+def _decode_config() -> LaunchConfig:
+    return INTERPRETER if INTERPRETED else DECODE
+
+
+def _decode_block_m(n_q: int) -> int:
+    return max(16, triton.next_power_of_2(n_q))  # tl.dot needs 16 rows
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if INTERPRETED:
+        return 4  # small, so that the interpreter tests reach the split path with small shapes
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_splits(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """(number of key splits, keys per split) for flash-decoding; (1, N_K) means no split."""
+    z, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    block_n = _decode_config().block_n
+    min_keys = 4 * block_n
+    programs = z * h
+    sms = _multiprocessors(q.device)
+    if n_q > DECODE_MAX_QUERIES or programs >= sms or n_k < 2 * min_keys:
+        return 1, n_k
+    splits = min(triton.cdiv(2 * sms, programs), n_k // min_keys)  # about two waves of programs
+    keys_per_split = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n  # whole key blocks
+    return triton.cdiv(n_k, keys_per_split), keys_per_split
+
+
 def dot_options(dtype: torch.dtype) -> dict:
     """Constexprs for ``_dot``: bf16 upcast only in the interpreter; IEEE fp32 dots for float32."""
     return {
@@ -473,6 +584,20 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     H_KV, N_K = k.shape[1], k.shape[2]
     o = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
+
+    splits, keys_per_split = _decode_splits(q, k)
+    if splits > 1:  # flash-decoding: a fixed config, no tuning (bandwidth-bound; see _attn_fwd_split)
+        cfg = _decode_config()
+        o_part = torch.empty((Z * H, N_Q, splits, _block_d(D)), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((Z * H, N_Q, splits), dtype=torch.float32, device=q.device)
+        _attn_fwd_split[(splits, Z * H)](q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
+                                         H, N_Q, N_K, sm_scale * LOG2E, keys_per_split,
+                                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
+                                         BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n, CAUSAL=causal,
+                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
+        _attn_fwd_combine[(N_Q, Z * H)](o_part, lse_part, o, lse, *o.stride(), H, N_Q, splits,
+                                        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_S=triton.next_power_of_2(splits))
+        return o, lse
 
     def run(cfg: LaunchConfig) -> None:
         grid = (triton.cdiv(N_Q, cfg.block_m), Z * H)
