@@ -30,14 +30,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors (triton >= 3.4)
 
 from flashrun.errors import KernelError
 from flashrun.kernels.tuning import INTERPRETER, Launch, LaunchConfig, choose
-
-try:  # host-side tensor descriptors (TMA) arrived in triton 3.4; without them, pointers only
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - old triton
-    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
 LOG2E_C = tl.constexpr(LOG2E)
@@ -513,7 +509,7 @@ def _rows_collapse(t: torch.Tensor) -> bool:
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """TMA needs a Hopper-class GPU (or the interpreter), row-collapsible tensors, 16-byte
     aligned bases and row strides, and row counts that fit the descriptor's int32 coordinates."""
-    if TensorDescriptor is None or q.dtype == torch.float32:
+    if q.dtype == torch.float32:
         return False
     if not INTERPRETED and torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
