@@ -22,7 +22,7 @@ from rich.markup import escape
 from flashrun import __version__
 from flashrun.config import Config, load_config
 from flashrun.errors import FlashrunError
-from flashrun.redact import RedactingFilter, redact
+from flashrun.records.redact import RedactingFilter, redact
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -143,8 +143,8 @@ def verify(
 
       flashrun verify --set experiment.seq_len=1025 --set experiment.dtype=bfloat16
     """
-    from flashrun import verify as verify_mod
-    from flashrun.runlog import find_record
+    from flashrun.harness import verify as verify_mod
+    from flashrun.records.runlog import find_record
 
     flags = {"experiment.kernel": kernel or None, "experiment.device": device, "experiment.seed": seed,
              "verify.grad": grad or None, "verify.diagnose": diagnose or None}
@@ -184,7 +184,7 @@ def check_env(
 
       flashrun check-env --json | jq '.checks[] | select(.status != "ok")'
     """
-    from flashrun import envcheck
+    from flashrun.env import checks as envcheck
 
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose)
@@ -241,7 +241,7 @@ def gen_cases(
 
       flashrun gen-cases --offline && flashrun verify --cases cases.json
     """
-    from flashrun import gencases
+    from flashrun.gateway import gencases
 
     with _boundary(verbose):
         flags = {"cases.count": count, "cases.max_seq_len": max_seq_len, "cases.prompt": prompt}
@@ -322,7 +322,7 @@ def bench(
 
       flashrun bench --device cpu -p torch-naive,sdpa --seq-lens 128 --set bench.tokens=256
     """
-    from flashrun import bench as bench_mod
+    from flashrun.harness import bench as bench_mod
 
     with _boundary(verbose):
         request = bench_mod.BenchRequest(
@@ -375,7 +375,7 @@ def runs(
     """List recent runs: time, command, kernels, cases, verdict or best TFLOP/s."""
     if ctx.invoked_subcommand is not None:
         return
-    from flashrun import runs as runs_mod
+    from flashrun.records import runs as runs_mod
 
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose)
@@ -395,7 +395,7 @@ def runs_show(
     verbose: VerboseOpt = False,
 ) -> None:
     """Print one recorded run as JSON."""
-    from flashrun.runlog import find_record
+    from flashrun.records.runlog import find_record
 
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose)

@@ -16,8 +16,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from flashrun import redact  # noqa: E402
 from flashrun.cli import app  # noqa: E402
+from flashrun.records import redact  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

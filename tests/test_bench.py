@@ -26,13 +26,13 @@ import torch
 from typer.testing import CliRunner
 
 import flashrun
-from flashrun import measure, providers, results
-from flashrun.bench import provider_names
 from flashrun.cli import app
 from flashrun.config import BenchConfig, load_config
 from flashrun.errors import GPUFault, InputError, KernelError
-from flashrun.reference import causal_mask
-from flashrun.sweep import Case, expand, flops, visible_pairs
+from flashrun.harness import measure, providers, results
+from flashrun.harness.bench import provider_names
+from flashrun.harness.reference import causal_mask
+from flashrun.harness.sweep import Case, expand, flops, visible_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
@@ -128,7 +128,7 @@ def test_sweep_rejects_kv_heads_that_do_not_divide() -> None:
 
 
 def test_flags_override_the_config_lists() -> None:
-    from flashrun.bench import BenchRequest
+    from flashrun.harness.bench import BenchRequest
 
     request = BenchRequest(seq_lens=("512,1024", "2048"), head_dims=("64",), modes=("fwd,bwd",), causal="both",
                            dtypes=("bfloat16",), seq_lens_k=("4096",))

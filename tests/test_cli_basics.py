@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashrun import __version__, scaffold
-from flashrun.runlog import RUNS_FILE, append_record, load_records
+from flashrun.records.runlog import RUNS_FILE, append_record, load_records
 
 FAKE_KEY = "sk-fake-NEVER-SHOW-5f2a9c41d7e3"
 
@@ -227,7 +227,7 @@ def test_written_files_get_the_usual_mode(tmp_path):
     # atomic writes go through mkstemp (0600); the result must look like a normal file
     import os
 
-    from flashrun.runlog import atomic_write_text
+    from flashrun.records.runlog import atomic_write_text
 
     umask = os.umask(0o022)
     try:

@@ -16,13 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from flashrun import envcheck
 from flashrun.config import load_config
 from flashrun.device import INTERPRETER_NOTICE
-from flashrun.envcheck import (
-    Check, DriverInfo, Gpu, LibcudaInfo, Nvcc, PtxasInfo, Report, Toolkit, TorchInfo, TritonInfo,
+from flashrun.env import checks as envcheck
+from flashrun.env.checks import (
+    Check,
+    DriverInfo,
+    Gpu,
+    LibcudaInfo,
+    Nvcc,
+    PtxasInfo,
+    Report,
+    Toolkit,
+    TorchInfo,
+    TritonInfo,
 )
-from flashrun.redact import redact
+from flashrun.records.redact import redact
 
 NAMES = ["os", "python", "torch", "cuda", "gpu", "driver", "driver_vs_torch", "triton", "ptxas", "cuda_home",
          "nvcc", "libcuda", "log_dir", "api_key", "base_url", "smoke", "gateway"]
@@ -125,13 +134,13 @@ def test_a_crashing_check_is_reported_and_the_rest_still_runs(monkeypatch: pytes
 
 
 def interpreted_smoke(monkeypatch: pytest.MonkeyPatch):
-    """flashrun.smoke imported afresh, so its kernel is defined for the interpreter even where an
+    """flashrun.env.smoke imported afresh, so its kernel is defined for the interpreter even where an
     in-process check-env on a GPU machine already imported it compiled."""
     from flashrun import device
 
     assert device.select("cpu").interpreter
-    monkeypatch.delitem(sys.modules, "flashrun.smoke", raising=False)
-    return importlib.import_module("flashrun.smoke")
+    monkeypatch.delitem(sys.modules, "flashrun.env.smoke", raising=False)
+    return importlib.import_module("flashrun.env.smoke")
 
 
 def test_interpreter_smoke_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -640,7 +649,7 @@ def test_smoke_verdict() -> None:
 
 
 def test_smoke_test_reports_a_launch_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flashrun import smoke
+    from flashrun.env import smoke
 
     def broken(device: str) -> None:
         raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nmore lines")
@@ -662,7 +671,7 @@ def test_gateway_is_skipped_without_online() -> None:
     assert check.status == "skip" and "--online" in check.detail
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flashrun.gateway") is None, reason="flashrun.gateway not merged yet")
+@pytest.mark.skipif(importlib.util.find_spec("flashrun.gateway.client") is None, reason="flashrun.gateway.client not merged yet")
 @pytest.mark.parametrize(
     ("answer", "status", "hint"),
     [
@@ -672,7 +681,7 @@ def test_gateway_is_skipped_without_online() -> None:
     ],
 )
 def test_gateway_online(monkeypatch: pytest.MonkeyPatch, answer, status, hint) -> None:
-    from flashrun import gateway
+    from flashrun.gateway import client as gateway
 
     monkeypatch.setattr(gateway, "check_online", lambda cfg: answer)
     check = envcheck.check_gateway(load_config(), online=True)

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from typer.testing import CliRunner
-
 from fake_gateway import (
     FakeGateway,
     Reply,
@@ -26,12 +24,20 @@ from fake_gateway import (
     rate_limited,
     refuses_json_schema,
 )
-from flashrun import gencases
-from flashrun.cases import HEAD_DIMS, extract_items, load_cases, offline_cases, validate
+from typer.testing import CliRunner
+
 from flashrun.cli import app
 from flashrun.config import load_config
 from flashrun.errors import InputError
-from flashrun.gateway import check_online
+from flashrun.gateway import gencases
+from flashrun.gateway.client import check_online
+from flashrun.harness.cases import (
+    HEAD_DIMS,
+    extract_items,
+    load_cases,
+    offline_cases,
+    validate,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_VAR = "FLASHRUN_TEST_KEY"

@@ -14,10 +14,10 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU with TRITON_INTERPRET unset", allow_module_level=True)
 
+from flashrun.harness.reference import attention_ref  # noqa: E402
+from flashrun.harness.tolerance import compare  # noqa: E402
 from flashrun.kernels import LaunchConfig, flash_attention  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
-from flashrun.reference import attention_ref  # noqa: E402
-from flashrun.tolerance import compare  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 # (Z, H, H_kv, N_q, N_k, D, dtype, causal)

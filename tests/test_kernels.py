@@ -1,6 +1,6 @@
 """The Triton kernels against the float64 reference, through the interpreter on the CPU.
 
-Every comparison goes through flashrun.tolerance (one table for verify, bench and tests).
+Every comparison goes through flashrun.harness.tolerance (one table for verify, bench and tests).
 Shapes stay small: the interpreter runs every program in numpy.
 """
 
@@ -12,11 +12,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashrun.env import smoke
 from flashrun.errors import KernelError
-from flashrun.kernels import LaunchConfig, attention_forward, flash, flash_attention, get, minimal_attention
-from flashrun import smoke
-from flashrun.reference import attention_ref
-from flashrun.tolerance import compare
+from flashrun.harness.reference import attention_ref
+from flashrun.harness.tolerance import compare
+from flashrun.kernels import (
+    LaunchConfig,
+    attention_forward,
+    flash,
+    flash_attention,
+    get,
+    minimal_attention,
+)
 
 KERNELS = Path(__file__).parent / "kernels"
 
@@ -80,7 +87,7 @@ def test_interpreter_bf16_probe_sees_the_fault():
     # If a future Triton fixes its interpreter, the probe says so and verify stops skipping.
     import triton
 
-    from flashrun.verify import _interpreter_bf16_dot_ok
+    from flashrun.harness.verify import _interpreter_bf16_dot_ok
 
     bf16 = smoke.run("cpu", torch.bfloat16)
     if triton.__version__.startswith("3.9"):

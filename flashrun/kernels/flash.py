@@ -11,7 +11,7 @@ Backward: ``delta_i = Σ_d dO_id O_id`` (a preprocess kernel), P is recomputed f
 in two kernels without atomics (so results are deterministic): dK/dV per key block (looping over
 query blocks, and over the query heads of a GQA group), and dQ per query block.
 
-Conventions (shared with ``flashrun.reference``, which this module never imports):
+Conventions (shared with ``flashrun.harness.reference``, which this module never imports):
   * layout (batch, heads, seq, head_dim), any strides; k/v may have fewer heads than q (GQA/MQA);
   * causal with Nq != Nk is aligned bottom-right (FlashAttention >= 2.1): query i sees keys
     j <= i + Nk - Nq; a query that sees no key outputs zeros and LSE = -inf, never NaN;
@@ -30,7 +30,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors (triton >= 3.4)
+from triton.tools.tensor_descriptor import (
+    TensorDescriptor,  # host-side TMA descriptors (triton >= 3.4)
+)
 
 from flashrun.errors import KernelError
 from flashrun.kernels.tuning import INTERPRETER, Launch, LaunchConfig, choose

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from flashrun.errors import InputError
-from flashrun.runlog import atomic_write_json, atomic_write_text
-from flashrun.sweep import MODES
+from flashrun.harness.sweep import MODES
+from flashrun.records.runlog import atomic_write_json, atomic_write_text
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
@@ -154,7 +154,9 @@ def compare(rows: list[Row], earlier: list[dict[str, Any]]) -> list[Ratio]:
 def check_plot_target(path: Path) -> None:
     """Fail before the sweep, not after it: matplotlib present, format known, folder writable."""
     try:
-        from matplotlib.figure import Figure  # a bare Figure, not pyplot: no display, Agg renders it
+        from matplotlib.figure import (
+            Figure,  # a bare Figure, not pyplot: no display, Agg renders it
+        )
     except ImportError:
         raise InputError("--plot needs matplotlib", hint="pip install 'flashrun[plot]'") from None
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashrun.errors import InputError
-from flashrun.redact import redact
+from flashrun.records.redact import redact
 
 RUNS_FILE = "runs.jsonl"
 

@@ -35,12 +35,12 @@ from typing import Callable
 import torch
 
 from flashrun.errors import GPUFault, KernelError
-from flashrun.providers import Attention, Provider, failure_reason
-from flashrun.reference import attention_ref
-from flashrun.sweep import Case
-from flashrun.tolerance import compare
+from flashrun.harness.providers import Attention, Provider, failure_reason
+from flashrun.harness.reference import attention_ref
+from flashrun.harness.sweep import Case
+from flashrun.harness.tolerance import compare
 
-log = logging.getLogger("flashrun.bench")
+log = logging.getLogger("flashrun.harness.bench")
 
 # Correctness bar, one row per dtype: (atol, rtol) for the output and for the gradients; a
 # tensor passes when max|got - ref| <= atol + rtol * max|ref| and it holds no NaN/Inf.
@@ -105,7 +105,7 @@ class Reference:
     The slice: batch elements {0, B-1} (a stride bug shows past the first element), kv heads
     {0, H_kv-1} with every query head they serve (so dk/dv are complete sums). It is computed
     one (batch element, query head) at a time, float64 on the CPU and float32 on a GPU (as
-    :func:`~flashrun.reference.attention_ref`), so its memory is one Nq x Nk score matrix
+    :func:`~flashrun.harness.reference.attention_ref`), so its memory is one Nq x Nk score matrix
     whatever the batch and head count - a few GiB at N = 16384, instead of hundreds.
     ``grads``: also the gradients for ``inputs.dout`` (only when a backward mode is asked).
     """
@@ -120,7 +120,7 @@ class Reference:
         self._head_idx = torch.tensor(heads, device=device)
         self._kv_idx = torch.tensor(self._kv_heads, device=device)
         self.out, self.grads = self._compute(inputs, grads, upcast=True)
-        # PyTorch's same maths in the inputs' dtype: the yardstick of flashrun.tolerance
+        # PyTorch's same maths in the inputs' dtype: the yardstick of flashrun.harness.tolerance
         self.yard_out, self.yard_grads = self._compute(inputs, grads, upcast=False)
 
     def slice_q(self, t: torch.Tensor) -> torch.Tensor:
@@ -188,7 +188,7 @@ class Cell:
 
 
 def _judge(checks: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Verdict:
-    """(name, result slice, reference, yardstick) by flashrun.tolerance, the policy verify uses."""
+    """(name, result slice, reference, yardstick) by flashrun.harness.tolerance, the policy verify uses."""
     worst = 0.0
     for name, got, ref, yard in checks:
         result = compare(name, got, ref, yard)

@@ -5,7 +5,7 @@ shared by ``gen-cases`` and ``check-env --online`` (:func:`check_online`), so bo
 diagnosis for the same broken gateway. A 404 or an HTML page is told apart as "wrong model name"
 or "wrong base URL" by probing ``/models``, the only endpoint that can say which.
 
-The key is registered with :mod:`flashrun.redact` as soon as it is read, and any server text put
+The key is registered with :mod:`flashrun.records.redact` as soon as it is read, and any server text put
 into a message is masked (error bodies may echo the key, whole or in part).
 
 Time is bounded: each request has a timeout, and the SDK retries 429, 5xx, timeouts and
@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from flashrun.config import Config, key_variable, resolve_api_key
 from flashrun.errors import ConfigError, FlashrunError, GatewayError
-from flashrun.redact import MASK, redact, register_secret
+from flashrun.records.redact import MASK, redact, register_secret
 
 if TYPE_CHECKING:
     from openai import APIConnectionError, OpenAI

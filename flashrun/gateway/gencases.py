@@ -18,12 +18,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashrun.cases import Case, Rejected, extract_items, offline_cases, validate, write_cases_file
 from flashrun.config import MAX_HEAD_DIM, MIN_HEAD_DIM, Config
 from flashrun.errors import GatewayError, InputError
-from flashrun.gateway import Gateway
-from flashrun.redact import redact_data
-from flashrun.runlog import append_record, make_record, now_iso
+from flashrun.gateway.client import Gateway
+from flashrun.harness.cases import (
+    Case,
+    Rejected,
+    extract_items,
+    offline_cases,
+    validate,
+    write_cases_file,
+)
+from flashrun.records.redact import redact_data
+from flashrun.records.runlog import append_record, make_record, now_iso
 
 DEFAULT_PROMPT = (
     "Choose the sequence lengths and head dimensions most likely to expose bugs in a tiled Triton "

@@ -1,6 +1,6 @@
 """Attention providers for ``flashrun bench``, by exact name.
 
-A :class:`Provider` prepares, for one :class:`~flashrun.sweep.Case`, an :class:`Attention`:
+A :class:`Provider` prepares, for one :class:`~flashrun.harness.sweep.Case`, an :class:`Attention`:
 a function ``fn(q, k, v) -> out`` in the (batch, heads, seq, head_dim) layout, with k/v
 possibly holding fewer heads (GQA), plus a ``scope`` entered around checking and timing (the
 forced SDPA backend). Everything that can be built once per shape (masks, block masks,
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from flashrun.errors import InputError, KernelError
-from flashrun.reference import causal_mask, expand_kv
-from flashrun.sweep import Case
+from flashrun.harness.reference import causal_mask, expand_kv
+from flashrun.harness.sweep import Case
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -120,7 +120,9 @@ def _refuse(reason: str) -> Callable[[Case, torch.device], Attention]:
 # -- ours: flashrun.kernels ---------------------------------------------------------------------
 def _kernel(spec: str) -> Provider:
     try:
-        from flashrun import kernels  # after device.select: Triton reads TRITON_INTERPRET at import
+        from flashrun import (
+            kernels,  # after device.select: Triton reads TRITON_INTERPRET at import
+        )
     except ImportError as exc:
         raise KernelError(f"cannot import flashrun.kernels: {exc}",
                           hint="`flashrun check-env` checks the install") from None
@@ -223,7 +225,10 @@ def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
 
     def prepare(case: Case, device: torch.device) -> Attention:
         try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            from torch.nn.attention.flex_attention import (
+                create_block_mask,
+                flex_attention,
+            )
         except ImportError:
             raise KernelError(f"FlexAttention needs torch>=2.5 (this is {torch.__version__})") from None
         if not compiled:

@@ -3,7 +3,7 @@
 For each case and kernel: fresh seeded random inputs; the kernel gets clones (so it cannot
 corrupt what the reference sees) and runs with every fresh allocation poisoned, so an element
 it never writes shows up; the reference runs in float64 (CPU) or float32 (GPU); PyTorch's own
-maths in the kernel's dtype is the yardstick; :mod:`flashrun.tolerance` judges. ``--grad`` does
+maths in the kernel's dtype is the yardstick; :mod:`flashrun.harness.tolerance` judges. ``--grad`` does
 the same for dq, dk, dv.
 """
 
@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from flashrun.config import Config, ExperimentConfig
@@ -89,7 +95,7 @@ def expand_cases(cfg: Config) -> list[Case]:
 
 def make_plan(cfg: Config, cases_file: Path | None, device: str | None = None) -> Plan:
     if cases_file is not None:
-        from flashrun.cases import load_cases
+        from flashrun.harness.cases import load_cases
 
         cases = [Case.from_fields(c, cfg.experiment, f"{cases_file}: case {i + 1}")
                  for i, c in enumerate(load_cases(cases_file))]
@@ -256,7 +262,7 @@ def _progress(console: Console | None, total: int) -> Progress:
 def _interpreter_bf16_dot_ok() -> bool:
     import torch
 
-    from flashrun import smoke
+    from flashrun.env import smoke
 
     return smoke.run("cpu", torch.bfloat16).ok
 
@@ -278,8 +284,8 @@ def check_case(kernel: Any, case: Case, plan: Plan, seed: int, device: str, bf16
     """One kernel on one case: forward (and backward) against the reference."""
     import torch
 
-    from flashrun.reference import attention_ref, logit_range
-    from flashrun.tolerance import compare
+    from flashrun.harness.reference import attention_ref, logit_range
+    from flashrun.harness.tolerance import compare
 
     result = CaseResult(kernel.name, case, "pass")
     if case.dtype == "bfloat16" and not bf16_dots_ok and kernel.name not in ("flash", "minimal"):
@@ -362,7 +368,7 @@ def _check_output_shape(out: Any, q: Any) -> None:
 
 
 def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> str:
-    from flashrun.runlog import append_record, make_record
+    from flashrun.records.runlog import append_record, make_record
 
     plan_json = {**{f.name: getattr(plan, f.name) for f in fields(plan)}, "cases": [asdict(c) for c in plan.cases]}
     record = make_record(

@@ -44,12 +44,12 @@ from rich.text import Text
 
 from flashrun.config import Config, key_variable, resolve_api_key
 from flashrun.errors import FlashrunError, MissingKeyError
-from flashrun.redact import redact, redact_data, register_secret
+from flashrun.records.redact import redact, redact_data, register_secret
 
 if TYPE_CHECKING:
     from packaging.requirements import Requirement
 
-log = logging.getLogger("flashrun.envcheck")
+log = logging.getLogger("flashrun.env.checks")
 
 Status = Literal["ok", "warn", "fail", "skip"]
 STATUSES = ("ok", "warn", "fail", "skip")
@@ -797,7 +797,7 @@ def smoke_test(torch: TorchInfo, triton_ok: bool) -> Check:
         return Check("smoke", "fail", exc.message, exc.hint or smoke_hint(exc.message))
     where = f"GPU ({torch.gpus[0].name})" if chosen.kind == "cuda" and torch.gpus else device.INTERPRETER_NOTICE
     try:
-        from flashrun import smoke
+        from flashrun.env import smoke
 
         result = smoke.run(chosen.torch_device)
     except Exception as exc:  # compile and launch errors come in many types; the text says which
@@ -811,7 +811,7 @@ def smoke_test(torch: TorchInfo, triton_ok: bool) -> Check:
 def check_gateway(cfg: Config, online: bool) -> Check:
     if not online:
         return Check("gateway", "skip", "not contacted (pass --online to send one request)")
-    from flashrun.gateway import check_online
+    from flashrun.gateway.client import check_online
 
     fallback = "check api.base_url, the key variable and the network"
     try:
@@ -908,7 +908,7 @@ def render(report: Report, console: Console) -> None:
 
 def record(cfg: Config, report: Report, argv: list[str]) -> Path | None:
     """Append the run to runs.jsonl; None when the log_dir check already said it cannot."""
-    from flashrun.runlog import append_record, make_record
+    from flashrun.records.runlog import append_record, make_record
 
     if any(c.name == "log_dir" and c.status == "fail" for c in report.checks):
         return None

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flashrun.runlog import load_records
+from flashrun.records.runlog import load_records
 
 
 def recent(log_dir: Path, limit: int) -> list[dict[str, Any]]:

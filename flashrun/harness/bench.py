@@ -1,8 +1,8 @@
 """``flashrun bench``: our kernels against PyTorch's best, side by side, in one run.
 
-:func:`run` expands the sweep (:mod:`flashrun.sweep`), checks and times every provider
-(:mod:`flashrun.providers`, :mod:`flashrun.measure`) on every case, and writes the results
-(:mod:`flashrun.results`) after each provider. :func:`render` prints them.
+:func:`run` expands the sweep (:mod:`flashrun.harness.sweep`), checks and times every provider
+(:mod:`flashrun.harness.providers`, :mod:`flashrun.harness.measure`) on every case, and writes the results
+(:mod:`flashrun.harness.results`) after each provider. :func:`render` prints them.
 
 Without a GPU it refuses (exit 2): timings through Triton's interpreter mean nothing. Only an
 explicit ``--device cpu`` (or ``experiment.device = "cpu"``) times the plain PyTorch providers
@@ -12,7 +12,6 @@ on the CPU, and says so.
 from __future__ import annotations
 
 import dataclasses
-
 import datetime as _dt
 import re
 import shlex
@@ -22,20 +21,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from flashrun import results
 from flashrun.config import Config
 from flashrun.errors import DeviceError, InputError
-from flashrun.runlog import append_record, fingerprint, make_record, now_iso
-from flashrun.sweep import Case, expand, flops
+from flashrun.harness import results
+from flashrun.harness.sweep import Case, expand, flops
+from flashrun.records.runlog import append_record, fingerprint, make_record, now_iso
 
 if TYPE_CHECKING:  # torch is imported only once a bench really runs: option errors answer at once
     import torch
 
-    from flashrun.measure import Cell, Timing
-    from flashrun.providers import Provider
+    from flashrun.harness.measure import Cell, Timing
+    from flashrun.harness.providers import Provider
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def provider_names(cfg: Config, kernels: tuple[str, ...]) -> list[str]:
 
 def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchReport:
     """Check and time every provider on every case of the sweep; write CSV, JSON, run record."""
-    from flashrun import providers as providers_mod  # torch from here on
+    from flashrun.harness import providers as providers_mod  # torch from here on
 
     bench = cfg.bench
     names = provider_names(cfg, request.kernels)
@@ -148,8 +153,8 @@ def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchRep
                        "these numbers say nothing about any GPU")
     resolved = [providers_mod.resolve(name, device) for name in names]  # loads kernels: a bad path stops here
 
-    from flashrun.measure import Timing, matmul_ceiling
-    from flashrun.tolerance import FACTOR, TOLERANCE
+    from flashrun.harness.measure import Timing, matmul_ceiling
+    from flashrun.harness.tolerance import FACTOR, TOLERANCE
 
     out_dir = bench.out or cfg.logging.log_dir / "bench"
     env = fingerprint()
@@ -216,8 +221,15 @@ def _sweep(resolved: list[Provider], cases: list[Case], modes: list[str], device
            env: dict[str, Any], console: Console | None) -> list[results.Row]:
     """Shape-major: each case's inputs and reference are made once, then every provider runs
     on them. The files are rewritten after every provider, and once more however this ends."""
-    from flashrun.measure import Cell, Reference, free_memory, is_oom, make_inputs, measure
-    from flashrun.providers import compile_settings
+    from flashrun.harness.measure import (
+        Cell,
+        Reference,
+        free_memory,
+        is_oom,
+        make_inputs,
+        measure,
+    )
+    from flashrun.harness.providers import compile_settings
 
     baseline = cfg.bench.baseline
     rows: list[results.Row] = []
