@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from flashrun import __version__
 from flashrun.config import Config, load_config
-from flashrun.errors import FlashrunError
+from flashrun.errors import FlashrunError, InputError
 from flashrun.records.redact import RedactingFilter, redact
 
 out = Console(highlight=False, soft_wrap=True)
@@ -58,6 +58,26 @@ DeviceOpt = Annotated[
     Optional[str],
     typer.Option("--device", help="auto | cuda | cpu (cpu runs Triton's interpreter).", show_default=False),
 ]
+
+
+def _split(values: list[str] | None) -> list[str]:
+    """Options given repeated and/or comma-separated: ``-p a,b -p c`` -> ``[a, b, c]``."""
+    return [part.strip() for value in values or () for part in value.split(",") if part.strip()]
+
+
+def _ints(option: str, values: list[str] | None) -> list[int] | None:
+    parts = _split(values)
+    try:
+        return [int(part) for part in parts] or None
+    except ValueError:
+        raise InputError(f"{option}: expected whole numbers like 512,1024, got {', '.join(parts)!r}") from None
+
+
+def _causal(value: str | None) -> list[bool] | None:
+    choices = {"yes": [True], "no": [False], "both": [False, True]}
+    if value is not None and value not in choices:
+        raise InputError(f"--causal {value!r}: expected yes, no or both")
+    return None if value is None else choices[value]
 
 
 def _version_callback(value: bool) -> None:
@@ -146,7 +166,7 @@ def verify(
     from flashrun.harness import verify as verify_mod
     from flashrun.records.runlog import find_record
 
-    flags = {"experiment.kernel": kernel or None, "experiment.device": device, "experiment.seed": seed,
+    flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
              "verify.grad": grad or None, "verify.diagnose": diagnose or None}
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose, flags)
@@ -246,10 +266,7 @@ def gen_cases(
     with _boundary(verbose):
         flags = {"cases.count": count, "cases.max_seq_len": max_seq_len, "cases.prompt": prompt}
         cfg = _setup(config, settings, sets, verbose, flags)
-        # The merged value (so --set still wins over a flag); passed only when --count was given,
-        # because --offline caps its fixed set only on request.
-        report = gencases.run(cfg, model, all_models, cfg.cases.count if count is not None else None,
-                              out=out_file, offline=offline)
+        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline)
         if json_out:
             out.print_json(data=report.to_json())
         else:
@@ -325,14 +342,16 @@ def bench(
     from flashrun.harness import bench as bench_mod
 
     with _boundary(verbose):
-        request = bench_mod.BenchRequest(
-            config=config, settings=settings, sets=tuple(sets or ()), kernels=tuple(kernel or ()),
-            providers=tuple(provider or ()), baseline=baseline, modes=tuple(mode or ()), dtypes=tuple(dtype or ()),
-            seq_lens=tuple(seq_lens or ()), seq_lens_k=tuple(seq_lens_k or ()), head_dims=tuple(head_dims or ()),
-            causal=causal, device=device, out=out_dir, plot=plot, compare=compare, argv=tuple(sys.argv[1:]),
-        )
-        cfg = _setup(request.config, request.settings, list(request.sets), verbose, request.flags())
-        report = bench_mod.run(cfg, request, console=None if json_out else err)
+        flags = {
+            "bench.providers": _split(provider) or None, "bench.baseline": baseline,
+            "bench.mode": _split(mode) or None, "bench.dtype": _split(dtype) or None,
+            "bench.seq_len": _ints("--seq-lens", seq_lens), "bench.seq_len_k": _ints("--seq-lens-k", seq_lens_k),
+            "bench.head_dim": _ints("--head-dims", head_dims), "bench.causal": _causal(causal),
+            "bench.out": str(out_dir) if out_dir is not None else None, "experiment.device": device,
+        }
+        cfg = _setup(config, settings, sets, verbose, flags)
+        report = bench_mod.run(cfg, tuple(_split(kernel)), plot, compare, tuple(sys.argv[1:]),
+                               console=None if json_out else err)
         if json_out:
             out.print_json(data=report.to_json())
         else:

@@ -202,6 +202,7 @@ class Config(_Section):
     _files: list[str] = PrivateAttr(default_factory=list)
     _key_source: str = PrivateAttr(default="default")
     _warnings: list[str] = PrivateAttr(default_factory=list)
+    _set_keys: frozenset[str] = PrivateAttr(default_factory=frozenset)  # "section.key" given by any source
 
     @property
     def files(self) -> list[str]:
@@ -210,6 +211,10 @@ class Config(_Section):
     @property
     def warnings(self) -> list[str]:
         return list(self._warnings)
+
+    def is_set(self, key: str) -> bool:
+        """Whether ``"section.key"`` was given by a file or the command line (not a default)."""
+        return key in self._set_keys
 
     def public_dict(self) -> dict[str, Any]:
         """The resolved config as JSON-able data, without secrets (api.api_key is excluded)."""
@@ -448,6 +453,7 @@ def load_config(
         raise _config_error(exc, origins) from None
 
     cfg = _resolve_paths(cfg, origins, bases)
+    cfg._set_keys = frozenset(".".join(loc) for loc in origins if len(loc) == 2)
     cfg._files = [str(p) for p in (settings, config_path) if p is not None]
     key_source = origins.get(("api", "api_key"))
     if cfg.api.api_key is not None:

@@ -1,9 +1,5 @@
 """`flashrun bench` on the CPU: the FLOP count, the sweep, the files, and the mechanics of
 checking and timing through the plain PyTorch providers on tiny shapes. No test asserts a speed.
-
-The Triton-kernel providers go through ``flashrun.kernels.get``. Until that package is merged,
-``kernels_module`` installs a stand-in with the same contract; once it exists, the same tests
-run against the real one (a plain-PyTorch user kernel file needs no GPU either way).
 """
 
 from __future__ import annotations
@@ -31,8 +27,10 @@ from flashrun.config import BenchConfig, load_config
 from flashrun.errors import GPUFault, InputError, KernelError
 from flashrun.harness import measure, providers, results
 from flashrun.harness.bench import provider_names
+from flashrun.harness.inputs import make_inputs
+from flashrun.harness.judge import Reference
 from flashrun.harness.reference import causal_mask
-from flashrun.harness.sweep import Case, expand, flops, visible_pairs
+from flashrun.harness.shapes import Shape, bench_shapes, flops, visible_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
@@ -42,15 +40,6 @@ TINY_NO_N = ["--device", "cpu", "--head-dims", "16", "--set", "bench.hidden=32",
              "--set", "bench.warmup_ms=1", "--set", "bench.rep_ms=2"]
 TINY = [*TINY_NO_N, "--seq-lens", "16"]
 TORCH_PROVIDERS = "torch-naive,sdpa,sdpa-math"
-
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test in its own folder (logs/ lands there). TRITON_INTERPRET=1 as in any CPU process:
-    once a test has imported flashrun.kernels, the process cannot switch it to the compiler."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return tmp_path
 
 
 def invoke(*args: str):
@@ -68,10 +57,10 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 # -- the FLOP count -------------------------------------------------------------------------------------
-def case(**overrides) -> Case:
-    fields = dict(dtype="float16", causal=False, batch=2, heads=8, kv_heads=8, seq_len=1024, seq_len_k=1024,
-                  head_dim=64)
-    return Case(**{**fields, **overrides})
+def case(**overrides) -> Shape:
+    fields = dict(dtype="float16", causal=False, batch_size=2, num_heads=8, num_kv_heads=8, seq_len=1024,
+                  seq_len_k=1024, head_dim=64)
+    return Shape(**{**fields, **overrides})
 
 
 def test_flops_forward_is_four_b_h_n_n_d() -> None:
@@ -87,7 +76,7 @@ def test_flops_causal_halves_and_backward_scales() -> None:
 
 
 def test_flops_count_query_heads_under_gqa() -> None:
-    assert flops(case(kv_heads=2), "fwd") == flops(case(), "fwd")
+    assert flops(case(num_kv_heads=2), "fwd") == flops(case(), "fwd")
 
 
 @pytest.mark.parametrize("n_q,n_k", [(1, 4096), (1, 7), (5, 9), (16, 64), (9, 5), (64, 16), (3, 3)])
@@ -105,12 +94,12 @@ def test_decode_flops_use_every_key() -> None:
 
 # -- the sweep ------------------------------------------------------------------------------------------
 def test_default_sweep_follows_the_flashattention_convention() -> None:
-    cases = expand(BenchConfig())
+    cases = bench_shapes(BenchConfig())
     assert len(cases) == 6 * 2 * 2  # N x D x causal, float16
     for c in cases:
-        assert c.heads * c.head_dim == 2048
-        assert c.batch * c.seq_len == 32768
-        assert c.kv_heads == c.heads and c.seq_len_k == c.seq_len and c.dtype == "float16"
+        assert c.num_heads * c.head_dim == 2048
+        assert c.batch_size * c.seq_len == 32768
+        assert c.num_kv_heads == c.num_heads and c.seq_len_k == c.seq_len and c.dtype == "float16"
     assert {c.seq_len for c in cases} == {512, 1024, 2048, 4096, 8192, 16384}
     # shape-major: one (dtype, D, causal) block after another, N varying fastest
     assert [c.seq_len for c in cases[:6]] == [512, 1024, 2048, 4096, 8192, 16384]
@@ -118,24 +107,22 @@ def test_default_sweep_follows_the_flashattention_convention() -> None:
 
 def test_decode_sweep_sizes_the_batch_by_the_keys() -> None:
     bench = BenchConfig(seq_len=[1], seq_len_k=[4096, 16384], head_dim=[128], causal=[True])
-    cases = expand(bench)
-    assert [(c.seq_len, c.seq_len_k, c.batch, c.heads) for c in cases] == [(1, 4096, 8, 16), (1, 16384, 2, 16)]
+    cases = bench_shapes(bench)
+    assert [(c.seq_len, c.seq_len_k, c.batch_size, c.num_heads) for c in cases] == [(1, 4096, 8, 16), (1, 16384, 2, 16)]
 
 
 def test_sweep_rejects_kv_heads_that_do_not_divide() -> None:
     with pytest.raises(InputError, match="num_kv_heads = 3"):
-        expand(BenchConfig(head_dim=[64], num_kv_heads=3))
+        bench_shapes(BenchConfig(head_dim=[64], num_kv_heads=3))
 
 
-def test_flags_override_the_config_lists() -> None:
-    from flashrun.harness.bench import BenchRequest
-
-    request = BenchRequest(seq_lens=("512,1024", "2048"), head_dims=("64",), modes=("fwd,bwd",), causal="both",
-                           dtypes=("bfloat16",), seq_lens_k=("4096",))
-    cfg = load_config(flags=request.flags())
-    assert cfg.bench.seq_len == [512, 1024, 2048]
-    assert cfg.bench.head_dim == [64] and cfg.bench.mode == ["fwd", "bwd"] and cfg.bench.causal == [False, True]
-    assert cfg.bench.dtype == ["bfloat16"] and cfg.bench.seq_len_k == [4096]
+def test_flags_override_the_config_lists(isolated: Path) -> None:
+    result = invoke(*TINY_NO_N, "-p", "sdpa", "--seq-lens", "16,8", "--seq-lens", "4", "--mode", "fwd,bwd",
+                    "--causal", "both", "--dtype", "float32", "--seq-lens-k", "32", "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    bench = json.loads(result_files(isolated)[1].read_text())["bench"]
+    assert bench["seq_len"] == [16, 8, 4] and bench["seq_len_k"] == [32] and bench["head_dim"] == [16]
+    assert bench["mode"] == ["fwd", "bwd"] and bench["causal"] == [False, True] and bench["dtype"] == ["float32"]
 
 
 def test_baseline_comes_first_and_kernels_are_added_once() -> None:
@@ -232,7 +219,7 @@ def test_cpu_run_checks_times_and_writes_everything(isolated: Path) -> None:
             assert row["status"] == "ok" and row["correct"] == "true", row
             ms, p20, p80 = float(row["ms"]), float(row["ms_p20"]), float(row["ms_p80"])
             assert 0 < p20 <= ms <= p80
-            shape = Case("float16", row["causal"] == "true", 2, 2, 2, 16, 16, 16)
+            shape = Shape(2, 2, 2, 16, 16, 16, "float16", row["causal"] == "true")
             assert float(row["tflops"]) == pytest.approx(flops(shape, row["mode"]) / ms / 1e9, rel=1e-4)
             assert float(row["max_err"]) <= 1e-2
             assert row["pct_peak"] == "" and row["peak_mem_mb"] == ""  # GPU-only measures
@@ -324,14 +311,14 @@ def test_an_oom_cell_says_so_and_the_sweep_goes_on(isolated: Path, monkeypatch: 
 
 
 def test_a_shape_whose_inputs_do_not_fit_is_oom_and_the_sweep_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_make_inputs = measure.make_inputs
+    real_make_sets = measure.make_sets
 
-    def make_inputs(case: Case, device: torch.device, seed: int):
-        if case.seq_len == 32:
+    def make_sets(shape: Shape, device: torch.device, seed: int):
+        if shape.seq_len == 32:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB")
-        return real_make_inputs(case, device, seed)
+        return real_make_sets(shape, device, seed)
 
-    monkeypatch.setattr(measure, "make_inputs", make_inputs)
+    monkeypatch.setattr(measure, "make_sets", make_sets)
     result = invoke(*TINY_NO_N, "-p", "sdpa,torch-naive", "--seq-lens", "32,16", "--causal", "no", "--json")
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
@@ -357,13 +344,13 @@ def test_an_interrupted_run_keeps_the_rows_measured_so_far(isolated: Path, monke
 
 
 # -- one provider on one case: verdicts -----------------------------------------------------------------
-TINY_CASE = Case("float32", True, 2, 4, 2, 16, 16, 16)
+TINY_CASE = Shape(2, 4, 2, 16, 16, 16, "float32", True)
 TIMING = measure.Timing(warmup_ms=1, rep_ms=2)
 
 
-def run_one(provider: providers.Provider, modes=("fwd", "bwd"), tiny: Case = TINY_CASE) -> list[measure.Cell]:
-    sets = measure.make_inputs(tiny, CPU, seed=0)
-    ref = measure.Reference(sets[0], tiny, grads=any(m != "fwd" for m in modes))
+def run_one(provider: providers.Provider, modes=("fwd", "bwd"), tiny: Shape = TINY_CASE) -> list[measure.Cell]:
+    sets = measure.make_sets(tiny, CPU, seed=0)
+    ref = Reference.for_shape(sets[0], tiny, grads=any(m != "fwd" for m in modes), edges=True)
     return measure.measure(provider, tiny, sets, ref, list(modes), CPU, TIMING)
 
 
@@ -434,10 +421,10 @@ def test_a_backward_that_skips_an_input_is_wrong() -> None:
 
 
 def test_a_failure_while_checking_costs_the_cell_not_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken_judge(checks):
+    def broken_judge(self, out, grads=None, poison=None):
         raise IndexError("index 3 is out of bounds")
 
-    monkeypatch.setattr(measure, "_judge", broken_judge)
+    monkeypatch.setattr(Reference, "judge", broken_judge)
     cells = run_one(plain(naive_fn))
     note = "could not check this provider: IndexError: index 3 is out of bounds"
     assert {(c.status, c.note) for c in cells} == {("n/a", note)}
@@ -499,7 +486,7 @@ def test_sdpa_refusal_reason_comes_from_its_warnings() -> None:
 
 
 def test_cpu_providers_refuse_scores_too_large_for_memory() -> None:
-    huge = Case("float16", False, 2, 32, 32, 16384, 16384, 64)
+    huge = Shape(2, 32, 32, 16384, 16384, 64, "float16", False)
     for name in ("torch-naive", "sdpa-math"):
         with pytest.raises(KernelError, match="too large for a CPU run"):
             providers.resolve(name, CPU).prepare(huge, CPU)
@@ -524,13 +511,22 @@ def test_sdpa_cudnn_on_the_cpu_is_na() -> None:
 
 
 def test_input_sets_rotate_only_when_they_fit_in_cache() -> None:
-    small = measure.make_inputs(TINY_CASE, CPU, seed=0)
+    small = measure.make_sets(TINY_CASE, CPU, seed=0)
     assert len(small) == measure.ROTATED_SETS > 1
     assert not torch.equal(small[0].q, small[1].q)  # fresh draws, not copies
     assert all(int(s.q.count_nonzero()) == s.q.numel() for s in small)  # never zeros
     # q, k, v and dout of 8 MiB each: 32 MiB, the nominal CPU cache -> a single set
-    large = Case("float16", False, 1, 1, 1, 1 << 20, 1 << 20, 4)
-    assert len(measure.make_inputs(large, CPU, seed=0)) == 1
+    large = Shape(1, 1, 1, 1 << 20, 1 << 20, 4, "float16", False)
+    assert len(measure.make_sets(large, CPU, seed=0)) == 1
+
+
+def test_bench_and_verify_draw_the_same_inputs_for_a_seed() -> None:
+    """A failing bench row is reproduced by `flashrun verify --seed S`: its first input set is
+    what verify's one generator draws for that shape and seed."""
+    first = measure.make_sets(TINY_CASE, CPU, seed=5)[0]
+    verify = make_inputs(TINY_CASE, 5, CPU)[0]
+    for got, want in zip((first.q, first.k, first.v, first.dout), (verify.q, verify.k, verify.v, verify.dout)):
+        assert torch.equal(got.detach(), want)
 
 
 # -- our kernels and users' PATH.py:FUNCTION ------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -71,19 +70,9 @@ def test_unknown_option_is_a_usage_error(cli) -> None:
 
 
 @pytest.fixture
-def templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """init's templates, copied so that a kernel template exists even before the real one ships.
-
-    flashrun/data/attention_template.py is written by another change; until it lands, a stand-in
-    is created here (and only here). Tests compare what init writes with these files.
-    """
-    data = tmp_path / "_templates"
-    shutil.copytree(scaffold.DATA, data)
-    kernel = data / scaffold.FILES["experiments/my_attention.py"]
-    if not kernel.exists():
-        kernel.write_text("def attention(q, k, v, causal=False, sm_scale=None):\n    raise NotImplementedError\n")
-    monkeypatch.setattr(scaffold, "DATA", data)
-    return data
+def templates() -> Path:
+    """The shipped templates init copies (tests compare what it writes with them)."""
+    return scaffold.DATA
 
 
 def test_init_scaffolds_an_experiment_folder(cli, templates: Path, tmp_path: Path) -> None:

@@ -47,16 +47,14 @@ GOOD_CASES = [{"seq_len": 1, "head_dim": 64}, {"seq_len": 17, "head_dim": 64}, {
 
 
 @pytest.fixture(autouse=True)
-def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No OPENAI_* or proxy variable leaks in; the key lives in our own variable; cwd is tmp."""
+def gateway_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """On top of conftest's isolation: no proxy variable sends loopback traffic elsewhere, and
+    the key lives in our own variable."""
     for name in list(os.environ):
-        if name.upper().startswith(("OPENAI_", "TAOTOKEN_", "FLASHRUN_")) or name.upper() in (
-            "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY",
-        ):
+        if name.upper() in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
             monkeypatch.delenv(name)
     monkeypatch.setenv(KEY_VAR, KEY)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    return KEY
 
 
 @pytest.fixture

@@ -14,8 +14,9 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU with TRITON_INTERPRET unset", allow_module_level=True)
 
-from flashrun.harness.reference import attention_ref  # noqa: E402
-from flashrun.harness.tolerance import compare  # noqa: E402
+from flashrun.harness.inputs import Inputs, make_inputs  # noqa: E402
+from flashrun.harness.judge import Reference  # noqa: E402
+from flashrun.harness.shapes import Shape  # noqa: E402
 from flashrun.kernels import LaunchConfig, flash_attention  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
@@ -48,29 +49,16 @@ CASES = [
 
 
 def _inputs(z, h, h_kv, n_q, n_k, d, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(z, h, n_q, d, device="cuda", generator=gen).to(dtype).requires_grad_()
-    k = torch.randn(z, h_kv, n_k, d, device="cuda", generator=gen).to(dtype).requires_grad_()
-    v = torch.randn(z, h_kv, n_k, d, device="cuda", generator=gen).to(dtype).requires_grad_()
-    do = torch.randn(z, h, n_q, d, device="cuda", generator=gen).to(dtype)
-    return q, k, v, do
+    shape = Shape(z, h, h_kv, n_q, n_k, d, str(dtype).removeprefix("torch."), False)
+    drawn = make_inputs(shape, seed, "cuda", requires_grad=True)[0]
+    return drawn.q, drawn.k, drawn.v, drawn.dout
 
 
 def _check(q, k, v, do, causal, launch=None):
     out = flash_attention(q, k, v, causal=causal, launch=launch)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*ref_in, causal=causal)  # float32 on the GPU
-    ref_grads = torch.autograd.grad(ref, ref_in, do.float())
-    del ref_in
-    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    yard = attention_ref(*low_in, causal=causal, upcast=False)
-    yard_grads = torch.autograd.grad(yard, low_in, do)
-    failures = []
-    for name, got, want, base in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), (yard, *yard_grads)):
-        result = compare(name, got, want, base)
-        if not result.passed:
-            failures.append(result.reason())
+    reference = Reference(Inputs(q, k, v, do), causal=causal, grads=True)  # float32 on the GPU
+    failures = [c.reason() for c in reference.judge(out, grads) if not c.passed]
     torch.cuda.empty_cache()
     assert not failures, "; ".join(failures)
 

@@ -1,6 +1,6 @@
 """The Triton kernels against the float64 reference, through the interpreter on the CPU.
 
-Every comparison goes through flashrun.harness.tolerance (one table for verify, bench and tests).
+Every comparison goes through flashrun.harness.judge (one judge for verify, bench and tests).
 Shapes stay small: the interpreter runs every program in numpy.
 """
 
@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from flashrun.env import smoke
 from flashrun.errors import KernelError
+from flashrun.harness.inputs import Inputs, make_inputs
+from flashrun.harness.judge import Reference
 from flashrun.harness.reference import attention_ref
-from flashrun.harness.tolerance import compare
+from flashrun.harness.shapes import Shape
 from flashrun.kernels import (
     LaunchConfig,
     attention_forward,
@@ -44,27 +46,22 @@ SHAPES = [
 
 
 def _inputs(shape, dtype, seed=0, requires_grad=True):
+    """(Z, H, H_kv, N_q, N_k, D) -> [q, k, v, do] from the harness's one input generator."""
     z, h, h_kv, n_q, n_k, d = shape
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(z, h, n_q, d, generator=gen).to(dtype)
-    k = torch.randn(z, h_kv, n_k, d, generator=gen).to(dtype)
-    v = torch.randn(z, h_kv, n_k, d, generator=gen).to(dtype)
-    do = torch.randn(z, h, n_q, d, generator=gen).to(dtype)
-    return [t.requires_grad_(requires_grad) for t in (q, k, v)] + [do]
+    drawn = make_inputs(Shape(z, h, h_kv, n_q, n_k, d, str(dtype).removeprefix("torch."), False), seed, "cpu",
+                        requires_grad=requires_grad)[0]
+    return [drawn.q, drawn.k, drawn.v, drawn.dout]
+
+
+def _judge(out, grads, q, k, v, do, causal, sm_scale=None):
+    reference = Reference(Inputs(q, k, v, do), causal=causal, sm_scale=sm_scale, grads=grads is not None)
+    for result in reference.judge(out, grads):
+        assert result.passed, result.reason()
 
 
 def _check_fwd_bwd(q, k, v, do, causal, sm_scale=None, launch=None):
     out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*ref_in, causal=causal, sm_scale=sm_scale)
-    ref_grads = torch.autograd.grad(ref, ref_in, do.double())
-    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    yard = attention_ref(*low_in, causal=causal, sm_scale=sm_scale, upcast=False)
-    yard_grads = torch.autograd.grad(yard, low_in, do)
-    for name, got, want, base in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), (yard, *yard_grads)):
-        result = compare(name, got, want, base)
-        assert result.passed, result.reason()
+    _judge(out, torch.autograd.grad(out, (q, k, v), do), q, k, v, do, causal, sm_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -162,17 +159,8 @@ def test_heads_do_not_leak_into_each_other(launch):
     out = flash_attention(q, k, v, causal=True, launch=launch)
     grads = torch.autograd.grad(out, (q, k, v), do)
     for z, h in [(0, 0), (1, 0), (1, 1)]:
-        sl = [t[z:z + 1, h:h + 1].detach() for t in (q, k, v, do)]
-        ref_in = [t.clone().requires_grad_() for t in sl[:3]]
-        ref = attention_ref(*ref_in, causal=True)
-        ref_grads = torch.autograd.grad(ref, ref_in, sl[3].double())
-        low_in = [t.clone().requires_grad_() for t in sl[:3]]
-        yard = attention_ref(*low_in, causal=True, upcast=False)
-        yard_grads = torch.autograd.grad(yard, low_in, sl[3])
-        for name, got, want, base in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads),
-                                         (yard, *yard_grads)):
-            result = compare(f"{name} of head ({z}, {h})", got[z:z + 1, h:h + 1], want, base)
-            assert result.passed, result.reason()
+        head = [t[z:z + 1, h:h + 1].detach() for t in (out, *grads, q, k, v, do)]
+        _judge(head[0], tuple(head[1:4]), *head[4:], causal=True)
 
 
 # Flash-decoding: a few queries against many keys split the keys over programs, then merge.
@@ -201,10 +189,7 @@ def test_property_random_shapes(n_q, n_k, head_dim, group, causal, seed):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_minimal_where_it_applies(n_q, n_k, causal):
     q, k, v, _ = _inputs((1, 2, 1, n_q, n_k, 40), torch.float16, requires_grad=False)
-    out = minimal_attention(q, k, v, causal=causal)
-    result = compare("out", out, attention_ref(q, k, v, causal=causal),
-                     attention_ref(q, k, v, causal=causal, upcast=False))
-    assert result.passed, result.reason()
+    _judge(minimal_attention(q, k, v, causal=causal), None, q, k, v, torch.zeros_like(q), causal)
 
 
 def test_minimal_refuses_long_sequences():

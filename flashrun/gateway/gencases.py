@@ -173,29 +173,26 @@ def run(
     cfg: Config,
     models: list[str] | None = None,
     all_models: bool = False,
-    count: int | None = None,
-    max_seq_len: int | None = None,
-    prompt: str | None = None,
     out: Path = Path("cases.json"),
     offline: bool = False,
 ) -> GenReport:
     """Generate cases and write ``out``; append a run record. Returns the report (never raises
-    for a model's failure: see ``GenReport.error``). ``count``, ``max_seq_len`` and ``prompt``
-    default to ``[cases]``; with ``offline`` the fixed set is capped only when ``count`` is given."""
+    for a model's failure: see ``GenReport.error``). ``[cases]`` says how many cases, how long
+    and what to ask; ``offline``'s fixed set is capped only when ``cases.count`` was set."""
     out = Path(out)
     if out.is_dir():
         raise InputError(f"--out {out}: is a folder", hint="give a file name, e.g. --out cases.json")
-    limit = max_seq_len or cfg.cases.max_seq_len
+    limit = cfg.cases.max_seq_len
     if offline:
         if models or all_models:
             raise InputError("--offline asks no model", hint="drop --model / --all-models, or drop --offline")
-        report = GenReport("offline", out, [c.to_dict() for c in offline_cases(limit, count)], [])
+        report = GenReport("offline", out, [c.to_dict() for c in offline_cases(limit, cfg.cases.count if cfg.is_set("cases.count") else None)], [])
         write_cases_file(out, {"generator": "offline", "created": now_iso(), "max_seq_len": limit,
                                "cases": report.cases})
     else:
         names = _model_names(cfg, list(models or []), all_models)
-        asked = count or cfg.cases.count
-        messages = build_messages(prompt or cfg.cases.prompt or DEFAULT_PROMPT, asked, limit)
+        asked = cfg.cases.count
+        messages = build_messages(cfg.cases.prompt or DEFAULT_PROMPT, asked, limit)
         gateway = Gateway(cfg)
         results = [_ask(gateway, name, messages, limit, asked) for name in names]
         cases = [{**c.to_dict(), "model": r.model} for r in results if r.error is None for c in r.cases]

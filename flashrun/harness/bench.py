@@ -1,8 +1,10 @@
 """``flashrun bench``: our kernels against PyTorch's best, side by side, in one run.
 
-:func:`run` expands the sweep (:mod:`flashrun.harness.sweep`), checks and times every provider
-(:mod:`flashrun.harness.providers`, :mod:`flashrun.harness.measure`) on every case, and writes the results
-(:mod:`flashrun.harness.results`) after each provider. :func:`render` prints them.
+:func:`run` expands the sweep (:func:`~flashrun.harness.shapes.bench_shapes`), checks and times
+every provider (:mod:`~flashrun.harness.providers`, :mod:`~flashrun.harness.measure`) on every
+shape, and writes the results (:mod:`~flashrun.harness.results`) after each provider.
+:func:`render` prints them; a wrong row of one of our kernels comes with the ``flashrun verify``
+command that reproduces it (same shape, same seed, hence the same inputs).
 
 Without a GPU it refuses (exit 2): timings through Triton's interpreter mean nothing. Only an
 explicit ``--device cpu`` (or ``experiment.device = "cpu"``) times the plain PyTorch providers
@@ -33,7 +35,7 @@ from rich.table import Table
 from flashrun.config import Config
 from flashrun.errors import DeviceError, InputError
 from flashrun.harness import results
-from flashrun.harness.sweep import Case, expand, flops
+from flashrun.harness.shapes import Shape, bench_shapes, flops
 from flashrun.records.runlog import append_record, fingerprint, make_record, now_iso
 
 if TYPE_CHECKING:  # torch is imported only once a bench really runs: option errors answer at once
@@ -41,62 +43,6 @@ if TYPE_CHECKING:  # torch is imported only once a bench really runs: option err
 
     from flashrun.harness.measure import Cell, Timing
     from flashrun.harness.providers import Provider
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """The command line of one ``flashrun bench`` (lists as given: repeated and/or comma-separated)."""
-
-    config: Path | None = None
-    settings: Path | None = None
-    sets: tuple[str, ...] = ()
-    kernels: tuple[str, ...] = ()
-    providers: tuple[str, ...] = ()
-    baseline: str | None = None
-    modes: tuple[str, ...] = ()
-    dtypes: tuple[str, ...] = ()
-    seq_lens: tuple[str, ...] = ()
-    seq_lens_k: tuple[str, ...] = ()
-    head_dims: tuple[str, ...] = ()
-    causal: str | None = None
-    device: str | None = None
-    out: Path | None = None
-    plot: Path | None = None
-    compare: Path | None = None
-    argv: tuple[str, ...] = ()
-
-    def flags(self) -> dict[str, Any]:
-        """The options as config keys: the config layer validates them like the file's values."""
-        causal = None
-        if self.causal is not None:
-            choices = {"yes": [True], "no": [False], "both": [False, True]}
-            if self.causal not in choices:
-                raise InputError(f"--causal {self.causal!r}: expected yes, no or both")
-            causal = choices[self.causal]
-        return {
-            "bench.providers": _split(self.providers) or None,
-            "bench.baseline": self.baseline,
-            "bench.mode": _split(self.modes) or None,
-            "bench.dtype": _split(self.dtypes) or None,
-            "bench.seq_len": _ints("--seq-lens", self.seq_lens),
-            "bench.seq_len_k": _ints("--seq-lens-k", self.seq_lens_k),
-            "bench.head_dim": _ints("--head-dims", self.head_dims),
-            "bench.causal": causal,
-            "bench.out": str(self.out) if self.out is not None else None,
-            "experiment.device": self.device,
-        }
-
-
-def _split(values: tuple[str, ...]) -> list[str]:
-    return [part.strip() for value in values for part in value.split(",") if part.strip()]
-
-
-def _ints(option: str, values: tuple[str, ...]) -> list[int] | None:
-    parts = _split(values)
-    try:
-        return [int(part) for part in parts] or None
-    except ValueError:
-        raise InputError(f"{option}: expected whole numbers like 512,1024, got {', '.join(parts)!r}") from None
 
 
 @dataclass
@@ -109,6 +55,7 @@ class BenchReport:
     compare_file: str | None = None
     ratios: list[results.Ratio] = field(default_factory=list)
     baseline: str = "sdpa"
+    seed: int = 0
 
     @property
     def exit_code(self) -> int:
@@ -134,18 +81,19 @@ def provider_names(cfg: Config, kernels: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchReport:
-    """Check and time every provider on every case of the sweep; write CSV, JSON, run record."""
+def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, compare: Path | None = None,
+        argv: tuple[str, ...] = (), console: Console | None = None) -> BenchReport:
+    """Check and time every provider on every shape of the sweep; write CSV, JSON, run record.
+    ``kernels`` are added to ``[bench].providers``; ``console`` None: no progress output."""
     from flashrun.harness import providers as providers_mod  # torch from here on
 
     bench = cfg.bench
-    names = provider_names(cfg, request.kernels)
+    names = provider_names(cfg, kernels)
     providers_mod.check_names(names)
-    modes = list(dict.fromkeys(bench.mode))
-    cases = expand(bench)
-    earlier = results.load_rows(request.compare) if request.compare is not None else None
-    if request.plot is not None:
-        results.check_plot_target(request.plot)
+    shapes = bench_shapes(bench)
+    earlier = results.load_rows(compare) if compare is not None else None
+    if plot is not None:
+        results.check_plot_target(plot)
     device = _device(cfg.experiment.device)
     notices = []
     if device.type == "cpu":
@@ -153,37 +101,40 @@ def run(cfg: Config, request: BenchRequest, console: Console | None) -> BenchRep
                        "these numbers say nothing about any GPU")
     resolved = [providers_mod.resolve(name, device) for name in names]  # loads kernels: a bad path stops here
 
+    from flashrun.harness.judge import FACTOR, TOLERANCE
     from flashrun.harness.measure import Timing, matmul_ceiling
-    from flashrun.harness.tolerance import FACTOR, TOLERANCE
 
     out_dir = bench.out or cfg.logging.log_dir / "bench"
     env = fingerprint()
     # What the rows were measured on: the GPU's name, or "cpu" (even on a GPU machine).
     env["measured_on"] = env.get("gpu", "cpu") if device.type == "cuda" else "cpu"
-    csv_path, json_path = _result_paths(out_dir, env["measured_on"])
-    header = {"command": "flashrun " + shlex.join(request.argv), "argv": list(request.argv), "started": now_iso(),
+    paths = _result_paths(out_dir, env["measured_on"])
+    header = {"command": "flashrun " + shlex.join(argv), "argv": list(argv), "started": now_iso(),
               "device": device.type, "env": env, "bench": bench.model_dump(mode="json"),
               "seed": cfg.experiment.seed, "ceiling_tflops": None,
               "tolerance": {"factor": FACTOR, **{str(dtype).removeprefix("torch."): dataclasses.asdict(tol)
                                                  for dtype, tol in TOLERANCE.items()}}}
     try:  # the empty files now: an unwritable --out must fail before the GPU works, not after
-        results.write(csv_path, json_path, [], header, complete=False)
+        results.write(*paths, [], header, complete=False)
     except OSError as exc:
         raise InputError(f"cannot write the results to {out_dir}: {exc.strerror or exc}",
                          hint="pick a writable folder with --out or [bench].out") from None
     timing = Timing(bench.warmup_ms, bench.rep_ms)
     ceiling = header["ceiling_tflops"] = matmul_ceiling(device, timing)
-    rows = _sweep(resolved, cases, modes, device, cfg, timing, ceiling, header, (csv_path, json_path), env, console)
-    files = {"csv": str(csv_path), "json": str(json_path)}
-    if request.plot is not None:
-        files["plot"] = str(results.plot(rows, request.plot))
-    report = BenchReport(rows, files, device.type, ceiling, notices, baseline=bench.baseline)
+    sweep = _Sweep(resolved, list(dict.fromkeys(bench.mode)), device, cfg.experiment.seed, bench.baseline,
+                   timing, ceiling, header, paths, env)
+    rows = sweep.run(shapes, console)
+    files = {"csv": str(paths[0]), "json": str(paths[1])}
+    if plot is not None:
+        files["plot"] = str(results.plot(rows, plot))
+    report = BenchReport(rows, files, device.type, ceiling, notices, baseline=bench.baseline,
+                         seed=cfg.experiment.seed)
     if earlier is not None:
-        report.compare_file = str(request.compare)
+        report.compare_file = str(compare)
         report.ratios = results.compare(rows, earlier)
     append_record(cfg.logging.log_dir, make_record(
-        "bench", list(request.argv), cfg.public_dict(), _summary(rows, resolved, report),
-        kernels=[p.name for p in resolved if p.is_kernel], n_cases=len(cases),
+        "bench", list(argv), cfg.public_dict(), _summary(rows, resolved, report),
+        kernels=[p.name for p in resolved if p.is_kernel], n_cases=len(shapes),
     ))
     return report
 
@@ -216,82 +167,97 @@ def _result_paths(out_dir: Path, gpu: str) -> tuple[Path, Path]:
     return out_dir / f"{candidate}.csv", out_dir / f"{candidate}.json"
 
 
-def _sweep(resolved: list[Provider], cases: list[Case], modes: list[str], device: torch.device, cfg: Config,
-           timing: Timing, ceiling: float | None, header: dict[str, Any], paths: tuple[Path, Path],
-           env: dict[str, Any], console: Console | None) -> list[results.Row]:
-    """Shape-major: each case's inputs and reference are made once, then every provider runs
-    on them. The files are rewritten after every provider, and once more however this ends."""
-    from flashrun.harness.measure import (
-        Cell,
-        Reference,
-        free_memory,
-        is_oom,
-        make_inputs,
-        measure,
-    )
-    from flashrun.harness.providers import compile_settings
+@dataclass
+class _Sweep:
+    """Everything one bench sweep shares across its shapes."""
 
-    baseline = cfg.bench.baseline
-    rows: list[results.Row] = []
-    complete = False
-    # Only FlexAttention compiles; importing dynamo for nothing costs seconds.
-    compiles = device.type == "cuda" and any(p.name == "flex" for p in resolved)
-    try:
-        with _progress(console, len(cases) * len(resolved) * len(modes)) as advance, \
-                (compile_settings(len(cases)) if compiles else nullcontext()):
-            for case in cases:
-                try:
-                    sets = make_inputs(case, device, cfg.experiment.seed)
-                    ref = Reference(sets[0], case, grads=any(mode != "fwd" for mode in modes))
-                except Exception as exc:  # noqa: BLE001 - an OOM costs the shape; anything else is a bug
-                    if not is_oom(exc):
-                        raise
-                    sets = ref = None
-                    free_memory(device)
-                baseline_ms: dict[str, float] = {}
-                for provider in resolved:
-                    advance(f"{case.label()}  {provider.name}", 0)
-                    if ref is None:
-                        cells = [Cell(mode, "OOM", None, note="the inputs and reference alone ran out of memory")
-                                 for mode in modes]
-                    else:
-                        cells = measure(provider, case, sets, ref, modes, device, timing)
-                    for cell in cells:
-                        if provider.name == baseline and cell.status == "ok" and cell.ms:
-                            baseline_ms[cell.mode] = cell.ms[0]
-                        rows.append(_row(provider.name, case, cell, ceiling, baseline_ms.get(cell.mode), env))
-                    if any(cell.status == "OOM" for cell in cells):
-                        free_memory(device)
-                    results.write(*paths, rows, header, complete=False)
-                    advance(f"{case.label()}  {provider.name}", len(modes))
-                del sets, ref
-                free_memory(device)
-        complete = True
-    except BaseException:
-        if console is not None:
-            console.print(f"rows measured so far: {paths[0]}")
-        raise
-    finally:
-        results.write(*paths, rows, header, complete=complete)
-    return rows
+    providers: list[Provider]
+    modes: list[str]
+    device: torch.device
+    seed: int
+    baseline: str
+    timing: Timing
+    ceiling: float | None
+    header: dict[str, Any]
+    paths: tuple[Path, Path]  # CSV, JSON
+    env: dict[str, Any]
 
+    def run(self, shapes: list[Shape], console: Console | None) -> list[results.Row]:
+        """Shape-major: each shape's inputs and reference are made once, then every provider
+        runs on them. The files are rewritten after every provider, and once more however
+        this ends."""
+        from flashrun.harness.providers import compile_settings
 
-def _row(provider: str, case: Case, cell: Cell, ceiling: float | None, baseline_ms: float | None,
-         env: dict[str, Any]) -> results.Row:
-    ms, p20, p80 = cell.ms if cell.ms else (None, None, None)
-    tflops = flops(case, cell.mode) / ms / 1e9 if ms else None  # FLOPs per ms -> TFLOP/s
-    return results.Row(
-        provider=provider, mode=cell.mode, dtype=case.dtype, causal=case.causal, batch=case.batch,
-        heads=case.heads, kv_heads=case.kv_heads, seq_len=case.seq_len, head_dim=case.head_dim,
-        ms=ms, ms_p20=p20, ms_p80=p80, tflops=tflops,
-        pct_peak=100 * tflops / ceiling if tflops and ceiling else None,
-        peak_mem_mb=cell.peak_mem_mb,
-        speedup=baseline_ms / ms if ms and baseline_ms else None,
-        correct=cell.correct, seq_len_k=case.seq_len_k, status=cell.status, max_err=cell.max_err,
-        note=cell.note, setup_s=cell.setup_s, gpu=env["measured_on"], torch=env.get("torch"),
-        triton=env.get("triton"),
-        timestamp=now_iso(),
-    )
+        rows: list[results.Row] = []
+        complete = False
+        # Only FlexAttention compiles; importing dynamo for nothing costs seconds.
+        compiles = self.device.type == "cuda" and any(p.name == "flex" for p in self.providers)
+        try:
+            with _progress(console, len(shapes) * len(self.providers) * len(self.modes)) as advance, \
+                    (compile_settings(len(shapes)) if compiles else nullcontext()):
+                for shape in shapes:
+                    self._shape(shape, rows, advance)
+            complete = True
+        except BaseException:
+            if console is not None:
+                console.print(f"rows measured so far: {self.paths[0]}")
+            raise
+        finally:
+            results.write(*self.paths, rows, self.header, complete=complete)
+        return rows
+
+    def _shape(self, shape: Shape, rows: list[results.Row], advance: Callable[[str, int], None]) -> None:
+        """Every provider on ``shape``; its rows are appended to ``rows`` as they are measured."""
+        from flashrun.harness.judge import Reference
+        from flashrun.harness.measure import (
+            Cell,
+            free_memory,
+            is_oom,
+            make_sets,
+            measure,
+        )
+
+        try:
+            sets = make_sets(shape, self.device, self.seed)
+            ref = Reference.for_shape(sets[0], shape, grads=any(mode != "fwd" for mode in self.modes), edges=True)
+        except Exception as exc:  # noqa: BLE001 - an OOM costs the shape; anything else is a bug
+            if not is_oom(exc):
+                raise
+            sets = ref = None
+            free_memory(self.device)
+        baseline_ms: dict[str, float] = {}
+        for provider in self.providers:
+            advance(f"{shape.label}  {provider.name}", 0)
+            if ref is None:
+                cells = [Cell(mode, "OOM", None, note="the inputs and reference alone ran out of memory")
+                         for mode in self.modes]
+            else:
+                cells = measure(provider, shape, sets, ref, self.modes, self.device, self.timing)
+            for cell in cells:
+                if provider.name == self.baseline and cell.status == "ok" and cell.ms:
+                    baseline_ms[cell.mode] = cell.ms[0]
+                rows.append(self._row(provider.name, shape, cell, baseline_ms.get(cell.mode)))
+            if any(cell.status == "OOM" for cell in cells):
+                free_memory(self.device)
+            results.write(*self.paths, rows, self.header, complete=False)
+            advance(f"{shape.label}  {provider.name}", len(self.modes))
+        del sets, ref
+        free_memory(self.device)
+
+    def _row(self, provider: str, shape: Shape, cell: Cell, baseline_ms: float | None) -> results.Row:
+        ms, p20, p80 = cell.ms if cell.ms else (None, None, None)
+        tflops = flops(shape, cell.mode) / ms / 1e9 if ms else None  # FLOPs per ms -> TFLOP/s
+        return results.Row(
+            provider=provider, mode=cell.mode, dtype=shape.dtype, causal=shape.causal, batch=shape.batch_size,
+            heads=shape.num_heads, kv_heads=shape.num_kv_heads, seq_len=shape.seq_len, head_dim=shape.head_dim,
+            ms=ms, ms_p20=p20, ms_p80=p80, tflops=tflops,
+            pct_peak=100 * tflops / self.ceiling if tflops and self.ceiling else None,
+            peak_mem_mb=cell.peak_mem_mb,
+            speedup=baseline_ms / ms if ms and baseline_ms else None,
+            correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
+            note=cell.note, setup_s=cell.setup_s, gpu=self.env["measured_on"], torch=self.env.get("torch"),
+            triton=self.env.get("triton"), timestamp=now_iso(),
+        )
 
 
 @contextmanager
@@ -331,12 +297,6 @@ def _tflops(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def _shape(row: results.Row) -> str:
-    n = f"N={row.seq_len}" if row.seq_len == row.seq_len_k else f"Nq={row.seq_len} Nk={row.seq_len_k}"
-    heads = f"{row.heads}/{row.kv_heads}" if row.kv_heads != row.heads else str(row.heads)
-    return f"{row.dtype} D={row.head_dim} {'causal' if row.causal else 'full'} {n} B={row.batch} H={heads}"
-
-
 def render(report: BenchReport, console: Console) -> None:
     """One table, a section per shape; why cells are n/a (or notes on how a provider ran) are
     listed once per provider and reason below it, so the table stays narrow."""
@@ -349,7 +309,7 @@ def render(report: BenchReport, console: Console) -> None:
             table.add_column(column, justify="left" if column in ("shape", "provider", "mode", "check") else "right")
     previous = None
     for r in shown:
-        shape = _shape(r)
+        shape = r.shape.label
         if previous is not None and shape != previous:
             table.add_section()
         check = {"ok": "[green]ok[/]", "wrong": "[bold red]WRONG[/]", "OOM": "[yellow]OOM[/]"}[r.status]
@@ -372,7 +332,7 @@ def render(report: BenchReport, console: Console) -> None:
     setup: dict[str, dict[str, float]] = {}  # provider -> shape -> seconds (once per shape, not per mode)
     for r in rows:
         if r.setup_s is not None:
-            setup.setdefault(r.provider, {})[_shape(r)] = r.setup_s
+            setup.setdefault(r.provider, {})[r.shape.label] = r.setup_s
     if setup:
         spent = ", ".join(f"{name} {sum(shapes.values()):.1f} s" for name, shapes in setup.items())
         console.print(f"setup (prepare + first checked call, compiling and autotuning included): {spent}")
@@ -384,10 +344,25 @@ def render(report: BenchReport, console: Console) -> None:
     wrong = sorted({r.provider for r in rows if r.status == "wrong"})
     if wrong:
         console.print(f"[bold red]wrong results from {', '.join(wrong)}[/]: their times are not reported")
+        _render_reproduce(report, console)
     if report.compare_file is not None:
         _render_compare(report, console)
     for kind, path in report.files.items():
         console.print(f"wrote {kind}: {path}")
+
+
+def _render_reproduce(report: BenchReport, console: Console) -> None:
+    """For each wrong (kernel, shape): the verify command that draws the same inputs."""
+    from flashrun.harness.providers import is_kernel_spec
+    from flashrun.harness.verify import reproduce_command
+
+    seen = set()
+    for r in report.rows:
+        key = (r.provider, r.shape)
+        if r.status == "wrong" and is_kernel_spec(r.provider) and key not in seen:
+            seen.add(key)
+            console.print(f"  reproduce: {reproduce_command(r.provider, r.shape, report.seed, grad=r.mode != 'fwd')}",
+                          markup=False, highlight=False)
 
 
 def _render_compare(report: BenchReport, console: Console) -> None:

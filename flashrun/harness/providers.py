@@ -1,12 +1,12 @@
 """Attention providers for ``flashrun bench``, by exact name.
 
-A :class:`Provider` prepares, for one :class:`~flashrun.harness.sweep.Case`, an :class:`Attention`:
+A :class:`Provider` prepares, for one :class:`~flashrun.harness.shapes.Shape`, an :class:`Attention`:
 a function ``fn(q, k, v) -> out`` in the (batch, heads, seq, head_dim) layout, with k/v
 possibly holding fewer heads (GQA), plus a ``scope`` entered around checking and timing (the
 forced SDPA backend). Everything that can be built once per shape (masks, block masks,
 compiled callables) is built in ``prepare``, outside the timed region.
 
-A provider that cannot serve a case raises :class:`~flashrun.errors.KernelError` from
+A provider that cannot serve a shape raises :class:`~flashrun.errors.KernelError` from
 ``prepare``; a backend that refuses a shape at call time raises whatever it raises, and the
 bench turns both into an ``n/a`` cell with the reason (see :func:`failure_reason`).
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from flashrun.errors import InputError, KernelError
 from flashrun.harness.reference import causal_mask, expand_kv
-from flashrun.harness.sweep import Case
+from flashrun.harness.shapes import Shape
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,7 +65,7 @@ class Attention:
 @dataclass(frozen=True)
 class Provider:
     name: str
-    prepare: Callable[[Case, torch.device], Attention] = field(repr=False)
+    prepare: Callable[[Shape, torch.device], Attention] = field(repr=False)
     backward: bool = True  # False: bwd and fwd_bwd cells are n/a
     is_kernel: bool = False  # one of ours (or the user's), as opposed to a PyTorch baseline
 
@@ -110,8 +110,8 @@ def resolve(name: str, device: torch.device) -> Provider:
     return Provider(name, _flash_attn)  # the one name left: flash-attn
 
 
-def _refuse(reason: str) -> Callable[[Case, torch.device], Attention]:
-    def prepare(case: Case, device: torch.device) -> Attention:
+def _refuse(reason: str) -> Callable[[Shape, torch.device], Attention]:
+    def prepare(shape: Shape, device: torch.device) -> Attention:
         raise KernelError(reason)
 
     return prepare
@@ -128,26 +128,26 @@ def _kernel(spec: str) -> Provider:
                           hint="`flashrun check-env` checks the install") from None
     kernel = kernels.get(spec)
 
-    def prepare(case: Case, device: torch.device) -> Attention:
-        return Attention(lambda q, k, v: kernel(q, k, v, causal=case.causal))
+    def prepare(shape: Shape, device: torch.device) -> Attention:
+        return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal))
 
     return Provider(spec, prepare, backward=kernel.supports_backward, is_kernel=True)
 
 
 # -- torch-naive: scores materialized -------------------------------------------------------------
-def _check_cpu_scores(case: Case, device: torch.device, itemsize: int) -> None:
-    size = case.batch * case.heads * case.seq_len * case.seq_len_k * itemsize
+def _check_cpu_scores(shape: Shape, device: torch.device, itemsize: int) -> None:
+    size = shape.batch_size * shape.num_heads * shape.seq_len * shape.seq_len_k * itemsize
     if device.type == "cpu" and size > CPU_SCORES_LIMIT_BYTES:
         raise KernelError(f"the scores would take {size / 2**30:.1f} GiB: too large for a CPU run")
 
 
-def _naive(case: Case, device: torch.device) -> Attention:
-    _check_cpu_scores(case, device, getattr(torch, case.dtype).itemsize)
-    scale = 1.0 / math.sqrt(case.head_dim)
-    hidden = ~causal_mask(case.seq_len, case.seq_len_k, device) if case.causal else None  # once per shape
+def _naive(shape: Shape, device: torch.device) -> Attention:
+    _check_cpu_scores(shape, device, getattr(torch, shape.dtype).itemsize)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    hidden = ~causal_mask(shape.seq_len, shape.seq_len_k, device) if shape.causal else None  # once per shape
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = expand_kv(k, case.heads), expand_kv(v, case.heads)
+        k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
         if hidden is not None:
             scores = scores.masked_fill(hidden, float("-inf"))
@@ -168,7 +168,7 @@ def _sdpa_has_gqa() -> bool:
     return True
 
 
-def _sdpa_causal(case: Case) -> tuple[bool, object | None, str]:
+def _sdpa_causal(shape: Shape) -> tuple[bool, object | None, str]:
     """(is_causal, attn_mask, note) expressing bottom-right causal attention for SDPA.
 
     SDPA's ``is_causal`` is top-left aligned, which equals bottom-right only when Nq == Nk.
@@ -176,26 +176,26 @@ def _sdpa_causal(case: Case) -> tuple[bool, object | None, str]:
     lower-right CausalBias: the flash and efficient backends take it natively; the others
     get it as a materialized mask.
     """
-    if not case.causal or case.seq_len == 1:
+    if not shape.causal or shape.seq_len == 1:
         return False, None, ""
-    if case.seq_len == case.seq_len_k:
+    if shape.seq_len == shape.seq_len_k:
         return True, None, ""
     from torch.nn.attention.bias import causal_lower_right
 
-    return False, causal_lower_right(case.seq_len, case.seq_len_k), "bottom-right causal as a CausalBias"
+    return False, causal_lower_right(shape.seq_len, shape.seq_len_k), "bottom-right causal as a CausalBias"
 
 
-def _sdpa(name: str, case: Case, device: torch.device) -> Attention:
+def _sdpa(name: str, shape: Shape, device: torch.device) -> Attention:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend_name = SDPA[name]
     if name == "sdpa-math":
-        _check_cpu_scores(case, device, 4)  # the math backend materializes float32 scores
+        _check_cpu_scores(shape, device, 4)  # the math backend materializes float32 scores
     if backend_name is not None and not hasattr(SDPBackend, backend_name):
         needs = "; cuDNN attention needs torch>=2.5 with cuDNN 9 on sm80+" if name == "sdpa-cudnn" else ""
         raise KernelError(f"this torch ({torch.__version__}) has no SDPA {backend_name} backend{needs}")
-    is_causal, mask, note = _sdpa_causal(case)
-    gqa = case.kv_heads != case.heads
+    is_causal, mask, note = _sdpa_causal(shape)
+    gqa = shape.num_kv_heads != shape.num_heads
     native_gqa = gqa and _sdpa_has_gqa()
     kwargs = {"enable_gqa": True} if native_gqa else {}
     if gqa and not native_gqa:
@@ -203,7 +203,7 @@ def _sdpa(name: str, case: Case, device: torch.device) -> Attention:
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if gqa and not native_gqa:
-            k, v = expand_kv(k, case.heads), expand_kv(v, case.heads)
+            k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **kwargs)
 
     if backend_name is None:
@@ -213,7 +213,7 @@ def _sdpa(name: str, case: Case, device: torch.device) -> Attention:
 
 
 # -- FlexAttention ----------------------------------------------------------------------------------
-def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
+def _flex_preparer() -> Callable[[Shape, torch.device], Attention]:
     """FlexAttention through one ``torch.compile(dynamic=False)`` wrapper, created on first use.
 
     Dynamo keys its cache on the function's code, so every shape adds one entry to the same
@@ -223,7 +223,7 @@ def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
     """
     compiled: list[Callable] = []
 
-    def prepare(case: Case, device: torch.device) -> Attention:
+    def prepare(shape: Shape, device: torch.device) -> Attention:
         try:
             from torch.nn.attention.flex_attention import (
                 create_block_mask,
@@ -235,20 +235,20 @@ def _flex_preparer() -> Callable[[Case, torch.device], Attention]:
             compiled.append(torch.compile(flex_attention, dynamic=False))
         flex = compiled[0]
         block_mask = None
-        if case.causal:
-            offset = case.seq_len_k - case.seq_len  # bottom-right alignment
+        if shape.causal:
+            offset = shape.seq_len_k - shape.seq_len  # bottom-right alignment
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return kv_idx <= q_idx + offset
 
-            block_mask = create_block_mask(mask_mod, None, None, case.seq_len, case.seq_len_k, device=device)
-        gqa = case.kv_heads != case.heads
+            block_mask = create_block_mask(mask_mod, None, None, shape.seq_len, shape.seq_len_k, device=device)
+        gqa = shape.num_kv_heads != shape.num_heads
         native_gqa = gqa and "enable_gqa" in inspect.signature(flex_attention).parameters
         kwargs = {"enable_gqa": True} if native_gqa else {}
 
         def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if gqa and not native_gqa:
-                k, v = expand_kv(k, case.heads), expand_kv(v, case.heads)
+                k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
             return flex(q, k, v, block_mask=block_mask, **kwargs)
 
         return Attention(fn, note="" if native_gqa or not gqa else "k/v expanded for GQA")
@@ -283,7 +283,7 @@ def compile_settings(n_shapes: int) -> ContextManager:
 
 
 # -- flash-attn (Tri Dao's package) ---------------------------------------------------------------
-def _flash_attn(case: Case, device: torch.device) -> Attention:
+def _flash_attn(shape: Shape, device: torch.device) -> Attention:
     try:
         from flash_attn import flash_attn_func
     except ImportError as exc:
@@ -296,7 +296,7 @@ def _flash_attn(case: Case, device: torch.device) -> Attention:
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # flash-attn wants (B, N, H, D); transposed views cost nothing (it needs only the last
         # dimension contiguous). It takes GQA and bottom-right causal natively.
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=case.causal)
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal)
         return out.transpose(1, 2)
 
     return Attention(fn)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flashrun.errors import InputError
-from flashrun.harness.sweep import MODES
+from flashrun.harness.shapes import MODES, Shape
 from flashrun.records.runlog import atomic_write_json, atomic_write_text
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
@@ -59,6 +59,11 @@ class Row:
     def valid(self) -> bool:
         """Checked correct and timed: the only rows whose speed counts."""
         return self.status == "ok" and self.ms is not None
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.heads, self.kv_heads, self.seq_len, self.seq_len_k, self.head_dim,
+                     self.dtype, self.causal)
 
     def key(self) -> tuple:
         return tuple(getattr(self, name) for name in KEY)

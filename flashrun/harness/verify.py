@@ -3,13 +3,12 @@
 For each case and kernel: fresh seeded random inputs; the kernel gets clones (so it cannot
 corrupt what the reference sees) and runs with every fresh allocation poisoned, so an element
 it never writes shows up; the reference runs in float64 (CPU) or float32 (GPU); PyTorch's own
-maths in the kernel's dtype is the yardstick; :mod:`flashrun.harness.tolerance` judges. ``--grad`` does
+maths in the kernel's dtype is the yardstick; :class:`flashrun.harness.judge.Reference` judges. ``--grad`` does
 the same for dq, dk, dv.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -26,48 +25,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from flashrun.config import Config, ExperimentConfig
+from flashrun.config import Config
 from flashrun.errors import InputError, KernelError
+from flashrun.harness.shapes import FIELDS, Shape, verify_shapes
 
 POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
-SHAPE_KEYS = ("batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal")
 SLOW_CASE_S = 30.0  # warn before an interpreter case expected to take longer than this
-
-
-@dataclass(frozen=True)
-class Case:
-    batch_size: int
-    num_heads: int
-    num_kv_heads: int
-    seq_len: int
-    seq_len_k: int
-    head_dim: int
-    dtype: str
-    causal: bool
-
-    @property
-    def label(self) -> str:
-        heads = f"H{self.num_heads}" + (f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else "")
-        seq = f"N{self.seq_len}" + (f"x{self.seq_len_k}" if self.seq_len_k != self.seq_len else "")
-        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.dtype]
-        return f"B{self.batch_size} {heads} {seq} D{self.head_dim} {short}" + (" causal" if self.causal else "")
-
-    @classmethod
-    def from_fields(cls, values: dict[str, Any], base: ExperimentConfig, where: str) -> Case:
-        """Fill the fields a case leaves out from ``[experiment]``, then validate them."""
-        unknown = set(values) - set(SHAPE_KEYS) - {"model", "source"}
-        if unknown:
-            raise InputError(f"{where}: unknown case field(s) {', '.join(sorted(unknown))}",
-                             hint=f"a case may set {', '.join(SHAPE_KEYS)}")
-        merged = {**base.model_dump(), **{k: v for k, v in values.items() if k in SHAPE_KEYS and v is not None}}
-        try:  # the same checks as [experiment] (types, ranges, heads divisible)
-            exp = ExperimentConfig.model_validate({k: merged[k] for k in SHAPE_KEYS if merged.get(k) is not None})
-        except Exception as exc:  # pydantic.ValidationError; one line per case is enough
-            first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
-            key = ".".join(str(p) for p in first["loc"])
-            raise InputError(f"{where}: {key or 'case'}: {first['msg']}", hint="fix or drop that case") from None
-        return cls(exp.batch_size, exp.num_heads, exp.num_kv_heads or exp.num_heads, exp.seq_len,
-                   exp.seq_len_k or exp.seq_len, exp.head_dim, exp.dtype, exp.causal)
 
 
 @dataclass(frozen=True)
@@ -75,35 +38,24 @@ class Plan:
     """Everything a run needs besides the config: enough to repeat it from its record."""
 
     kernels: list[str]
-    cases: list[Case]
+    cases: list[Shape]
     grad: bool
     diagnose: bool
     device: str
     seed: int
 
 
-def expand_cases(cfg: Config) -> list[Case]:
-    """``[experiment]`` as one case, or the cartesian product of the ``[verify]`` lists."""
-    exp, sweep = cfg.experiment, cfg.verify
-    axes = {key: getattr(sweep, key) for key in SHAPE_KEYS if getattr(sweep, key) is not None}
-    names = list(axes)
-    cases = []
-    for combo in itertools.product(*(axes[n] for n in names)):
-        cases.append(Case.from_fields(dict(zip(names, combo)), exp, "[verify] sweep"))
-    return list(dict.fromkeys(cases))  # drop duplicates, keep order
-
-
 def make_plan(cfg: Config, cases_file: Path | None, device: str | None = None) -> Plan:
     if cases_file is not None:
         from flashrun.harness.cases import load_cases
 
-        cases = [Case.from_fields(c, cfg.experiment, f"{cases_file}: case {i + 1}")
+        cases = [Shape.from_fields(c, cfg.experiment, f"{cases_file}: case {i + 1}")
                  for i, c in enumerate(load_cases(cases_file))]
         if not cases:
             raise InputError(f"{cases_file}: holds no cases", hint="run `flashrun gen-cases --offline` to make some")
         cases = list(dict.fromkeys(cases))
     else:
-        cases = expand_cases(cfg)
+        cases = verify_shapes(cfg)
     return Plan(list(cfg.experiment.kernel), cases, cfg.verify.grad, cfg.verify.diagnose,
                 device or cfg.experiment.device, cfg.experiment.seed)
 
@@ -115,7 +67,7 @@ def plan_from_record(record: dict[str, Any]) -> tuple[Config, Plan]:
                          hint="`flashrun runs` lists the runs; pick a verify one")
     stored = record["plan"]
     config = Config.model_validate(record["config"])
-    plan = Plan(stored["kernels"], [Case(**c) for c in stored["cases"]], stored["grad"], stored["diagnose"],
+    plan = Plan(stored["kernels"], [Shape(**c) for c in stored["cases"]], stored["grad"], stored["diagnose"],
                 stored["device"], stored["seed"])
     return config, plan
 
@@ -127,7 +79,7 @@ def plan_from_record(record: dict[str, Any]) -> tuple[Config, Plan]:
 @dataclass
 class CaseResult:
     kernel: str
-    case: Case
+    case: Shape
     status: str  # pass | fail | error | oom | unsupported | skipped
     checks: list[Any] = field(default_factory=list)  # tolerance.Comparison
     message: str = ""
@@ -198,7 +150,7 @@ def _poisoned_allocations():
     return PoisonEmpty()
 
 
-def interpreter_seconds(case: Case, grad: bool) -> float:
+def interpreter_seconds(case: Shape, grad: bool) -> float:
     """Rough time of one case through the interpreter (measured on a 2-core CPU, block 32)."""
     tiles = case.batch_size * case.num_heads * math.ceil(case.seq_len / 32) * math.ceil(case.seq_len_k / 32)
     per_tile = 2e-3 * max(1.0, case.head_dim / 64)
@@ -267,32 +219,21 @@ def _interpreter_bf16_dot_ok() -> bool:
     return smoke.run("cpu", torch.bfloat16).ok
 
 
-def _inputs(case: Case, seed: int, device: str):
-    import torch
-
-    dtype = getattr(torch, case.dtype)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    shape_q = (case.batch_size, case.num_heads, case.seq_len, case.head_dim)
-    shape_kv = (case.batch_size, case.num_kv_heads, case.seq_len_k, case.head_dim)
-    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-               for s in (shape_q, shape_kv, shape_kv))
-    do = torch.randn(shape_q, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-    return q, k, v, do
-
-
-def check_case(kernel: Any, case: Case, plan: Plan, seed: int, device: str, bf16_dots_ok: bool) -> CaseResult:
+def check_case(kernel: Any, case: Shape, plan: Plan, seed: int, device: str, bf16_dots_ok: bool) -> CaseResult:
     """One kernel on one case: forward (and backward) against the reference."""
     import torch
 
-    from flashrun.harness.reference import attention_ref, logit_range
-    from flashrun.harness.tolerance import compare
+    from flashrun.harness.inputs import make_inputs
+    from flashrun.harness.judge import Reference
+    from flashrun.harness.reference import logit_range
 
     result = CaseResult(kernel.name, case, "pass")
     if case.dtype == "bfloat16" and not bf16_dots_ok and kernel.name not in ("flash", "minimal"):
         result.status = "skipped"
         result.message = "bfloat16 on this Triton's interpreter: its tl.dot is wrong for bf16; run on a GPU"
         return result
-    q, k, v, do = _inputs(case, seed, device)
+    inputs = make_inputs(case, seed, device)[0]
+    q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.dout
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     if plan.diagnose:
         result.logits = logit_range(q, k, sm_scale)
@@ -335,25 +276,28 @@ def check_case(kernel: Any, case: Case, plan: Plan, seed: int, device: str, bf16
         return result
     result.seconds = time.perf_counter() - start
 
-    leaf = [t.detach().clone().requires_grad_(plan.grad) for t in (q, k, v)]
-    ref = attention_ref(*leaf, causal=case.causal, sm_scale=sm_scale, upcast=True)
-    low = [t.detach().clone().requires_grad_(plan.grad) for t in (q, k, v)]
-    yard = attention_ref(*low, causal=case.causal, sm_scale=sm_scale, upcast=False)
-    result.checks.append(compare("out", out, ref, yard, POISON))
     if grads is not None:
-        ref_grads = torch.autograd.grad(ref, leaf, do.to(ref.dtype))
-        yard_grads = torch.autograd.grad(yard, low, do)
-        for name, g, rg, yg in zip(("dq", "dk", "dv"), grads, ref_grads, yard_grads):
-            if g is None or g.shape != rg.shape:
+        for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            if g is None or g.shape != t.shape:
                 result.status = "fail"
-                result.message = f"{name}: expected shape {tuple(rg.shape)}, got {None if g is None else tuple(g.shape)}"
+                result.message = f"{name}: expected shape {tuple(t.shape)}, got {None if g is None else tuple(g.shape)}"
                 return result
-            result.checks.append(compare(name, g, rg, yg, POISON))
+    reference = Reference.for_shape(inputs, case, grads=grads is not None)
+    result.checks = reference.judge(out, grads, POISON)
     failing = [c for c in result.checks if not c.passed]
     if failing:
         result.status = "fail"
         result.message = "; ".join(c.reason() for c in failing)
     return result
+
+
+def reproduce_command(kernel: str, shape: Shape, seed: int, grad: bool) -> str:
+    """The ``flashrun verify`` command that checks ``kernel`` on ``shape`` with the inputs that
+    ``seed`` draws (bench and verify share one input generator)."""
+    values = shape.to_json()
+    sets = " ".join(f"--set experiment.{key}={str(values[key]).lower() if isinstance(values[key], bool) else values[key]}"
+                    for key in FIELDS)
+    return f"flashrun verify -k {kernel} --seed {seed}{' --grad' if grad else ''} {sets}"
 
 
 def _check_output_shape(out: Any, q: Any) -> None:

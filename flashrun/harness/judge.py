@@ -1,0 +1,199 @@
+"""The judge: is a kernel's output (and gradient) right? Used by ``flashrun verify``,
+``flashrun bench`` and the tests alike.
+
+:class:`Reference` computes the truth - float64 on the CPU, float32 on a GPU - for the (batch,
+kv head) pairs to be checked (all of them, or the first and last for bench's quick check) and
+the *yardstick*: PyTorch doing the same maths in the kernel's own dtype. It works one query
+head and one block of query rows at a time, so its memory is one ``block x Nk`` score tile
+whatever the batch, heads and length. :meth:`Reference.judge` compares a kernel's tensors with
+it, by one policy: low-precision arithmetic cannot match the truth exactly, so a tensor passes when
+
+    max|kernel - ref| <= FACTOR * max|yardstick - ref| + atol * max(1, max|ref|)
+    and  ||kernel - ref|| / ||ref|| <= max_rel_l2
+
+and nothing is NaN/Inf where the reference is finite, and every element was written. FACTOR = 2
+follows flash-attention's own tests; ``atol`` is about one unit in the last place of the dtype
+at magnitude 1, so a kernel is never failed for rounding that the dtype itself forces (e.g.
+N = 1, where both errors are ~0). ``max_rel_l2`` guards against a yardstick that is itself
+far off (it would otherwise excuse anything).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flashrun.harness.inputs import Inputs
+from flashrun.harness.reference import attention_ref
+from flashrun.harness.shapes import Shape
+
+FACTOR = 2.0
+SCORE_TILE_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}  # one block x Nk score matrix of the reference
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    max_rel_l2: float
+
+
+TOLERANCE: dict[torch.dtype, Tolerance] = {
+    torch.float16: Tolerance(atol=1e-3, max_rel_l2=1e-2),
+    torch.bfloat16: Tolerance(atol=8e-3, max_rel_l2=5e-2),
+    torch.float32: Tolerance(atol=1e-5, max_rel_l2=1e-4),
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name: str  # "out", "dq", "dk", "dv"
+    max_abs: float
+    rel_l2: float
+    yardstick: float  # max|yardstick - ref|
+    bound: float  # the max_abs allowed
+    nonfinite: int  # NaN/Inf where the reference is finite
+    unwritten: int  # elements still holding the poison value
+    first_bad: list[int] | None  # index of the worst element when failing
+    passed: bool
+
+    @property
+    def ratio(self) -> float | None:
+        """Kernel error over yardstick error (None when the yardstick is exact)."""
+        return self.max_abs / self.yardstick if self.yardstick > 0 else None
+
+    def reason(self) -> str:
+        if self.passed:
+            return ""
+        if self.unwritten:
+            return f"{self.name}: {self.unwritten} element(s) never written"
+        if self.nonfinite:
+            return f"{self.name}: {self.nonfinite} NaN/Inf value(s)"
+        at = f" at {tuple(self.first_bad)}" if self.first_bad else ""
+        return (f"{self.name}: max error {self.max_abs:.3g}{at} > allowed {self.bound:.3g} "
+                f"(rel-L2 {self.rel_l2:.3g})")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def compare(name: str, out: torch.Tensor, ref: torch.Tensor, yardstick: torch.Tensor,
+            poison: float | None = None) -> Comparison:
+    """Judge ``out`` against ``ref`` (high precision) with ``yardstick`` (same dtype as ``out``)."""
+    tol = TOLERANCE[out.dtype]
+    ref64 = ref.detach().double().cpu()
+    out64 = out.detach().double().cpu()
+    unwritten = int((out64 == poison).sum()) if poison is not None else 0
+    finite_ref = torch.isfinite(ref64)
+    nonfinite = int((~torch.isfinite(out64) & finite_ref).sum())
+    diff = (out64 - ref64).abs()
+    diff = torch.where(finite_ref, diff, torch.zeros_like(diff)).nan_to_num(nan=float("inf"))
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    ref_norm = float(ref64[finite_ref].norm())
+    err_norm = float(diff[torch.isfinite(diff)].norm()) if torch.isfinite(diff).any() else float("inf")
+    rel_l2 = err_norm / ref_norm if ref_norm > 0 else err_norm
+    if nonfinite or unwritten:
+        rel_l2 = float("inf")
+    yard = (yardstick.detach().double().cpu() - ref64).abs()
+    yard = torch.where(finite_ref, yard, torch.zeros_like(yard)).nan_to_num(nan=0.0, posinf=0.0)
+    yard_max = float(yard.max()) if yard.numel() else 0.0
+    ref_max = float(ref64[finite_ref].abs().max()) if finite_ref.any() else 0.0
+    bound = FACTOR * yard_max + tol.atol * max(1.0, ref_max)
+    passed = not nonfinite and not unwritten and max_abs <= bound and rel_l2 <= tol.max_rel_l2
+    first_bad = None
+    if not passed and diff.numel():
+        first_bad = [int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)]
+    return Comparison(name, max_abs, rel_l2, yard_max, bound, nonfinite, unwritten, first_bad, passed)
+
+
+class Reference:
+    """The reference and the yardstick for one input set, on the checked (batch, kv head) pairs.
+
+    ``edges``: check batch elements {0, B-1} (a stride bug shows past the first element) and
+    kv heads {0, H_kv-1}, each with every query head it serves (so dk/dv are complete sums);
+    otherwise every batch element and head. ``grads``: also the gradients for ``inputs.dout``.
+    """
+
+    def __init__(self, inputs: Inputs, *, causal: bool, grads: bool, sm_scale: float | None = None,
+                 edges: bool = False) -> None:
+        q, k = inputs.q, inputs.k
+        batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+        self.causal, self.sm_scale = causal, sm_scale
+        self.group = heads // kv_heads
+        self._batches = sorted({0, batch - 1}) if edges else list(range(batch))
+        self._kv_heads = sorted({0, kv_heads - 1}) if edges else list(range(kv_heads))
+        q_heads = [j * self.group + t for j in self._kv_heads for t in range(self.group)]
+        device = q.device
+        self._batch_idx = torch.tensor(self._batches, device=device)
+        self._head_idx = torch.tensor(q_heads, device=device)
+        self._kv_idx = torch.tensor(self._kv_heads, device=device)
+        self.out, self.grads = self._compute(inputs, grads, upcast=True)
+        self.yard_out, self.yard_grads = self._compute(inputs, grads, upcast=False)
+
+    @classmethod
+    def for_shape(cls, inputs: Inputs, shape: Shape, grads: bool, edges: bool = False) -> Reference:
+        return cls(inputs, causal=shape.causal, grads=grads, edges=edges)
+
+    def slice_q(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, Nq, D) -> the checked (batch, query head) pairs."""
+        return t.detach().index_select(0, self._batch_idx).index_select(1, self._head_idx)
+
+    def slice_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, Nk, D) -> the checked (batch, kv head) pairs."""
+        return t.detach().index_select(0, self._batch_idx).index_select(1, self._kv_idx)
+
+    def judge(self, out: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              poison: float | None = None) -> list[Comparison]:
+        """Compare ``out`` (and ``(dq, dk, dv)``) with the reference; ``poison``: the value that
+        marks an element the kernel never wrote."""
+        checks = [compare("out", self.slice_q(out), self.out, self.yard_out, poison)]
+        if grads is not None:
+            if self.grads is None or self.yard_grads is None:
+                raise ValueError("this Reference was built without gradients")
+            for name, got, cut, want, yard in zip(("dq", "dk", "dv"), grads, (self.slice_q, self.slice_kv, self.slice_kv),
+                                                  self.grads, self.yard_grads):
+                checks.append(compare(name, cut(got), want, yard, poison))
+        return checks
+
+    def _compute(self, inputs: Inputs, grads: bool, upcast: bool
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        q, k, v, dout = (t.detach() for t in (inputs.q, inputs.k, inputs.v, inputs.dout))
+        dtype = q.dtype if not upcast else torch.float64 if q.device.type == "cpu" else torch.float32
+        n_q, n_k = q.shape[2], k.shape[2]
+        budget = SCORE_TILE_BYTES.get(q.device.type, SCORE_TILE_BYTES["cpu"])
+        block = max(16, budget // max(1, n_k * dtype.itemsize))
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:  # (N, D) -> (1, 1, N, D), a copy in the working dtype
+            return t[None, None].to(dtype, copy=True).requires_grad_(grads)
+
+        outs, dqs, dks, dvs = [], [], [], []  # flat, in slice order: batch element, then head
+        for b in self._batches:
+            for j in self._kv_heads:
+                kj, vj = leaf(k[b, j]), leaf(v[b, j])
+                dk_j, dv_j = torch.zeros_like(kj[0, 0]), torch.zeros_like(vj[0, 0])
+                for h in range(j * self.group, (j + 1) * self.group):
+                    rows, dq_rows = [], []
+                    for start in range(0, n_q, block):  # query blocks: each is exact on its own
+                        qh = leaf(q[b, h, start:start + block])
+                        with torch.set_grad_enabled(grads):
+                            o = attention_ref(qh, kj, vj, causal=self.causal, sm_scale=self.sm_scale, upcast=upcast,
+                                              q_start=start, seq_len_q=n_q)
+                        rows.append(o.detach()[0, 0])
+                        if grads:
+                            do = dout[b, h, start:start + block][None, None].to(dtype)
+                            gq, gk, gv = torch.autograd.grad(o, (qh, kj, vj), do)
+                            dq_rows.append(gq[0, 0])
+                            dk_j += gk[0, 0]  # a kv head's gradient sums over query rows and heads
+                            dv_j += gv[0, 0]
+                    outs.append(torch.cat(rows))
+                    if grads:
+                        dqs.append(torch.cat(dq_rows))
+                dks.append(dk_j)
+                dvs.append(dv_j)
+
+        def shaped(parts: list[torch.Tensor]) -> torch.Tensor:  # -> (checked batches, checked heads, N, D)
+            return torch.stack(parts).unflatten(0, (len(self._batches), -1))
+
+        if not grads:
+            return shaped(outs), None
+        return shaped(outs), (shaped(dqs), shaped(dks), shaped(dvs))

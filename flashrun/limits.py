@@ -1,0 +1,8 @@
+"""What the kernels accept, defined once: the config, the cases files and the kernels' own
+launchers all check against these. No torch here (the config imports it)."""
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # non powers of two are handled inside the kernels
+DTYPES = ("float16", "bfloat16", "float32")
+# The short names flashrun prints in labels, accepted wherever a dtype is read.
+SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
