@@ -143,6 +143,9 @@ def verify(
     ] = None,
     grad: Annotated[bool, typer.Option("--grad", help="Also check dq, dk, dv.")] = False,
     diagnose: Annotated[bool, typer.Option("--diagnose", help="Report the logit range of q·kᵀ·scale.")] = False,
+    budget: Annotated[Optional[float], typer.Option(
+        "--budget", help="Through the CPU interpreter, skip cases expected to take longer than this many seconds "
+        "(default verify.budget_s = 120; 0 runs everything).", show_default=False)] = None,
     device: DeviceOpt = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.", show_default=False)] = None,
     rerun: Annotated[
@@ -167,7 +170,7 @@ def verify(
     from flashrun.records.runlog import find_record
 
     flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
-             "verify.grad": grad or None, "verify.diagnose": diagnose or None}
+             "verify.grad": grad or None, "verify.diagnose": diagnose or None, "verify.budget_s": budget}
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose, flags)
         if rerun is not None:

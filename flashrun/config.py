@@ -144,6 +144,9 @@ class VerifyConfig(_Section):
     causal: list[bool] | None = None
     grad: bool = False
     diagnose: bool = False
+    # Through the interpreter, a case expected to take longer than this many seconds is skipped
+    # up front (with the reason); 0 runs everything.
+    budget_s: Annotated[float, Field(ge=0)] = 120.0
 
     _lists = field_validator(
         "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",

@@ -49,3 +49,12 @@ class GPUFault(FlashrunError):
     in this process can be trusted, so the run stops."""
 
     exit_code = 1
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory failure, on the GPU or the CPU: PyTorch's OutOfMemoryError, Python's (or
+    numpy's) MemoryError, or an OOM reported by a library as a RuntimeError (cuDNN, Triton, the
+    CPU allocator). Read without importing torch."""
+    text = str(exc)
+    return (isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
+            or "out of memory" in text.lower() or "can't allocate memory" in text)

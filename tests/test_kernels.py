@@ -84,12 +84,12 @@ def test_interpreter_bf16_probe_sees_the_fault():
     # If a future Triton fixes its interpreter, the probe says so and verify stops skipping.
     import triton
 
-    from flashrun.harness.verify import _interpreter_bf16_dot_ok
+    from flashrun.harness.check import interpreter_bf16_dot_ok
 
     bf16 = smoke.run("cpu", torch.bfloat16)
     if triton.__version__.startswith("3.9"):
         assert bf16.max_error > 1.0
-    assert _interpreter_bf16_dot_ok() == bf16.ok
+    assert interpreter_bf16_dot_ok() == bf16.ok
     assert smoke.run("cpu", torch.float16).ok  # the fault is bf16's alone
 
 

@@ -33,7 +33,7 @@ from rich.progress import (
 from rich.table import Table
 
 from flashrun.config import Config
-from flashrun.errors import DeviceError, InputError
+from flashrun.errors import DeviceError, InputError, is_oom
 from flashrun.harness import results
 from flashrun.harness.shapes import Shape, bench_shapes, flops
 from flashrun.records.runlog import append_record, fingerprint, make_record, now_iso
@@ -212,7 +212,6 @@ class _Sweep:
         from flashrun.harness.measure import (
             Cell,
             free_memory,
-            is_oom,
             make_sets,
             measure,
         )

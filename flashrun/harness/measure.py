@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from flashrun.errors import GPUFault, KernelError
+from flashrun.errors import GPUFault, KernelError, is_oom
 from flashrun.harness.inputs import Inputs, make_inputs
 from flashrun.harness.judge import Comparison, Reference
 from flashrun.harness.providers import Attention, Provider, failure_reason
@@ -98,13 +98,6 @@ def _verdict(checks: list[Comparison]) -> Verdict:
     worst = max(c.max_abs for c in checks)
     failing = next((c for c in checks if not c.passed), None)
     return Verdict("wrong", failing.reason(), worst) if failing else Verdict("ok", max_err=worst)
-
-
-def is_oom(exc: BaseException) -> bool:
-    """PyTorch's OOM error, or an OOM reported by a library as a RuntimeError (cuDNN, Triton)."""
-    text = str(exc)
-    return (isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in text.lower()
-            or "can't allocate memory" in text)
 
 
 def _failure(name: str, shape: Shape, exc: BaseException, caught: list[warnings.WarningMessage]) -> Verdict:

@@ -1,21 +1,22 @@
 """``flashrun verify``: run attention kernels against a high-precision reference.
 
-For each case and kernel: fresh seeded random inputs; the kernel gets clones (so it cannot
-corrupt what the reference sees) and runs with every fresh allocation poisoned, so an element
-it never writes shows up; the reference runs in float64 (CPU) or float32 (GPU); PyTorch's own
-maths in the kernel's dtype is the yardstick; :class:`flashrun.harness.judge.Reference` judges. ``--grad`` does
-the same for dq, dk, dv.
+:func:`make_plan` turns the config (or a cases file) into a :class:`Plan`: kernels x shapes.
+:func:`run` turns the plan into one :class:`~flashrun.harness.check.Job` per (case, kernel),
+skips up front what the interpreter cannot finish in the budget, runs the rest
+(:func:`~flashrun.harness.check.run_job`), reports each result as it finishes - a progress
+bar on a terminal, one line per case anywhere else - and writes the run record, also when
+Ctrl-C ends the run early (the record says ``interrupted``). :func:`render` prints the table.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -26,11 +27,11 @@ from rich.progress import (
 from rich.table import Table
 
 from flashrun.config import Config
-from flashrun.errors import InputError, KernelError
+from flashrun.errors import InputError
+from flashrun.harness.check import CaseResult, Job, interpreter_seconds
 from flashrun.harness.shapes import FIELDS, Shape, verify_shapes
 
-POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
-SLOW_CASE_S = 30.0  # warn before an interpreter case expected to take longer than this
+SLOW_CASE_S = 30.0  # say so before an interpreter case expected to take longer than this
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Plan:
     diagnose: bool
     device: str
     seed: int
+    budget_s: float = 0.0  # interpreter cases expected to take longer are skipped; 0: no limit
 
 
 def make_plan(cfg: Config, cases_file: Path | None, device: str | None = None) -> Plan:
@@ -57,7 +59,7 @@ def make_plan(cfg: Config, cases_file: Path | None, device: str | None = None) -
     else:
         cases = verify_shapes(cfg)
     return Plan(list(cfg.experiment.kernel), cases, cfg.verify.grad, cfg.verify.diagnose,
-                device or cfg.experiment.device, cfg.experiment.seed)
+                device or cfg.experiment.device, cfg.experiment.seed, cfg.verify.budget_s)
 
 
 def plan_from_record(record: dict[str, Any]) -> tuple[Config, Plan]:
@@ -68,32 +70,8 @@ def plan_from_record(record: dict[str, Any]) -> tuple[Config, Plan]:
     stored = record["plan"]
     config = Config.model_validate(record["config"])
     plan = Plan(stored["kernels"], [Shape(**c) for c in stored["cases"]], stored["grad"], stored["diagnose"],
-                stored["device"], stored["seed"])
+                stored["device"], stored["seed"], stored.get("budget_s", 0.0))
     return config, plan
-
-
-# ---------------------------------------------------------------------------------------------
-# Results
-
-
-@dataclass
-class CaseResult:
-    kernel: str
-    case: Shape
-    status: str  # pass | fail | error | oom | unsupported | skipped
-    checks: list[Any] = field(default_factory=list)  # tolerance.Comparison
-    message: str = ""
-    seconds: float = 0.0
-    logits: tuple[float, float] | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
-            "message": self.message, "seconds": round(self.seconds, 4), "notes": self.notes,
-            "logit_range": list(self.logits) if self.logits else None,
-            "checks": [c.to_json() for c in self.checks],
-        }
 
 
 @dataclass
@@ -102,6 +80,9 @@ class Report:
     device: str
     notices: list[str]
     run_id: str | None = None
+    planned: int = 0  # (case, kernel) checks in the plan
+    interrupted: bool = False  # Ctrl-C: ``results`` holds the checks that finished
+    interpreter: bool = False
 
     @property
     def passed(self) -> int:
@@ -118,54 +99,30 @@ class Report:
     @property
     def verdict(self) -> str:
         text = f"{self.passed} passed, {self.failed} failed"
-        return text + (f", {self.skipped} skipped" if self.skipped else "")
+        text += f", {self.skipped} skipped" if self.skipped else ""
+        return text + (f" (interrupted: {len(self.results)} of {self.planned} checks ran)" if self.interrupted else "")
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failed else 0
+        return 130 if self.interrupted else 1 if self.failed else 0
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "device": self.device, "notices": self.notices, "verdict": self.verdict,
                 "passed": self.passed, "failed": self.failed, "skipped": self.skipped,
-                "results": [r.to_json() for r in self.results]}
+                "interrupted": self.interrupted, "results": [r.to_json() for r in self.results]}
 
 
 # ---------------------------------------------------------------------------------------------
 # Running
 
 
-def _poisoned_allocations():
-    """A dispatch mode that fills every fresh floating-point allocation with POISON."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class PoisonEmpty(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if (func.overloadpacket.__name__.startswith(("empty", "new_empty"))
-                    and isinstance(out, torch.Tensor) and out.is_floating_point()):
-                out.fill_(POISON)
-            return out
-
-    return PoisonEmpty()
-
-
-def interpreter_seconds(case: Shape, grad: bool) -> float:
-    """Rough time of one case through the interpreter (measured on a 2-core CPU, block 32)."""
-    tiles = case.batch_size * case.num_heads * math.ceil(case.seq_len / 32) * math.ceil(case.seq_len_k / 32)
-    per_tile = 2e-3 * max(1.0, case.head_dim / 64)
-    return tiles * per_tile * (4.0 if grad else 1.0)
-
-
 def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None = None) -> Report:
     """Run every (case, kernel) check; write a run record. ``console`` None: no progress output."""
     from flashrun import device as device_mod
+    from flashrun.harness.check import interpreter_bf16_dot_ok, load_kernel, run_job
 
     dev = device_mod.select(plan.device)
     notices = [dev.notice] if dev.notice else []
-    if console is not None:
-        for notice in notices:
-            console.print(f"[yellow]note:[/] {notice}")
 
     from flashrun import kernels
 
@@ -174,121 +131,100 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
     # for a sweep), while the GPU suite (tests/test_gpu.py) checks every config it may pick.
     pinned = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
     launch = pinned if any(v is not None for v in vars(pinned).values()) else "default"
-    loaded: dict[str, Any] = {}
     for spec in plan.kernels:
-        loaded[spec] = kernels.get(spec, launch)  # a bad kernel spec is an input error: exit 2
+        load_kernel(spec, launch)  # a bad kernel spec is an input error: exit 2, before any case runs
 
     bf16_ok = True
     if dev.interpreter and any(c.dtype == "bfloat16" for c in plan.cases):
-        bf16_ok = _interpreter_bf16_dot_ok()
+        bf16_ok = interpreter_bf16_dot_ok()
         if not bf16_ok:
             notices.append("this Triton's interpreter computes bfloat16 tl.dot wrongly (probe failed): flash and "
                            "minimal upcast those dots to float32 there; your own kernels' bfloat16 cases are skipped")
+    if dev.interpreter:
+        notices.append("through the interpreter, `first s` is its wall time and `ms` is not measured: "
+                       "interpreter timings say nothing about a GPU")
 
-    results: list[CaseResult] = []
-    jobs = [(case, spec) for case in plan.cases for spec in plan.kernels]
-    progress = _progress(console, len(jobs))
-    with progress:
-        task = progress.add_task("verify", total=len(jobs))
-        for index, (case, spec) in enumerate(jobs):
-            if dev.interpreter and console is not None:
-                eta = interpreter_seconds(case, plan.grad)
-                if eta > SLOW_CASE_S:
-                    console.print(f"[yellow]note:[/] {case.label} will take about {eta / 60:.1f} min "
-                                  "through the interpreter")
-            progress.update(task, description=f"{spec} {case.label}")
-            seed = plan.seed + index // len(plan.kernels)  # every kernel sees the same inputs per case
-            result = check_case(loaded[spec], case, plan, seed, dev.torch_device, bf16_ok or not dev.interpreter)
-            results.append(result)
-            progress.advance(task)
-    report = Report(results, dev.kind + (" (Triton interpreter)" if dev.interpreter else ""), notices)
+    jobs = [Job(index, spec, case, plan.seed + index // len(plan.kernels), plan.grad, plan.diagnose, plan.device,
+                launch, bf16_ok or not dev.interpreter,
+                interpreter_seconds(case, plan.grad) if dev.interpreter else None)
+            for index, (case, spec) in enumerate((c, s) for c in plan.cases for s in plan.kernels)]
+    # every kernel sees the same inputs per case: the seed is seed + case number
+    over = [job for job in jobs if job.estimate_s is not None and 0 < plan.budget_s < job.estimate_s]
+    if over:
+        notices.append(f"{len(over)} check(s) skipped: expected to take longer than the interpreter budget of "
+                       f"{plan.budget_s:g} s per case (run them on a GPU, or raise it: --budget SECONDS, 0 for none)")
+    results = [_over_budget(job, plan.budget_s) for job in over]
+    todo = [job for job in jobs if job not in over]
+    if console is not None:
+        for notice in notices:
+            console.print(f"[yellow]note:[/] {escape(notice)}")
+
+    report = Report([], dev.kind + (" (Triton interpreter)" if dev.interpreter else ""), notices,
+                    planned=len(jobs), interpreter=dev.interpreter)
+    with _Reporter(console, len(jobs)) as reporter:
+        for result in results:
+            reporter.finished(result)
+        try:
+            for result in _serial(todo, reporter, run_job):
+                results.append(result)
+        except KeyboardInterrupt:
+            report.interrupted = True
+    report.results = sorted(results, key=lambda r: r.index)
     report.run_id = _record(cfg, plan, report, argv)
     return report
 
 
-def _progress(console: Console | None, total: int) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=console is None or total < 2)
+def _serial(jobs: list[Job], reporter: _Reporter, run_job: Any) -> Iterator[CaseResult]:
+    """Run the jobs one after the other in this process, yielding each result as it finishes."""
+    for job in jobs:
+        reporter.started(job)
+        result = run_job(job)
+        reporter.finished(result)
+        yield result
 
 
-def _interpreter_bf16_dot_ok() -> bool:
-    import torch
+def _over_budget(job: Job, budget_s: float) -> CaseResult:
+    minutes = f"{job.estimate_s / 60:.1f} min" if job.estimate_s >= 60 else f"{job.estimate_s:.0f} s"
+    return CaseResult(job.kernel, job.case, "skipped", index=job.index,
+                      message=f"expected to take about {minutes} through the interpreter, over the budget of "
+                              f"{budget_s:g} s (--budget 0 runs it anyway)")
 
-    from flashrun.env import smoke
 
-    return smoke.run("cpu", torch.bfloat16).ok
+_STYLE = {"pass": "green", "fail": "red", "error": "red", "oom": "red", "unsupported": "yellow", "skipped": "yellow"}
 
 
-def check_case(kernel: Any, case: Shape, plan: Plan, seed: int, device: str, bf16_dots_ok: bool) -> CaseResult:
-    """One kernel on one case: forward (and backward) against the reference."""
-    import torch
+class _Reporter:
+    """Progress while checks run: on a terminal a bar (and pass/fail lines as cases finish);
+    anywhere else (a pipe, a log file, CI) one plain line per finished case, like ``pytest -v``."""
 
-    from flashrun.harness.inputs import make_inputs
-    from flashrun.harness.judge import Reference
-    from flashrun.harness.reference import logit_range
+    def __init__(self, console: Console | None, total: int) -> None:
+        self.console = console
+        self.live = console is not None and console.is_terminal and total > 1
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console, transient=True, disable=not self.live)
+        self.task = self.progress.add_task("verify", total=total)
 
-    result = CaseResult(kernel.name, case, "pass")
-    if case.dtype == "bfloat16" and not bf16_dots_ok and kernel.name not in ("flash", "minimal"):
-        result.status = "skipped"
-        result.message = "bfloat16 on this Triton's interpreter: its tl.dot is wrong for bf16; run on a GPU"
-        return result
-    inputs = make_inputs(case, seed, device)[0]
-    q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.dout
-    sm_scale = 1.0 / math.sqrt(case.head_dim)
-    if plan.diagnose:
-        result.logits = logit_range(q, k, sm_scale)
-        if max(abs(result.logits[0]), abs(result.logits[1])) > 10:
-            result.notes.append(f"logits q·kᵀ·scale span [{result.logits[0]:.1f}, {result.logits[1]:.1f}], "
-                                "outside about ±10: softmax saturates")
-    if not kernel.takes_causal:
-        result.notes.append("called as (q, k, v): judged against causal="
-                            f"{case.causal} and scale 1/sqrt({case.head_dim})")
-    # the kernel works on clones; the reference on the originals
-    kq, kk, kv = (t.clone().requires_grad_(plan.grad) for t in (q, k, v))
-    start = time.perf_counter()
-    try:
-        with _poisoned_allocations():
-            out = kernel(kq, kk, kv, causal=case.causal, sm_scale=sm_scale)
-            if device == "cuda":
-                torch.cuda.synchronize()
-        _check_output_shape(out, q)
-        grads = None
-        if plan.grad:
-            if not out.requires_grad:
-                result.notes.append("forward only: no gradients to check")
-            else:
-                with _poisoned_allocations():
-                    grads = torch.autograd.grad(out, (kq, kk, kv), do)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-    except KernelError as exc:
-        result.status = "unsupported"
-        result.message = exc.message + (f" ({exc.hint})" if exc.hint else "")
-        return result
-    except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        result.status = "oom"
-        result.message = "CUDA out of memory: reduce batch_size/seq_len, or use the tiled kernel (flash)"
-        return result
-    except Exception as exc:  # noqa: BLE001 - a kernel that raises fails this case, with its message
-        result.status = "error"
-        result.message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        return result
-    result.seconds = time.perf_counter() - start
+    def __enter__(self) -> _Reporter:
+        self.progress.__enter__()
+        return self
 
-    if grads is not None:
-        for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-            if g is None or g.shape != t.shape:
-                result.status = "fail"
-                result.message = f"{name}: expected shape {tuple(t.shape)}, got {None if g is None else tuple(g.shape)}"
-                return result
-    reference = Reference.for_shape(inputs, case, grads=grads is not None)
-    result.checks = reference.judge(out, grads, POISON)
-    failing = [c for c in result.checks if not c.passed]
-    if failing:
-        result.status = "fail"
-        result.message = "; ".join(c.reason() for c in failing)
-    return result
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def started(self, job: Job) -> None:
+        if self.console is not None and job.estimate_s is not None and job.estimate_s > SLOW_CASE_S:
+            self.console.print(f"[yellow]note:[/] {escape(job.case.label)} will take about "
+                               f"{job.estimate_s / 60:.1f} min through the interpreter")
+        self.progress.update(self.task, description=f"{job.kernel} {job.case.label}")
+
+    def finished(self, result: CaseResult) -> None:
+        if self.console is not None:
+            took = f"  {result.first_call_s:.2f} s" if result.first_call_s is not None else ""
+            why = f"  {result.message}" if result.status != "pass" and result.message else ""
+            self.console.print(f"[{_STYLE[result.status]}]{result.status.upper():<11}[/] "
+                               f"{escape(result.kernel)} {escape(result.case.label)}{took}{escape(why)}",
+                               highlight=False)
+        self.progress.advance(self.task)
 
 
 def reproduce_command(kernel: str, shape: Shape, seed: int, grad: bool) -> str:
@@ -300,17 +236,6 @@ def reproduce_command(kernel: str, shape: Shape, seed: int, grad: bool) -> str:
     return f"flashrun verify -k {kernel} --seed {seed}{' --grad' if grad else ''} {sets}"
 
 
-def _check_output_shape(out: Any, q: Any) -> None:
-    import torch
-
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the kernel returned {type(out).__name__}, expected a tensor")
-    if out.shape != q.shape:
-        raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected {tuple(q.shape)}")
-    if out.dtype != q.dtype:
-        raise ValueError(f"the kernel returned {out.dtype}, expected {q.dtype}")
-
-
 def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> str:
     from flashrun.records.runlog import append_record, make_record
 
@@ -318,7 +243,7 @@ def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> 
     record = make_record(
         "verify", argv or [], cfg.public_dict(),
         {"verdict": report.verdict, "passed": report.passed, "failed": report.failed, "device": report.device,
-         "checks": [r.to_json() for r in report.results]},
+         "interrupted": report.interrupted, "checks": [r.to_json() for r in report.results]},
         kernels=plan.kernels, n_cases=len(plan.cases), plan=plan_json,
     )
     append_record(cfg.logging.log_dir, record)
@@ -328,31 +253,45 @@ def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> 
 # ---------------------------------------------------------------------------------------------
 # Rendering
 
-_STYLE = {"pass": "green", "fail": "red", "error": "red", "oom": "red", "unsupported": "yellow", "skipped": "yellow"}
-
 
 def render(report: Report, console: Console) -> None:
-    table = Table(title=f"verify on {report.device}", title_justify="left")
+    """The results table. Numbers never wrap or get cut: when the console is narrow (80 columns,
+    a pipe) the case label wraps; the kernel heads a section instead of taking a column; the
+    NaN/unwritten counts appear only when some check has any, ``ms`` only when measured (GPU)."""
+    several = len({r.kernel for r in report.results}) > 1
+    flagged = any(c.nonfinite or c.unwritten for r in report.results for c in r.checks)
     # max err: the worst tensor's max |kernel - ref|; ×torch: that error over PyTorch's own in the
     # same dtype (the yardstick); nan: NaN/Inf values; unwr: elements the kernel never wrote
-    for name in ("kernel", "case", "result", "max err", "rel L2", "×torch", "nan", "unwr", "ms"):
-        left = name in ("kernel", "case", "result")
-        table.add_column(name, justify="left" if left else "right", no_wrap=left)
-    for r in report.results:
-        worst = max(r.checks, key=lambda c: (not c.passed, c.max_abs / c.bound if c.bound else 0), default=None)
-        ratio = "" if worst is None or worst.ratio is None else f"{worst.ratio:.2f}x"
-        cells = [r.kernel, r.case.label, f"[{_STYLE[r.status]}]{r.status}[/]"]
-        if worst is None:
-            cells += ["", "", "", "", "", ""]
+    columns = ["case", "result", "max err", "rel L2", "×torch", *(("nan", "unwr") if flagged else ()), "first s",
+               *(("ms",) if any(r.ms is not None for r in report.results) else ())]  # ms: GPU only
+    table = Table(title=f"verify on {report.device}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in columns:
+        if name == "case":
+            table.add_column(name, overflow="fold")
         else:
-            cells += [f"{worst.max_abs:.2e}" + ("" if len(r.checks) == 1 else f" ({worst.name})"),
-                      f"{worst.rel_l2:.2e}", ratio, str(sum(c.nonfinite for c in r.checks)),
-                      str(sum(c.unwritten for c in r.checks)), f"{r.seconds * 1e3:.1f}"]
-        table.add_row(*cells)
+            table.add_column(name, justify="left" if name == "result" else "right", no_wrap=True)
+    kernel = None
+    order = {name: i for i, name in enumerate(dict.fromkeys(r.kernel for r in report.results))}
+    for r in sorted(report.results, key=lambda r: order[r.kernel]):  # stable: cases keep their order
+        if several and r.kernel != kernel:
+            if kernel is not None:
+                table.add_section()
+            table.add_row(f"[bold]{escape(r.kernel)}[/]", *[""] * (len(columns) - 1))
+            kernel = r.kernel
+        worst = max(r.checks, key=lambda c: (not c.passed, c.max_abs / c.bound if c.bound else 0), default=None)
+        cells = {"case": escape(r.case.label), "result": f"[{_STYLE[r.status]}]{r.status}[/]",
+                 "first s": "" if r.first_call_s is None else f"{r.first_call_s:.2f}",
+                 "ms": "" if r.ms is None else f"{r.ms:.3f}"}
+        if worst is not None:
+            cells.update({
+                "max err": f"{worst.max_abs:.2e}" + ("" if len(r.checks) == 1 else f" {worst.name}"),
+                "rel L2": f"{worst.rel_l2:.2e}", "×torch": "" if worst.ratio is None else f"{worst.ratio:.2f}x",
+                "nan": str(sum(c.nonfinite for c in r.checks)), "unwr": str(sum(c.unwritten for c in r.checks)),
+            })
+        table.add_row(*(cells.get(name, "") for name in columns))
     console.print(table)
     for r in report.results:
         for line in ([r.message] if r.message else []) + r.notes:
-            console.print(f"  [dim]{r.kernel} {r.case.label}:[/] {line}")
+            console.print(f"  [dim]{escape(r.kernel)} {escape(r.case.label)}:[/] {escape(line)}")
     style = "green" if report.exit_code == 0 else "red"
     console.print(f"[{style}]{report.verdict}[/]" + (f"  (run {report.run_id})" if report.run_id else ""))
-

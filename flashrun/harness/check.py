@@ -1,0 +1,251 @@
+"""One kernel on one case: the unit of work of ``flashrun verify``.
+
+A :class:`Job` says everything a check needs (kernel spec, shape, seed, what to check) and
+:func:`run_job` performs it in whatever process it lands in - the CLI's own, or a worker of a
+scale-out run - so a job and its :class:`CaseResult` are plain, picklable data.
+
+The check: fresh seeded inputs (:mod:`flashrun.harness.inputs`); the kernel gets clones (so it
+cannot corrupt what the reference sees) and runs with every fresh floating-point allocation
+poisoned, so an element it never writes shows up; :class:`~flashrun.harness.judge.Reference`
+judges the output (and, with ``grad``, dq, dk, dv). The first call is timed with compiling
+included (``first_call_s``); on a GPU the forward is then timed again, compiled (``ms``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flashrun.errors import KernelError, is_oom
+from flashrun.harness.shapes import Shape
+
+POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
+TIMED_MS = 25  # GPU time spent timing each checked kernel (median of the repeats)
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int  # position in the run: results are reported in this order
+    kernel: str  # flash | minimal | PATH.py:FUNCTION
+    case: Shape
+    seed: int
+    grad: bool
+    diagnose: bool
+    device: str  # what the plan asked for: auto | cuda | cpu
+    launch: Any = "default"  # flash's launch config: "default" or a pinned LaunchConfig
+    bf16_dots_ok: bool = True  # False: this interpreter's bf16 tl.dot is wrong (users' kernels skip)
+    estimate_s: float | None = None  # expected interpreter seconds (None on a GPU)
+
+
+@dataclass
+class CaseResult:
+    kernel: str
+    case: Shape
+    status: str  # pass | fail | error | oom | unsupported | skipped
+    checks: list[Any] = field(default_factory=list)  # judge.Comparison
+    message: str = ""
+    first_call_s: float | None = None  # the checked call(s), compiling included
+    ms: float | None = None  # median forward time after it (GPU only)
+    logits: tuple[float, float] | None = None
+    notes: list[str] = field(default_factory=list)
+    index: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
+            "message": self.message, "first_call_s": _round(self.first_call_s), "ms": _round(self.ms),
+            "notes": self.notes, "logit_range": list(self.logits) if self.logits else None,
+            "checks": [c.to_json() for c in self.checks],
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def interpreter_seconds(case: Shape, grad: bool) -> float:
+    """Expected wall time of ``flash`` on ``case`` through Triton's interpreter.
+
+    Calibrated on a 2-core CPU with triton 3.9 (32x32 tiles): about 5 ms per tile forward
+    (a little more past head_dim 128), 5x that with the backward, causal tiles about 0.6x of the
+    full count, plus a fixed 0.05 s per call. Other kernels differ, but by tiles just as much."""
+    tiles = case.batch_size * case.num_heads * math.ceil(case.seq_len / 32) * math.ceil(case.seq_len_k / 32)
+    per_tile = 5e-3 * (1 + max(0, case.head_dim - 128) / 256)
+    return 0.05 + tiles * per_tile * (0.6 if case.causal else 1.0) * (5.0 if grad else 1.0)
+
+
+_kernels: dict[tuple[str, str], Any] = {}  # (spec, launch) -> Kernel, loaded once per process
+
+
+def load_kernel(spec: str, launch: Any):
+    """``flashrun.kernels.get`` once per process (after the device is selected)."""
+    from flashrun import kernels
+
+    key = (spec, repr(launch))
+    if key not in _kernels:
+        _kernels[key] = kernels.get(spec, launch)
+    return _kernels[key]
+
+
+def run_job(job: Job) -> CaseResult:
+    """Select the device (Triton reads TRITON_INTERPRET when kernels load), load the kernel, check."""
+    from flashrun import device as device_mod
+
+    dev = device_mod.select(job.device)
+    try:
+        kernel = load_kernel(job.kernel, job.launch)
+    except KernelError as exc:
+        return CaseResult(job.kernel, job.case, "error", message=exc.message, index=job.index)
+    result = check_case(kernel, job, dev.torch_device)
+    result.index = job.index
+    return result
+
+
+def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
+    """One kernel on one case: forward (and backward) against the reference."""
+    import torch
+
+    from flashrun.harness.inputs import make_inputs
+    from flashrun.harness.judge import Reference
+    from flashrun.harness.reference import logit_range
+
+    case = job.case
+    result = CaseResult(kernel.name, case, "pass")
+    if case.dtype == "bfloat16" and not job.bf16_dots_ok and kernel.name not in ("flash", "minimal"):
+        result.status = "skipped"
+        result.message = "bfloat16 on this Triton's interpreter: its tl.dot is wrong for bf16; run on a GPU"
+        return result
+    try:
+        inputs = make_inputs(case, job.seed, device)[0]
+    except Exception as exc:  # noqa: BLE001 - the case does not fit: say so, go on with the others
+        if not is_oom(exc):
+            raise
+        return _oom(result, device, "the inputs alone")
+    q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.dout
+    sm_scale = 1.0 / math.sqrt(case.head_dim)
+    if job.diagnose:
+        result.logits = logit_range(q, k, sm_scale)
+        if max(abs(result.logits[0]), abs(result.logits[1])) > 10:
+            result.notes.append(f"logits q·kᵀ·scale span [{result.logits[0]:.1f}, {result.logits[1]:.1f}], "
+                                "outside about ±10: softmax saturates")
+    if not kernel.takes_causal:
+        result.notes.append("called as (q, k, v): judged against causal="
+                            f"{case.causal} and scale 1/sqrt({case.head_dim})")
+    # the kernel works on clones; the reference on the originals
+    kq, kk, kv = (t.clone().requires_grad_(job.grad) for t in (q, k, v))
+    start = time.perf_counter()
+    try:
+        with _poisoned_allocations():
+            out = kernel(kq, kk, kv, causal=case.causal, sm_scale=sm_scale)
+            _sync(device)
+        _check_output_shape(out, q)
+        grads = None
+        if job.grad:
+            if not out.requires_grad:
+                result.notes.append("forward only: no gradients to check")
+            else:
+                with _poisoned_allocations():
+                    grads = torch.autograd.grad(out, (kq, kk, kv), do)
+                    _sync(device)
+    except KernelError as exc:
+        result.status = "unsupported"
+        result.message = exc.message + (f" ({exc.hint})" if exc.hint else "")
+        return result
+    except Exception as exc:  # noqa: BLE001 - a kernel that raises fails this case, with its message
+        if is_oom(exc):
+            return _oom(result, device, "the kernel")
+        result.status = "error"
+        result.message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return result
+    result.first_call_s = time.perf_counter() - start
+
+    if grads is not None:
+        for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            if g is None or g.shape != t.shape:
+                result.status = "fail"
+                result.message = f"{name}: expected shape {tuple(t.shape)}, got {None if g is None else tuple(g.shape)}"
+                return result
+    try:
+        reference = Reference.for_shape(inputs, case, grads=grads is not None)
+    except Exception as exc:  # noqa: BLE001
+        if not is_oom(exc):
+            raise
+        return _oom(result, device, "the reference")
+    result.checks = reference.judge(out, grads, POISON)
+    failing = [c for c in result.checks if not c.passed]
+    if failing:
+        result.status = "fail"
+        result.message = "; ".join(c.reason() for c in failing)
+    if device == "cuda":
+        result.ms = _time_forward(kernel, kq.detach(), kk.detach(), kv.detach(), case.causal, sm_scale)
+    return result
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _oom(result: CaseResult, device: str, what: str) -> CaseResult:
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    result.status = "oom"
+    result.message = (f"out of memory ({'GPU' if device == 'cuda' else 'CPU'}) in {what}: reduce batch_size/"
+                      "seq_len, or use the tiled kernel (flash)")
+    return result
+
+
+def _time_forward(kernel: Any, q: Any, k: Any, v: Any, causal: bool, sm_scale: float) -> float | None:
+    """Median ms of the compiled forward (the first call already compiled it)."""
+    from triton.testing import do_bench
+
+    try:
+        return float(do_bench(lambda: kernel(q, k, v, causal=causal, sm_scale=sm_scale), warmup=5, rep=TIMED_MS,
+                              return_mode="median"))
+    except Exception:  # noqa: BLE001 - timing is extra information; the verdict stands without it
+        return None
+
+
+def _poisoned_allocations():
+    """A dispatch mode that fills every fresh floating-point allocation with POISON."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PoisonEmpty(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func.overloadpacket.__name__.startswith(("empty", "new_empty"))
+                    and isinstance(out, torch.Tensor) and out.is_floating_point()):
+                out.fill_(POISON)
+            return out
+
+    return PoisonEmpty()
+
+
+def _check_output_shape(out: Any, q: Any) -> None:
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the kernel returned {type(out).__name__}, expected a tensor")
+    if out.shape != q.shape:
+        raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"the kernel returned {out.dtype}, expected {q.dtype}")
+
+
+def interpreter_bf16_dot_ok() -> bool:
+    """Whether this Triton's interpreter computes a bf16 ``tl.dot`` right (3.9's does not)."""
+    import torch
+
+    from flashrun.env import smoke
+
+    return smoke.run("cpu", torch.bfloat16).ok
