@@ -1,7 +1,8 @@
 """Run records: one JSON line per run in ``<log_dir>/runs.jsonl``, and atomic file writes.
 
 A record holds the command, time, resolved config (never a secret), an environment
-fingerprint and the results, so that any run can be listed, shown and repeated.
+fingerprint (:mod:`flashrun.env.fingerprint`) and the results, so that any run can be listed,
+shown and repeated.
 Each record is appended with a single ``write`` on an ``O_APPEND`` descriptor; a reader skips
 a torn last line, so a crash never corrupts earlier records.
 """
@@ -11,15 +12,12 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import secrets
-import subprocess
-import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from flashrun.env.fingerprint import fingerprint
 from flashrun.errors import InputError
 from flashrun.records.redact import redact
 
@@ -64,59 +62,6 @@ def now_iso() -> str:
 
 def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def fingerprint() -> dict[str, Any]:
-    """Where a run happened. Reads torch's GPU facts only when torch is already imported."""
-    from flashrun import __version__
-
-    info: dict[str, Any] = {
-        "flashrun": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": _version("torch"),
-        "triton": _version("triton"),
-        "git_commit": _git_commit(),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        info["torch"] = torch.__version__
-        info["cuda_runtime"] = torch.version.cuda
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            info["gpu"] = props.name
-            info["compute_capability"] = f"{props.major}.{props.minor}"
-            info["driver"] = _driver_version()
-    return info
-
-
-def _driver_version() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
 def append_record(log_dir: Path, record: dict[str, Any]) -> Path:
