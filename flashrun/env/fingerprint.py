@@ -8,27 +8,22 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import sys
-from importlib import metadata
 from typing import Any
 
+from flashrun.env.probes import dist_version, run_tool
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
+
+def _first_line(ran: tuple[int, str] | None) -> str | None:
+    """The first line a tool printed, when it ran and succeeded."""
+    if ran is None or ran[0] != 0:
         return None
+    lines = ran[1].strip().splitlines()
+    return lines[0] if lines else None
 
 
 def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return _first_line(run_tool(["git", "rev-parse", "--short", "HEAD"], timeout=5))
 
 
 def fingerprint() -> dict[str, Any]:
@@ -39,8 +34,8 @@ def fingerprint() -> dict[str, Any]:
         "flashrun": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "torch": _version("torch"),
-        "triton": _version("triton"),
+        "torch": dist_version("torch"),
+        "triton": dist_version("triton"),
         "git_commit": _git_commit(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
     }
@@ -57,11 +52,4 @@ def fingerprint() -> dict[str, Any]:
 
 
 def _driver_version() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    return _first_line(run_tool(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], timeout=10))

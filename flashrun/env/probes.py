@@ -186,7 +186,7 @@ def torch_triton_requirements(requires: list[str]) -> list[Requirement]:
 # Probes (facts from this machine; a missing tool is a fact, not an exception)
 
 
-def _run(argv: list[str], timeout: float = 30) -> tuple[int, str] | None:
+def run_tool(argv: list[str], timeout: float = 30) -> tuple[int, str] | None:
     """Run a tool; (exit code, stdout+stderr), or None when it cannot be started."""
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
@@ -195,7 +195,7 @@ def _run(argv: list[str], timeout: float = 30) -> tuple[int, str] | None:
     return proc.returncode, (proc.stdout or "") + (proc.stderr or "")
 
 
-def _dist_version(name: str) -> str | None:
+def dist_version(name: str) -> str | None:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -205,7 +205,7 @@ def _dist_version(name: str) -> str | None:
 def probe_driver() -> DriverInfo:
     smi = shutil.which("nvidia-smi")
     if smi:
-        ran = _run([smi, "-q", "-x"])
+        ran = run_tool([smi, "-q", "-x"])
         if ran is None:
             return DriverInfo(source="nvidia-smi", problem=f"{smi} could not be run")
         code, output = ran
@@ -273,7 +273,7 @@ def probe_torch() -> TorchInfo:
 
 
 def probe_triton() -> TritonInfo:
-    installed = {name: v for name in TRITON_DISTS if (v := _dist_version(name)) is not None}
+    installed = {name: v for name in TRITON_DISTS if (v := dist_version(name)) is not None}
     try:
         requires = metadata.requires("torch") or []
     except metadata.PackageNotFoundError:
@@ -284,7 +284,7 @@ def probe_triton() -> TritonInfo:
             import triton  # noqa: F401
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-    return TritonInfo(installed, requires, _dist_version("torch"), error)
+    return TritonInfo(installed, requires, dist_version("torch"), error)
 
 
 def _triton_ptxas(compiler: Any, arch: int) -> tuple[str, str]:
@@ -324,7 +324,7 @@ def toolkit_version(root: Path) -> str | None:
             return match.group(1)
     except OSError:
         pass
-    ran = _run([str(root / "bin" / "nvcc"), "--version"])
+    ran = run_tool([str(root / "bin" / "nvcc"), "--version"])
     return release_version(ran[1]) if ran else None
 
 
@@ -342,13 +342,13 @@ def probe_nvcc() -> Nvcc | None:
     path = shutil.which("nvcc")
     if path is None:
         return None
-    ran = _run([path, "--version"])
+    ran = run_tool([path, "--version"])
     return Nvcc(path, release_version(ran[1]) if ran else None)
 
 
 def probe_libcuda() -> LibcudaInfo:
     env_path = os.environ.get("TRITON_LIBCUDA_PATH") or None
-    ran = _run(["/sbin/ldconfig", "-p"])
+    ran = run_tool(["/sbin/ldconfig", "-p"])
     folders = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
     return LibcudaInfo(
         env_path=env_path,

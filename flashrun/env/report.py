@@ -169,7 +169,7 @@ def run_checks(cfg: Config, online: bool = False) -> Report:
     rows: list[tuple[str, Callable[[], Check]]] = [
         ("os", lambda: check_os(platform.system(), release, Path("/dev/dxg").exists())),
         ("python", lambda: check_python((sys.version_info.major, sys.version_info.minor, sys.version_info.micro),
-                                        sys.executable, probes._dist_version("tomli"))),
+                                        sys.executable, probes.dist_version("tomli"))),
         ("torch", lambda: check_torch(facts.torch)),
         ("cuda", lambda: check_cuda(facts.torch, facts.driver, os.environ.get("CUDA_VISIBLE_DEVICES"))),
         ("gpu", lambda: check_gpus(facts.torch, facts.driver)),
