@@ -606,6 +606,26 @@ def test_base_url_fix_hint_and_hidden_credentials() -> None:
     assert check.status == "warn" and "hunter2secret" not in check.detail + check.hint
 
 
+@pytest.mark.parametrize("url", ["ftp://gw.example/v1", "https:///v1", "${FLASHRUN_GATEWAY}/v1"])
+def test_gateway_refuses_the_base_urls_check_env_fails(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrun.errors import ConfigError
+    from flashrun.gateway.client import Gateway
+
+    monkeypatch.setenv("OPENAI_API_KEY", FAKE_KEY)
+    cfg = load_config(sets=[f"api.base_url={json.dumps(url)}"])
+    with pytest.raises(ConfigError) as refused:
+        Gateway(cfg)
+    check = envcheck.check_base_url(url)
+    assert (check.status, check.detail, check.hint) == ("fail", refused.value.message, refused.value.hint)
+
+
+def test_gateway_uses_the_root_without_a_trailing_slash(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrun.gateway.client import Gateway
+
+    monkeypatch.setenv("OPENAI_API_KEY", FAKE_KEY)
+    assert Gateway(load_config(sets=['api.base_url=" https://gw.example/v1/ "'])).base_url == "https://gw.example/v1"
+
+
 def test_check_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(sets=["api.api_key_env=FLASHRUN_TEST_KEY"])
     missing = envcheck.check_api_key(cfg)

@@ -12,13 +12,12 @@ ptxas versus ``TRITON_PTXAS_PATH``, ``nvcc`` from a different toolkit than the r
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from flashrun.config import Config, key_variable, resolve_api_key
+from flashrun.config import Config, base_url_root, key_variable, resolve_api_key
 from flashrun.env.probes import (
     WSL_LIB,
     DriverInfo,
@@ -32,7 +31,7 @@ from flashrun.env.probes import (
     torch_triton_requirements,
     wsl_version,
 )
-from flashrun.errors import MissingKeyError
+from flashrun.errors import ConfigError, MissingKeyError
 from flashrun.records.redact import register_secret
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -349,14 +348,11 @@ _ENDPOINTS = ("/chat/completions", "/completions", "/models")
 
 def check_base_url(url: str) -> Check:
     """The gateway root: http(s), a host, no endpoint path (the client appends it)."""
-    unresolved = re.search(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", url)
-    if unresolved:
-        return Check("base_url", "fail", f"api.base_url refers to ${{{unresolved.group(1)}}}, which is not set",
-                     f"export {unresolved.group(1)}=... in this shell, or write the URL in the config")
+    try:
+        base_url_root(url)
+    except ConfigError as exc:
+        return Check("base_url", "fail", exc.message, exc.hint)
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return Check("base_url", "fail", f"api.base_url {url!r} is not an http(s) URL with a host",
-                     'write the API root, for example base_url = "https://api.openai.com/v1"')
     host = parts.hostname + (f":{parts.port}" if parts.port else "")
     path = parts.path.rstrip("/")
     shown = f"{parts.scheme}://{host}{path}"  # never the user:password part
