@@ -227,7 +227,7 @@ def test_written_files_get_the_usual_mode(tmp_path):
     # atomic writes go through mkstemp (0600); the result must look like a normal file
     import os
 
-    from flashrun.records.runlog import atomic_write_text
+    from flashrun.records.files import atomic_write_text
 
     umask = os.umask(0o022)
     try:

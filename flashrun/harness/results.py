@@ -17,7 +17,7 @@ from typing import Any
 
 from flashrun.errors import InputError
 from flashrun.harness.sweep import MODES
-from flashrun.records.runlog import atomic_write_json, atomic_write_text
+from flashrun.records.files import atomic_write_json, atomic_write_text
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")

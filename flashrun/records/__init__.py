@@ -1,2 +1,2 @@
-"""What flashrun keeps: atomic file writes, run records (``runs.jsonl``), key masking, and the
+"""What flashrun keeps: atomic file writes (``files``), run records (``runs.jsonl``), key masking, and the
 ``runs`` listing."""

@@ -1,4 +1,4 @@
-"""Run records: one JSON line per run in ``<log_dir>/runs.jsonl``, and atomic file writes.
+"""Run records: one JSON line per run in ``<log_dir>/runs.jsonl``.
 
 A record holds the command, time, resolved config (never a secret), an environment
 fingerprint (:mod:`flashrun.env.fingerprint`) and the results, so that any run can be listed,
@@ -13,7 +13,6 @@ import datetime as _dt
 import json
 import os
 import secrets
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +21,6 @@ from flashrun.errors import InputError
 from flashrun.records.redact import redact
 
 RUNS_FILE = "runs.jsonl"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path = Path(path)
-    text = redact(text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-            os.fchmod(handle.fileno(), _mode_for(path))  # mkstemp makes 0600; keep the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _mode_for(path: Path) -> int:
-    """The mode the file has now, else what a plain open() would give it (0666 less the umask)."""
-    try:
-        return path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def now_iso() -> str:
