@@ -1,5 +1,10 @@
 """Atomic file writes, for every layer that writes a whole file: ``init``'s scaffold, cases files,
-bench results and the kernels' tuning cache."""
+bench results and the kernels' tuning cache.
+
+They write exactly what they are given. Masking the API key is the job of whoever builds the
+content (:func:`flashrun.harness.cases.write_cases_file`, :func:`flashrun.harness.results.write`,
+:func:`flashrun.records.runlog.append_record`); a template or a cache is written as it is.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flashrun.records.redact import redact
-
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
     path = Path(path)
-    text = redact(text)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -32,7 +32,7 @@ def new_run_id() -> str:
 
 
 def append_record(log_dir: Path, record: dict[str, Any]) -> Path:
-    """Append one record as one line. Returns the file written."""
+    """Append one record as one line, any registered secret masked. Returns the file written."""
     log_dir = Path(log_dir)
     path = log_dir / RUNS_FILE
     line = (redact(json.dumps(record, default=str, separators=(",", ":"))) + "\n").encode("utf-8")
