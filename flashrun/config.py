@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from flashrun.errors import ConfigError, MissingKeyError
+from flashrun.records.redact import register_secret
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -452,6 +453,7 @@ def load_config(
     cfg._files = [str(p) for p in (settings, config_path) if p is not None]
     key_source = origins.get(("api", "api_key"))
     if cfg.api.api_key is not None:
+        register_secret(cfg.api.api_key)  # masked from now on: --set api.api_key=... sits in every record's argv
         cfg._key_source = key_source or "config"
         cfg._warnings.append(
             f"{key_source}: api.api_key holds a literal key; it is used but never shown. "

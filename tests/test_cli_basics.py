@@ -223,6 +223,17 @@ def test_a_literal_key_in_settings_never_appears(cli, tmp_path: Path) -> None:
         assert FAKE_KEY not in text
 
 
+def test_a_literal_key_on_the_command_line_never_reaches_a_file(flashrun, tmp_path: Path) -> None:
+    # a real process: the record's argv is sys.argv, which CliRunner does not set
+    proc = flashrun("gen-cases", "--offline", "--set", f"api.api_key={FAKE_KEY}")
+    assert proc.returncode == 0, proc.stderr
+    record = load_records(tmp_path / "logs")[0]
+    assert record["command"] == "gen-cases" and record["argv"][-1] == "api.api_key=***"
+    assert (tmp_path / "cases.json").is_file()
+    for text in (proc.stdout, proc.stderr, _all_text_under(tmp_path)):
+        assert FAKE_KEY not in text
+
+
 def test_written_files_get_the_usual_mode(tmp_path):
     # atomic writes go through mkstemp (0600); the result must look like a normal file
     import os
