@@ -174,7 +174,8 @@ def check_env(
 ) -> None:
     """Diagnose Python, PyTorch, driver, CUDA, Triton, ptxas, GPU and API-key setup, with a fix
     hint for every problem, and prove the stack by running a tiny Triton kernel (through the
-    CPU interpreter when there is no GPU). Exit code 1 when any check fails.
+    CPU interpreter when there is no GPU). Exit code 1 when any check fails; a missing API key
+    fails only with --online (only the gateway needs it).
 
     Examples:
 

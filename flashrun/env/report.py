@@ -181,7 +181,7 @@ def run_checks(cfg: Config, online: bool = False) -> Report:
         ("nvcc", lambda: check_nvcc(probes.probe_nvcc(), facts.toolkits, facts.torch.cuda)),
         ("libcuda", lambda: check_libcuda(probes.probe_libcuda(), wsl, facts.driver.found or facts.torch.available)),
         ("log_dir", lambda: check_log_dir(cfg.logging.log_dir, probes.probe_log_dir(cfg.logging.log_dir))),
-        ("api_key", lambda: check_api_key(cfg)),
+        ("api_key", lambda: check_api_key(cfg, online)),
         ("base_url", lambda: check_base_url(cfg.api.base_url)),
         ("smoke", lambda: smoke_test(facts.torch, facts.triton.usable)),
         ("gateway", lambda: check_gateway(cfg, online)),
