@@ -56,7 +56,7 @@ from flashrun.env.probes import (
 from flashrun.errors import FlashrunError
 from flashrun.records.redact import redact, redact_data
 
-log = logging.getLogger("flashrun.env.checks")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
