@@ -197,7 +197,8 @@ def check_env(
 ) -> None:
     """Diagnose Python, PyTorch, driver, CUDA, Triton, ptxas, GPU and API-key setup, with a fix
     hint for every problem, and prove the stack by running a tiny Triton kernel (through the
-    CPU interpreter when there is no GPU). Exit code 1 when any check fails.
+    CPU interpreter when there is no GPU). Exit code 1 when any check fails; a missing API key
+    fails only with --online (only the gateway needs it).
 
     Examples:
 
@@ -207,18 +208,18 @@ def check_env(
 
       flashrun check-env --json | jq '.checks[] | select(.status != "ok")'
     """
-    from flashrun.env import checks as envcheck
+    from flashrun.env import report as envreport
 
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose)
         # No spinner when stdout is JSON or when -v logs to the same terminal.
         with nullcontext() if json_out or verbose else err.status("checking the environment..."):
-            report = envcheck.run_checks(cfg, online=online)
+            report = envreport.run_checks(cfg, online=online)
         if json_out:
             out.print_json(data=report.to_json())
         else:
-            envcheck.render(report, out)
-        envcheck.record(cfg, report, sys.argv[1:])
+            envreport.render(report, out)
+        envreport.record(cfg, report, sys.argv[1:])
         raise typer.Exit(report.exit_code)
 
 

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -29,6 +30,7 @@ from pydantic import (
 )
 
 from flashrun.errors import ConfigError, MissingKeyError
+from flashrun.records.redact import register_secret
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -460,6 +462,7 @@ def load_config(
     cfg._files = [str(p) for p in (settings, config_path) if p is not None]
     key_source = origins.get(("api", "api_key"))
     if cfg.api.api_key is not None:
+        register_secret(cfg.api.api_key)  # masked from now on: --set api.api_key=... sits in every record's argv
         cfg._key_source = key_source or "config"
         cfg._warnings.append(
             f"{key_source}: api.api_key holds a literal key; it is used but never shown. "
@@ -499,6 +502,28 @@ def _resolve_kernel(spec: str, base: Path) -> str:
     if sep and path.endswith(".py") and not Path(path).is_absolute():
         return f"{base / path}:{func}"
     return spec
+
+
+def base_url_root(url: str) -> str:
+    """``api.base_url`` as the client uses it (stripped, no trailing slash), or a ConfigError.
+
+    The one test of whether a base URL can be a gateway root at all: no unset ``${VAR}`` left in
+    it, an http(s) scheme and a host. What is merely suspect (an endpoint path, a query,
+    credentials, plain http) ``check-env`` points out; the gateway diagnoses it from the reply.
+    """
+    unresolved = _VAR.search(url)
+    if unresolved:
+        raise ConfigError(
+            f"api.base_url refers to ${{{unresolved.group(1)}}}, which is not set",
+            hint=f"export {unresolved.group(1)}=... in this shell, or write the URL in the config",
+        )
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"api.base_url {url!r} is not an http(s) URL with a host",
+            hint='write the API root, for example base_url = "https://api.openai.com/v1"',
+        )
+    return url.strip().rstrip("/")
 
 
 def key_variable(cfg: Config) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flashrun.errors import InputError
-from flashrun.records.runlog import atomic_write_text
+from flashrun.records.files import atomic_write_text
 
 DATA = Path(__file__).parent / "data"
 

@@ -290,6 +290,25 @@ def test_compare_refuses_a_file_that_is_not_results_before_running(isolated: Pat
     assert not (isolated / "logs" / "bench").exists()
 
 
+def test_results_files_mask_a_key_given_on_the_command_line(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from flashrun.records.redact import register_secret
+
+    key = "sk-bench-NEVER-SHOW-0c1d2e3f"
+    register_secret(key)
+    argv = ["bench", "--set", f"api.api_key={key}"]
+    header = {"command": "flashrun " + " ".join(argv), "argv": argv}
+    row = results.Row(**{**{f.name: None for f in fields(results.Row)},
+                         "provider": "sdpa", "status": "n/a", "note": f"refused: {key}"})
+    results.write(tmp_path / "r.csv", tmp_path / "r.json", [row], header, complete=True)
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert document["argv"] == ["bench", "--set", "api.api_key=***"]
+    assert document["command"] == "flashrun bench --set api.api_key=***"
+    assert document["rows"][0]["note"] == "refused: ***"
+    assert read_csv(tmp_path / "r.csv")[0]["note"] == "refused: ***"
+
+
 def test_an_oom_cell_says_so_and_the_sweep_goes_on(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_resolve = providers.resolve
 

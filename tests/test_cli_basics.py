@@ -212,11 +212,22 @@ def test_a_literal_key_in_settings_never_appears(cli, tmp_path: Path) -> None:
         assert FAKE_KEY not in text
 
 
+def test_a_literal_key_on_the_command_line_never_reaches_a_file(flashrun, tmp_path: Path) -> None:
+    # a real process: the record's argv is sys.argv, which CliRunner does not set
+    proc = flashrun("gen-cases", "--offline", "--set", f"api.api_key={FAKE_KEY}")
+    assert proc.returncode == 0, proc.stderr
+    record = load_records(tmp_path / "logs")[0]
+    assert record["command"] == "gen-cases" and record["argv"][-1] == "api.api_key=***"
+    assert (tmp_path / "cases.json").is_file()
+    for text in (proc.stdout, proc.stderr, _all_text_under(tmp_path)):
+        assert FAKE_KEY not in text
+
+
 def test_written_files_get_the_usual_mode(tmp_path):
     # atomic writes go through mkstemp (0600); the result must look like a normal file
     import os
 
-    from flashrun.records.runlog import atomic_write_text
+    from flashrun.records.files import atomic_write_text
 
     umask = os.umask(0o022)
     try:
@@ -228,3 +239,22 @@ def test_written_files_get_the_usual_mode(tmp_path):
         assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(umask)
+
+
+def test_the_file_writer_writes_what_it_is_given_and_records_mask_the_key(tmp_path: Path) -> None:
+    from flashrun.records.files import atomic_write_json, atomic_write_text
+    from flashrun.records.redact import register_secret
+    from flashrun.records.runlog import make_record
+
+    register_secret(FAKE_KEY)
+    atomic_write_text(tmp_path / "plain.txt", f"key = {FAKE_KEY}\n")  # a file writer, not a filter
+    assert (tmp_path / "plain.txt").read_text() == f"key = {FAKE_KEY}\n"
+    atomic_write_json(tmp_path / "plain.json", {"key": FAKE_KEY})
+    assert json.loads((tmp_path / "plain.json").read_text()) == {"key": FAKE_KEY}
+
+    argv = ["verify", "--set", f"api.api_key={FAKE_KEY}"]
+    append_record(tmp_path / "logs", make_record("verify", argv, {}, {"error": f"server said {FAKE_KEY}"}))
+    text = (tmp_path / "logs" / RUNS_FILE).read_text()
+    assert FAKE_KEY not in text
+    record = load_records(tmp_path / "logs")[0]
+    assert record["argv"][-1] == "api.api_key=***" and record["results"] == {"error": "server said ***"}

@@ -19,18 +19,20 @@ import pytest
 from flashrun.config import load_config
 from flashrun.device import INTERPRETER_NOTICE
 from flashrun.env import checks as envcheck
-from flashrun.env.checks import (
-    Check,
+from flashrun.env import probes
+from flashrun.env import report as envreport
+from flashrun.env.checks import Check
+from flashrun.env.probes import (
     DriverInfo,
     Gpu,
     LibcudaInfo,
     Nvcc,
     PtxasInfo,
-    Report,
     Toolkit,
     TorchInfo,
     TritonInfo,
 )
+from flashrun.env.report import Report
 from flashrun.records.redact import redact
 
 NAMES = ["os", "python", "torch", "cuda", "gpu", "driver", "driver_vs_torch", "triton", "ptxas", "cuda_home",
@@ -79,8 +81,23 @@ def test_check_env_in_a_real_process(flashrun, tmp_path: Path) -> None:
     assert FAKE_KEY not in (tmp_path / "logs" / "runs.jsonl").read_text()
 
 
-def test_missing_key_fails_the_run_and_names_the_variable(cli, tmp_path: Path) -> None:
+def test_missing_key_warns_names_the_variable_and_does_not_fail_the_run(cli, tmp_path: Path) -> None:
+    # `flashrun init` suggests `check-env && verify`: a machine without a key must get to verify
     result = cli("check-env", "--json")
+    report = json.loads(result.stdout)
+    assert_shape(report)
+    key = rows(report)["api_key"]
+    assert key["status"] == "warn" and "OPENAI_API_KEY is not set" in key["detail"]
+    assert "export OPENAI_API_KEY=" in key["hint"]
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    assert "api_key" not in failed and "api_key" not in report["outcome"]
+    assert result.exit_code == (1 if failed else 0), failed  # 0 here: nothing else fails on a CPU machine
+    record = json.loads((tmp_path / "logs" / "runs.jsonl").read_text().splitlines()[-1])
+    assert record["command"] == "check-env" and record["results"]["outcome"] == report["outcome"]
+
+
+def test_missing_key_fails_the_run_with_online(cli, tmp_path: Path) -> None:
+    result = cli("check-env", "--json", "--online")  # no key: the gateway is never contacted
     assert result.exit_code == 1
     report = json.loads(result.stdout)
     assert_shape(report)
@@ -88,6 +105,7 @@ def test_missing_key_fails_the_run_and_names_the_variable(cli, tmp_path: Path) -
     assert key["status"] == "fail" and "OPENAI_API_KEY is not set" in key["detail"]
     assert "export OPENAI_API_KEY=" in key["hint"]
     assert "api_key" in report["outcome"]
+    assert rows(report)["gateway"]["status"] == "fail"
     record = json.loads((tmp_path / "logs" / "runs.jsonl").read_text().splitlines()[-1])
     assert record["command"] == "check-env" and record["results"]["outcome"] == report["outcome"]
 
@@ -104,7 +122,7 @@ def test_table_output(cli, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_no_nvidia_smi_and_no_nvml_is_a_finding(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no nvidia-smi (nor nvcc) on PATH
-    monkeypatch.setattr(envcheck, "probe_nvml", lambda: DriverInfo())
+    monkeypatch.setattr(probes, "probe_nvml", lambda: DriverInfo())
     result = cli("check-env", "--json")
     assert result.exit_code in (0, 1) and "Traceback" not in result.output
     driver = rows(json.loads(result.stdout))["driver"]
@@ -122,9 +140,9 @@ def test_a_crashing_check_is_reported_and_the_rest_still_runs(monkeypatch: pytes
     def boom() -> list[Toolkit]:
         raise RuntimeError("probe exploded")
 
-    monkeypatch.setattr(envcheck, "probe_toolkits", boom)
-    monkeypatch.setattr(envcheck, "smoke_test", lambda torch, ok: Check("smoke", "skip", "not in this test"))
-    report = envcheck.run_checks(load_config())
+    monkeypatch.setattr(probes, "probe_toolkits", boom)
+    monkeypatch.setattr(envreport, "smoke_test", lambda torch, ok: Check("smoke", "skip", "not in this test"))
+    report = envreport.run_checks(load_config())
     found = {c.name: c for c in report.checks}
     assert [c.name for c in report.checks] == NAMES
     for name in ("cuda_home", "nvcc"):
@@ -184,17 +202,17 @@ SMI_XML = """<?xml version="1.0" ?>
 
 
 def test_parse_nvidia_smi_xml() -> None:
-    info = envcheck.parse_nvidia_smi_xml(SMI_XML)
+    info = probes.parse_nvidia_smi_xml(SMI_XML)
     assert (info.source, info.version, info.cuda, info.found) == ("nvidia-smi", "580.95.05", "13.0", True)
     assert info.gpus == (Gpu("NVIDIA H200", 143771 * 2**20),) * 2
-    assert envcheck.parse_nvidia_smi_xml("<not xml").problem.startswith("unreadable")
+    assert probes.parse_nvidia_smi_xml("<not xml").problem.startswith("unreadable")
 
 
 def test_probe_driver_reads_a_working_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "smi.xml").write_text(SMI_XML)
     fake_tool(tmp_path / "bin", "nvidia-smi", f'cat "{tmp_path / "smi.xml"}"\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")  # ahead of a real one
-    check = envcheck.check_driver(envcheck.probe_driver())
+    check = envcheck.check_driver(probes.probe_driver())
     assert check == Check("driver", "ok", "580.95.05, supports CUDA 13.0 and older (from nvidia-smi)")
 
 
@@ -203,7 +221,7 @@ def test_probe_driver_reports_a_broken_driver(tmp_path: Path, monkeypatch: pytes
                "Make sure that the latest NVIDIA driver is installed and running.")
     fake_tool(tmp_path / "bin", "nvidia-smi", f'echo "{message}"\nexit 9\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    driver = envcheck.probe_driver()
+    driver = probes.probe_driver()
     assert not driver.found and driver.problem == message
     check = envcheck.check_driver(driver)
     assert check.status == "fail" and check.detail == f"nvidia-smi failed: {message}"
@@ -212,16 +230,16 @@ def test_probe_driver_reports_a_broken_driver(tmp_path: Path, monkeypatch: pytes
 
 def test_probe_driver_without_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(envcheck, "probe_nvml", lambda: DriverInfo())
-    assert envcheck.probe_driver() == DriverInfo()
+    monkeypatch.setattr(probes, "probe_nvml", lambda: DriverInfo())
+    assert probes.probe_driver() == DriverInfo()
 
 
 def test_probe_nvml_without_the_library_is_no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_library(name: str) -> None:
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(envcheck.ctypes, "CDLL", no_library)
-    assert envcheck.probe_nvml() == DriverInfo()
+    monkeypatch.setattr(probes.ctypes, "CDLL", no_library)
+    assert probes.probe_nvml() == DriverInfo()
 
 
 FAKE_NVML = r"""
@@ -249,7 +267,7 @@ def test_probe_nvml_reads_the_driver_through_ctypes(tmp_path: Path, monkeypatch:
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(tmp_path / "nvml.c")], check=True)
     load = ctypes.CDLL
     monkeypatch.setattr(ctypes, "CDLL", lambda name: load(str(tmp_path / name)))
-    driver = envcheck.probe_nvml()
+    driver = probes.probe_nvml()
     if init_result:  # 9: NVML_ERROR_DRIVER_NOT_LOADED
         assert driver == DriverInfo(source="NVML", problem="nvmlInit failed with NVML error 9")
     else:
@@ -263,42 +281,42 @@ def test_toolkit_version_sources(tmp_path: Path) -> None:
     (tmp_path / "old" / "version.txt").write_text("CUDA Version 10.2.89\n")
     fake_tool(tmp_path / "bare" / "bin", "nvcc", 'echo "Cuda compilation tools, release 11.8, V11.8.89"\n')
     (tmp_path / "empty").mkdir()
-    assert envcheck.toolkit_version(tmp_path / "new") == "12.4.1"
-    assert envcheck.toolkit_version(tmp_path / "old") == "10.2"
-    assert envcheck.toolkit_version(tmp_path / "bare") == "11.8"
-    assert envcheck.toolkit_version(tmp_path / "empty") is None
+    assert probes.toolkit_version(tmp_path / "new") == "12.4.1"
+    assert probes.toolkit_version(tmp_path / "old") == "10.2"
+    assert probes.toolkit_version(tmp_path / "bare") == "11.8"
+    assert probes.toolkit_version(tmp_path / "empty") is None
 
 
 def test_probe_toolkits_and_nvcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nvcc = fake_tool(tmp_path / "cuda" / "bin", "nvcc", 'echo "Cuda compilation tools, release 12.8, V12.8.93"\n')
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     monkeypatch.setenv("PATH", str(tmp_path / "cuda" / "bin"))
-    toolkits = envcheck.probe_toolkits()
+    toolkits = probes.probe_toolkits()
     assert toolkits == [Toolkit("CUDA_HOME", str(tmp_path / "cuda"), True, "12.8")]
-    assert envcheck.probe_nvcc() == Nvcc(str(nvcc), "12.8")
-    assert envcheck.check_nvcc(envcheck.probe_nvcc(), toolkits, "12.8").status == "ok"
+    assert probes.probe_nvcc() == Nvcc(str(nvcc), "12.8")
+    assert envcheck.check_nvcc(probes.probe_nvcc(), toolkits, "12.8").status == "ok"
     assert envcheck.check_cuda_home(toolkits, "13.0").status == "warn"
 
 
 def test_probe_ptxas_asks_triton() -> None:
-    info = envcheck.probe_ptxas(None)
+    info = probes.probe_ptxas(None)
     assert info is not None and info.path is not None, info
-    assert Path(info.path).is_file() and envcheck.major_minor(info.version)
+    assert Path(info.path).is_file() and probes.major_minor(info.version)
     assert envcheck.check_ptxas(info, None).status == "ok"
 
 
 def test_probe_ptxas_reports_an_ignored_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    bundled = envcheck.probe_ptxas(None)
+    bundled = probes.probe_ptxas(None)
     variable = envcheck.ptxas_variable(Path(bundled.path).name)
     monkeypatch.setenv(variable, str(tmp_path / "no-such-ptxas"))
-    check = envcheck.check_ptxas(envcheck.probe_ptxas(None), None)
+    check = envcheck.check_ptxas(probes.probe_ptxas(None), None)
     assert check.status == "warn" and check.hint == f"fix or unset {variable}"
 
 
 def test_probe_log_dir(tmp_path: Path) -> None:
-    assert envcheck.probe_log_dir(tmp_path / "new" / "logs") is None and (tmp_path / "new" / "logs").is_dir()
+    assert probes.probe_log_dir(tmp_path / "new" / "logs") is None and (tmp_path / "new" / "logs").is_dir()
     (tmp_path / "f").write_text("")
-    assert envcheck.probe_log_dir(tmp_path / "f" / "logs")  # why not, e.g. "Not a directory"
+    assert probes.probe_log_dir(tmp_path / "f" / "logs")  # why not, e.g. "Not a directory"
 
 
 # -- pure decisions -------------------------------------------------------------------------------
@@ -550,7 +568,7 @@ def test_parse_ldconfig() -> None:
 	libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1
 	libcuda.so (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so
 """
-    assert envcheck.parse_ldconfig(output) == ("/usr/lib/x86_64-linux-gnu/libcuda.so.1",)
+    assert probes.parse_ldconfig(output) == ("/usr/lib/x86_64-linux-gnu/libcuda.so.1",)
 
 
 @pytest.mark.parametrize(
@@ -604,10 +622,34 @@ def test_base_url_fix_hint_and_hidden_credentials() -> None:
     assert check.status == "warn" and "hunter2secret" not in check.detail + check.hint
 
 
+@pytest.mark.parametrize("url", ["ftp://gw.example/v1", "https:///v1", "${FLASHRUN_GATEWAY}/v1"])
+def test_gateway_refuses_the_base_urls_check_env_fails(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrun.errors import ConfigError
+    from flashrun.gateway.client import Gateway
+
+    monkeypatch.setenv("OPENAI_API_KEY", FAKE_KEY)
+    cfg = load_config(sets=[f"api.base_url={json.dumps(url)}"])
+    with pytest.raises(ConfigError) as refused:
+        Gateway(cfg)
+    check = envcheck.check_base_url(url)
+    assert (check.status, check.detail, check.hint) == ("fail", refused.value.message, refused.value.hint)
+
+
+def test_gateway_uses_the_root_without_a_trailing_slash(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrun.gateway.client import Gateway
+
+    monkeypatch.setenv("OPENAI_API_KEY", FAKE_KEY)
+    assert Gateway(load_config(sets=['api.base_url=" https://gw.example/v1/ "'])).base_url == "https://gw.example/v1"
+
+
 def test_check_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(sets=["api.api_key_env=FLASHRUN_TEST_KEY"])
     missing = envcheck.check_api_key(cfg)
-    assert missing.status == "fail" and "FLASHRUN_TEST_KEY is not set" in missing.detail
+    assert missing.status == "warn" and "FLASHRUN_TEST_KEY is not set" in missing.detail
+    assert "export FLASHRUN_TEST_KEY=" in missing.hint
+    online = envcheck.check_api_key(cfg, online=True)
+    assert online.status == "fail" and "FLASHRUN_TEST_KEY is not set" in online.detail
+    assert online.hint == missing.hint
     monkeypatch.setenv("FLASHRUN_TEST_KEY", "")
     assert "(it is empty)" in envcheck.check_api_key(cfg).detail
     monkeypatch.setenv("FLASHRUN_TEST_KEY", FAKE_KEY)
@@ -655,19 +697,19 @@ def test_smoke_test_reports_a_launch_failure(monkeypatch: pytest.MonkeyPatch) ->
         raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nmore lines")
 
     monkeypatch.setattr(smoke, "run", broken)
-    check = envcheck.smoke_test(CPU_TORCH, True)
+    check = envreport.smoke_test(CPU_TORCH, True)
     assert check.status == "fail"
     assert check.detail == f"{INTERPRETER_NOTICE}: RuntimeError: PTXAS error: Internal Triton PTX codegen error"
     assert "TRITON_PTXAS_PATH" in check.hint
 
 
 def test_smoke_test_skips_without_torch_or_triton() -> None:
-    assert envcheck.smoke_test(TorchInfo(None, error="x"), True).status == "skip"
-    assert envcheck.smoke_test(CPU_TORCH, False).status == "skip"
+    assert envreport.smoke_test(TorchInfo(None, error="x"), True).status == "skip"
+    assert envreport.smoke_test(CPU_TORCH, False).status == "skip"
 
 
 def test_gateway_is_skipped_without_online() -> None:
-    check = envcheck.check_gateway(load_config(), online=False)
+    check = envreport.check_gateway(load_config(), online=False)
     assert check.status == "skip" and "--online" in check.detail
 
 
@@ -684,5 +726,5 @@ def test_gateway_online(monkeypatch: pytest.MonkeyPatch, answer, status, hint) -
     from flashrun.gateway import client as gateway
 
     monkeypatch.setattr(gateway, "check_online", lambda cfg: answer)
-    check = envcheck.check_gateway(load_config(), online=True)
+    check = envreport.check_gateway(load_config(), online=True)
     assert (check.status, check.detail, check.hint) == (status, answer[1], hint)

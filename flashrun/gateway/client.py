@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from flashrun.config import Config, key_variable, resolve_api_key
-from flashrun.errors import ConfigError, FlashrunError, GatewayError
+from flashrun.config import Config, base_url_root, key_variable, resolve_api_key
+from flashrun.errors import FlashrunError, GatewayError
 from flashrun.records.redact import MASK, redact, register_secret
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class Gateway:
 
     def __init__(self, cfg: Config) -> None:
         self._cfg = cfg
-        self.base_url = _check_base_url(cfg.api.base_url)
+        self.base_url = base_url_root(cfg.api.base_url)
         self._key = resolve_api_key(cfg)
         register_secret(self._key)
         self._key_grams = {self._key[i : i + 8] for i in range(len(self._key) - 7)}
@@ -337,14 +337,6 @@ class Gateway:
 
     def _host(self) -> str:
         return urlsplit(self.base_url).netloc
-
-
-def _check_base_url(url: str) -> str:
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"api.base_url: expected an http:// or https:// URL, got {url!r}",
-                          hint='for example base_url = "https://api.openai.com/v1"')
-    return url.strip().rstrip("/")
 
 
 def _server_message(text: str) -> str:

@@ -33,10 +33,11 @@ from rich.progress import (
 from rich.table import Table
 
 from flashrun.config import Config
+from flashrun.env.fingerprint import fingerprint
 from flashrun.errors import DeviceError, InputError, is_oom
 from flashrun.harness import results
 from flashrun.harness.shapes import Shape, bench_shapes, flops
-from flashrun.records.runlog import append_record, fingerprint, make_record, now_iso
+from flashrun.records.runlog import append_record, make_record, now_iso
 
 if TYPE_CHECKING:  # torch is imported only once a bench really runs: option errors answer at once
     import torch

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashrun.config import MAX_HEAD_DIM, MIN_HEAD_DIM, Dtype, HeadDim, PositiveInt
 from flashrun.errors import InputError
+from flashrun.records.files import atomic_write_json
 from flashrun.records.redact import redact_data
-from flashrun.records.runlog import atomic_write_json
 
 FORMAT = "flashrun-cases/1"
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from flashrun.errors import InputError
 from flashrun.harness.shapes import MODES, Shape
-from flashrun.records.runlog import atomic_write_json, atomic_write_text
+from flashrun.records.files import atomic_write_json, atomic_write_text
+from flashrun.records.redact import redact, redact_data
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
@@ -94,9 +95,11 @@ def to_csv(rows: list[Row]) -> str:
 
 
 def write(csv_path: Path, json_path: Path, rows: list[Row], header: dict[str, Any], complete: bool) -> None:
-    atomic_write_text(csv_path, to_csv(rows))
-    atomic_write_json(json_path, {**header, "complete": complete, "columns": list(COLUMNS + EXTRA_COLUMNS),
-                                  "rows": [row.to_json() for row in rows]})
+    """Both files, with the key masked: the header holds the command line, a row's note an error text."""
+    document = {**header, "complete": complete, "columns": list(COLUMNS + EXTRA_COLUMNS),
+                "rows": [row.to_json() for row in rows]}
+    atomic_write_text(csv_path, redact(to_csv(rows)))
+    atomic_write_json(json_path, redact_data(document))
 
 
 # -- earlier results (--compare) -------------------------------------------------------------------

@@ -121,7 +121,7 @@ def _load(path: Path) -> None:
 
 
 def _save(path: Path) -> None:
-    from flashrun.records.runlog import atomic_write_json
+    from flashrun.records.files import atomic_write_json
 
     try:
         atomic_write_json(path, _memory)

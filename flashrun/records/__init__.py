@@ -1,2 +1,2 @@
-"""What flashrun keeps: atomic file writes, run records (``runs.jsonl``), key masking, and the
-``runs`` listing."""
+"""What flashrun keeps: atomic file writes (``files``), run records (``runlog``, ``runs.jsonl``),
+key masking (``redact``), and the ``runs`` listing."""

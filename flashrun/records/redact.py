@@ -1,8 +1,10 @@
 """Keep secrets out of everything flashrun prints or writes.
 
 The gateway registers the API key as soon as it reads it; the CLI boundary, the log handler and
-the run-record writer pass text through :func:`redact`, so a key echoed back by a server (in an
-error body, say) is masked wherever it would otherwise appear.
+the code that builds what flashrun keeps (run records, cases files, bench results) pass text
+through :func:`redact`, so a key echoed back by a server (in an error body, say) is masked
+wherever it would otherwise appear. The file writers themselves (:mod:`flashrun.records.files`)
+write what they are given.
 """
 
 from __future__ import annotations

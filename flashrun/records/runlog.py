@@ -1,7 +1,8 @@
-"""Run records: one JSON line per run in ``<log_dir>/runs.jsonl``, and atomic file writes.
+"""Run records: one JSON line per run in ``<log_dir>/runs.jsonl``.
 
 A record holds the command, time, resolved config (never a secret), an environment
-fingerprint and the results, so that any run can be listed, shown and repeated.
+fingerprint (:mod:`flashrun.env.fingerprint`) and the results, so that any run can be listed,
+shown and repeated.
 Each record is appended with a single ``write`` on an ``O_APPEND`` descriptor; a reader skips
 a torn last line, so a crash never corrupts earlier records.
 """
@@ -11,51 +12,15 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import secrets
-import subprocess
-import sys
-import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from flashrun.env.fingerprint import fingerprint
 from flashrun.errors import InputError
 from flashrun.records.redact import redact
 
 RUNS_FILE = "runs.jsonl"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path = Path(path)
-    text = redact(text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-            os.fchmod(handle.fileno(), _mode_for(path))  # mkstemp makes 0600; keep the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _mode_for(path: Path) -> int:
-    """The mode the file has now, else what a plain open() would give it (0666 less the umask)."""
-    try:
-        return path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def now_iso() -> str:
@@ -66,61 +31,8 @@ def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def fingerprint() -> dict[str, Any]:
-    """Where a run happened. Reads torch's GPU facts only when torch is already imported."""
-    from flashrun import __version__
-
-    info: dict[str, Any] = {
-        "flashrun": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": _version("torch"),
-        "triton": _version("triton"),
-        "git_commit": _git_commit(),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        info["torch"] = torch.__version__
-        info["cuda_runtime"] = torch.version.cuda
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            info["gpu"] = props.name
-            info["compute_capability"] = f"{props.major}.{props.minor}"
-            info["driver"] = _driver_version()
-    return info
-
-
-def _driver_version() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-
-
 def append_record(log_dir: Path, record: dict[str, Any]) -> Path:
-    """Append one record as one line. Returns the file written."""
+    """Append one record as one line, any registered secret masked. Returns the file written."""
     log_dir = Path(log_dir)
     path = log_dir / RUNS_FILE
     line = (redact(json.dumps(record, default=str, separators=(",", ":"))) + "\n").encode("utf-8")
