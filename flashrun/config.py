@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from flashrun.errors import ConfigError, MissingKeyError
+from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 from flashrun.records.redact import register_secret
 
 if sys.version_info >= (3, 11):
@@ -45,10 +46,8 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PathField = Annotated[Path, Field(strict=False)]
 Dtype = Literal["float16", "bfloat16", "float32"]
-HeadDim = Annotated[int, Field(ge=16, le=256)]
+HeadDim = Annotated[int, Field(ge=MIN_HEAD_DIM, le=MAX_HEAD_DIM)]
 
-# head_dim the kernels accept (16..256; non powers of two are padded inside the kernel).
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
 def _power_of_two(value: int | None, name: str) -> int | None:

@@ -55,12 +55,18 @@ def select(requested: str = "auto") -> Device:
     return Device("cuda", False)
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter in this process (TRITON_INTERPRET=1).
+    Triton reads the variable when a kernel is defined; so do flashrun's kernels."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _kernels_imported() -> bool:
     return any(name == "flashrun.kernels" or name.startswith("flashrun.kernels.") for name in sys.modules)
 
 
 def use_interpreter() -> None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return
     if _kernels_imported():
         raise DeviceError(
@@ -71,7 +77,7 @@ def use_interpreter() -> None:
 
 
 def use_compiler() -> None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         if _kernels_imported():
             raise DeviceError(
                 "TRITON_INTERPRET=1 is set, so the kernels were loaded for the interpreter, not the GPU",

@@ -31,13 +31,8 @@ from flashrun.config import load_config
 from flashrun.errors import InputError
 from flashrun.gateway import gencases
 from flashrun.gateway.client import check_online
-from flashrun.harness.cases import (
-    HEAD_DIMS,
-    extract_items,
-    load_cases,
-    offline_cases,
-    validate,
-)
+from flashrun.gateway.replies import extract_items, validate
+from flashrun.harness.cases import HEAD_DIMS, load_cases, offline_cases
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_VAR = "FLASHRUN_TEST_KEY"

@@ -6,11 +6,11 @@ GPU facts are read only when torch is already imported (the run itself imported 
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from typing import Any
 
+from flashrun.device import interpreting
 from flashrun.env.probes import dist_version, run_tool
 
 
@@ -37,7 +37,7 @@ def fingerprint() -> dict[str, Any]:
         "torch": dist_version("torch"),
         "triton": dist_version("triton"),
         "git_commit": _git_commit(),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": interpreting(),
     }
     torch = sys.modules.get("torch")
     if torch is not None:

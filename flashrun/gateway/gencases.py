@@ -18,17 +18,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashrun.config import MAX_HEAD_DIM, MIN_HEAD_DIM, Config
+from flashrun.config import Config
 from flashrun.errors import GatewayError, InputError
 from flashrun.gateway.client import Gateway
-from flashrun.harness.cases import (
-    Case,
-    Rejected,
-    extract_items,
-    offline_cases,
-    validate,
-    write_cases_file,
-)
+from flashrun.gateway.replies import Rejected, extract_items, validate
+from flashrun.harness.cases import CaseSpec, offline_cases, write_cases_file
+from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 from flashrun.records.redact import redact_data
 from flashrun.records.runlog import append_record, make_record, now_iso
 
@@ -60,7 +55,7 @@ def _reask(rejected: list[Rejected]) -> str:
 class ModelResult:
     model: str
     started: str
-    cases: list[Case] = field(default_factory=list)
+    cases: list[CaseSpec] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)  # summed over replies; empty: not reported
     latency_s: float = 0.0  # wall time of the whole exchange, retries and re-ask included
@@ -120,6 +115,10 @@ class GenReport:
         })
 
 
+def _as_dict(case: CaseSpec) -> dict[str, Any]:
+    return case.model_dump(exclude_none=True)
+
+
 def _model_names(cfg: Config, models: list[str], all_models: bool) -> list[str]:
     names = list(models)
     if all_models:
@@ -130,7 +129,7 @@ def _model_names(cfg: Config, models: list[str], all_models: bool) -> list[str]:
     return list(dict.fromkeys(names or [cfg.api.default_model]))
 
 
-def _parse(reply_text: str, max_seq_len: int, count: int) -> tuple[list[Case], list[Rejected]]:
+def _parse(reply_text: str, max_seq_len: int, count: int) -> tuple[list[CaseSpec], list[Rejected]]:
     items, why = extract_items(reply_text)
     cases, rejected = validate(items, max_seq_len, count)
     if why:
@@ -186,7 +185,8 @@ def run(
     if offline:
         if models or all_models:
             raise InputError("--offline asks no model", hint="drop --model / --all-models, or drop --offline")
-        report = GenReport("offline", out, [c.to_dict() for c in offline_cases(limit, cfg.cases.count if cfg.is_set("cases.count") else None)], [])
+        cap = cfg.cases.count if cfg.is_set("cases.count") else None  # the fixed set is capped only on request
+        report = GenReport("offline", out, [_as_dict(c) for c in offline_cases(limit, cap)], [])
         write_cases_file(out, {"generator": "offline", "created": now_iso(), "max_seq_len": limit,
                                "cases": report.cases})
     else:
@@ -195,7 +195,7 @@ def run(
         messages = build_messages(cfg.cases.prompt or DEFAULT_PROMPT, asked, limit)
         gateway = Gateway(cfg)
         results = [_ask(gateway, name, messages, limit, asked) for name in names]
-        cases = [{**c.to_dict(), "model": r.model} for r in results if r.error is None for c in r.cases]
+        cases = [{**_as_dict(c), "model": r.model} for r in results if r.error is None for c in r.cases]
         report = GenReport("gateway", out, cases, results, base_url=gateway.base_url)
         if cases:
             write_cases_file(out, {

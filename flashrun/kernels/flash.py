@@ -25,7 +25,6 @@ Conventions (shared with ``flashrun.harness.reference``, which this module never
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -35,13 +34,18 @@ from triton.tools.tensor_descriptor import (
 )
 
 from flashrun.errors import KernelError
-from flashrun.kernels.tuning import INTERPRETER, Launch, LaunchConfig, choose
+from flashrun.kernels.tuning import (
+    INTERPRETED,
+    INTERPRETER,
+    Launch,
+    LaunchConfig,
+    choose,
+)
+from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
 LOG2E_C = tl.constexpr(LOG2E)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------

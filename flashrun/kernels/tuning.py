@@ -22,9 +22,11 @@ from typing import Callable
 import torch
 import triton
 
+from flashrun.device import interpreting
+
 log = logging.getLogger("flashrun.tuning")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = interpreting()  # fixed when the kernels are defined, as Triton fixes it
 
 
 @dataclass(frozen=True)
