@@ -25,17 +25,23 @@ import math
 import torch
 
 
+def _positions(n_q: int, n_k: int, device: torch.device | str, q_start: int, seq_len_q: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(i + off)`` as a column and ``j`` as a row, for query rows ``q_start .. q_start + n_q``."""
+    seq_len_q = n_q if seq_len_q is None else seq_len_q
+    rows = torch.arange(q_start, q_start + n_q, device=device)[:, None] + (n_k - seq_len_q)
+    return rows, torch.arange(n_k, device=device)[None, :]
+
+
 def allowed(n_q: int, n_k: int, device: torch.device | str, causal: bool = False,
             window: tuple[int, int] = (-1, -1), q_start: int = 0, seq_len_q: int | None = None) -> torch.Tensor:
     """``True`` where query ``i`` (rows ``q_start .. q_start + n_q`` of ``seq_len_q``) may see key ``j``.
 
     A side of the window at least as wide as the keys is unbounded (FlashAttention-2 does the same)."""
-    seq_len_q = n_q if seq_len_q is None else seq_len_q
     left, right = window
     left = -1 if left >= n_k else left  # a window wider than the keys is unbounded
     right = 0 if causal else -1 if right >= n_k else right
-    rows = torch.arange(q_start, q_start + n_q, device=device)[:, None] + (n_k - seq_len_q)  # i + off
-    cols = torch.arange(n_k, device=device)[None, :]
+    rows, cols = _positions(n_q, n_k, device, q_start, seq_len_q)
     keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
     if left >= 0:
         keep &= cols >= rows - left
@@ -58,9 +64,7 @@ def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 def alibi_bias(slopes: torch.Tensor, n_q: int, n_k: int, q_start: int = 0, seq_len_q: int | None = None
                ) -> torch.Tensor:
     """``-slope·|i + off - j|`` as ``(B or 1, H, n_q, n_k)`` from slopes ``(H,)`` or ``(B, H)``."""
-    seq_len_q = n_q if seq_len_q is None else seq_len_q
-    rows = torch.arange(q_start, q_start + n_q, device=slopes.device)[:, None] + (n_k - seq_len_q)
-    cols = torch.arange(n_k, device=slopes.device)[None, :]
+    rows, cols = _positions(n_q, n_k, slopes.device, q_start, seq_len_q)
     distance = (rows - cols).abs().to(slopes.dtype)  # (n_q, n_k)
     per_head = slopes if slopes.dim() == 2 else slopes[None]  # (B or 1, H)
     return -per_head[:, :, None, None] * distance
