@@ -4,6 +4,7 @@ Every comparison goes through flashrun.harness.judge (one judge for verify, benc
 Shapes stay small: the interpreter runs every program in numpy.
 """
 
+import json
 import math
 from pathlib import Path
 
@@ -267,3 +268,19 @@ def test_user_kernel_file_is_importable_twice(tmp_path):
 def test_scale_default_is_inverse_sqrt_head_dim():
     q, k, v, _ = _inputs((1, 1, 1, 9, 9, 64), torch.float32, requires_grad=False)
     assert torch.allclose(flash_attention(q, k, v), flash_attention(q, k, v, sm_scale=1 / math.sqrt(64)))
+
+
+# -- tuned tables: keyed by GPU, Triton minor version and launch-config space --------------------
+def test_a_shipped_table_is_used_only_for_its_launch_config_space(tmp_path, monkeypatch):
+    from flashrun.kernels import tuning
+
+    monkeypatch.setattr(tuning, "_memory", {})
+    monkeypatch.setattr(tuning, "_loaded_from", set())
+    winner = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "tma": False, "ws": None}
+    current = tmp_path / "current.json"
+    current.write_text(json.dumps({"space_version": tuning.SPACE_VERSION, "configs": {"fwd|key": winner}}))
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"space_version": tuning.SPACE_VERSION - 1, "configs": {"fwd|old": winner}}))
+    tuning._load(current, shipped=True)
+    tuning._load(stale, shipped=True)
+    assert tuning._memory == {"fwd|key": winner}

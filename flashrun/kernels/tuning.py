@@ -1,15 +1,17 @@
 """Launch configurations for the attention kernels: pinned, fixed (interpreter) or autotuned.
 
 On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket)
-times a small pruned set of configs on the real inputs and keeps the fastest; the choice is
-cached in memory and on disk per (GPU, triton version, kernel source) so the next process
-starts fast. ``[triton]`` in the config pins a config instead (unset fields fall back to the
-fixed default for that kernel). In Triton's interpreter a small fixed config is used.
+looks the winner up in the tuned table shipped for this GPU and Triton minor version
+(``kernels/tuned/``), then in the user's cache; on a miss it compiles a small pruned set of
+configs in parallel, times them on the real inputs and keeps the fastest (in memory and on
+disk). Tables and caches are keyed by GPU, Triton minor version and the version of the
+launch-config space - not by a hash of the kernel source, which any edit would invalidate.
+``[triton]`` in the config pins a config instead (unset fields fall back to the fixed default
+for that kernel). In Triton's interpreter a small fixed config is used.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -54,6 +56,13 @@ class LaunchConfig:
 
 
 C = LaunchConfig
+# The launch-config space's version: bump it whenever a candidate list or the meaning of a config
+# field changes, so tuned tables (shipped or cached) made for another space are not used.
+SPACE_VERSION = 1
+# Tuned tables shipped with flashrun, one per GPU and Triton minor version
+# (benchmarks/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
+SHIPPED = Path(__file__).parent / "tuned"
+USE_SHIPPED = True  # benchmarks/tune_table.py turns it off to tune afresh
 # How callers choose: None tunes, "default" skips tuning, a LaunchConfig or {kernel: LaunchConfig} pins.
 Launch = LaunchConfig | dict[str, LaunchConfig] | str | None
 # The interpreter runs every program in numpy: fewer, larger tiles are faster, but tiles must stay
@@ -100,26 +109,38 @@ def _bucket(n: int) -> int:
     return min(max(16, triton.next_power_of_2(n)), 1 << 16)
 
 
+def table_name() -> str:
+    """``<gpu>-triton<major.minor>``: what a tuned table is valid for (with SPACE_VERSION)."""
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+    return f"{gpu}-triton{'.'.join(triton.__version__.split('.')[:2])}"
+
+
 def _cache_path() -> Path:
     root = Path(os.environ.get("FLASHRUN_CACHE_DIR") or Path.home() / ".cache" / "flashrun")
-    gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
-    source = (Path(__file__).parent / "flash.py").read_bytes()
-    digest = hashlib.sha1(source).hexdigest()[:10]  # new kernel code -> new tuning
-    return root / f"tune-{gpu}-triton{triton.__version__}-{digest}.json"
+    return root / f"tune-{table_name()}-space{SPACE_VERSION}.json"
 
 
 _memory: dict[str, dict[str, int]] = {}
 _loaded_from: set[Path] = set()
 
 
-def _load(path: Path) -> None:
+def _load(path: Path, shipped: bool = False) -> None:
+    """Merge a table into memory: the shipped one (a document with its space version), or the
+    user's cache (winners only, its space version in the file name)."""
     if path in _loaded_from:
         return
     _loaded_from.add(path)
     try:
-        _memory.update(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
-        pass  # no cache yet, or a damaged one: tune again
+        return  # no table yet, or a damaged one: tune again
+    if shipped:
+        if data.get("space_version") != SPACE_VERSION:
+            log.debug("ignoring %s: made for launch-config space %s, this is %s", path,
+                      data.get("space_version"), SPACE_VERSION)
+            return
+        data = data.get("configs", {})
+    _memory.update(data)
 
 
 def _save(path: Path) -> None:
@@ -129,6 +150,45 @@ def _save(path: Path) -> None:
         atomic_write_json(path, _memory)
     except OSError as exc:  # a read-only home must not break a run
         log.warning("could not save tuning cache %s: %s", path, exc)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, or only its compilation while :func:`_precompile` runs."""
+    if _warming:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+_warming = False
+
+
+def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]) -> None:
+    """Compile every candidate at once in a thread pool (Triton's AsyncCompileMode, 3.5+), so
+    tuning waits for the slowest compile instead of their sum. Launchers go through
+    :func:`launch`, which only compiles while this runs; a candidate that cannot compile is
+    left for the timing loop to skip."""
+    global _warming
+    mode = getattr(triton, "AsyncCompileMode", None)
+    if mode is None or len(configs) < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 4)) as pool:
+        _warming = True
+        try:
+            with mode(pool, ignore_errors=True):
+                for cfg in configs:
+                    try:
+                        run(cfg)
+                    except Exception as exc:  # noqa: BLE001 - e.g. a descriptor this shape cannot take
+                        log.debug("not precompiling %s: %s", cfg, exc)
+        except Exception as exc:  # noqa: BLE001 - precompiling is an optimisation, never fatal
+            log.debug("parallel precompile failed: %s", exc)
+        finally:
+            _warming = False
+    log.debug("precompiled %d configs in %.1fs", len(configs), time.perf_counter() - start)
 
 
 def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
@@ -151,13 +211,17 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
         kind, str(q.dtype).removeprefix("torch."), f"d{head_dim}", "causal" if causal else "full",
         f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(q.shape[2])}", f"nk{_bucket(k.shape[2])}"))
     path = _cache_path()
-    _load(path)
+    if USE_SHIPPED:
+        _load(SHIPPED / f"{table_name()}.json", shipped=True)
+    _load(path)  # the user's own winners override the shipped ones
     if key in _memory:
         return LaunchConfig(**_memory[key])
 
     start = time.perf_counter()
     timings: list[tuple[float, LaunchConfig]] = []
-    for cfg in candidates(kind, head_dim, q.dtype):
+    configs = candidates(kind, head_dim, q.dtype)
+    _precompile(configs, run)
+    for cfg in configs:
         try:
             run(cfg)  # compile + check it launches (shared memory limits differ per GPU)
             ms = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20, return_mode="median")

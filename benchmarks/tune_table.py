@@ -1,0 +1,58 @@
+"""Regenerate the tuned table shipped for this GPU and Triton version (run on the GPU).
+
+    python benchmarks/tune_table.py            # -> flashrun/kernels/tuned/<gpu>-triton<x.y>.json
+
+Tunes flash's forward and backward kernels, in a fresh cache, for the shapes people run most: the
+default `flashrun bench` sweep (fp16 and bf16, head_dim 64 and 128, causal and not, N 512..16384)
+and the head dims verify and the cases generator use. Then writes the winners with the GPU name,
+Triton version and launch-config space version they are valid for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["FLASHRUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashrun-tune-")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from flashrun.kernels import flash_attention, tuning  # noqa: E402
+
+HIDDEN, TOKENS = 2048, 32768  # the bench convention: heads = hidden / D, batch = tokens / N
+
+
+def main() -> None:
+    tuning.USE_SHIPPED = False  # tune every key afresh
+    start = time.perf_counter()
+    shapes = [(dtype, d, causal, n) for dtype, d, causal, n in itertools.product(
+        (torch.float16, torch.bfloat16), (64, 128), (False, True), (512, 1024, 2048, 4096, 8192, 16384))]
+    shapes += [(dtype, d, causal, 1024) for dtype, d, causal in itertools.product(
+        (torch.float16, torch.bfloat16), (16, 32, 40, 80, 96, 192, 256), (False, True))]
+    for i, (dtype, d, causal, n) in enumerate(shapes):
+        heads, batch = max(1, HIDDEN // d), max(1, TOKENS // n)
+        q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        out = flash_attention(q, k, v, causal=causal)
+        out.backward(torch.randn_like(out))
+        print(f"[{i + 1}/{len(shapes)}] {dtype} D={d} {'causal' if causal else 'full'} N={n}: "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
+        del q, k, v, out
+        torch.cuda.empty_cache()
+    target = tuning.SHIPPED / f"{tuning.table_name()}.json"
+    document = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+                "space_version": tuning.SPACE_VERSION, "made_by": "benchmarks/tune_table.py",
+                "configs": dict(sorted(tuning._memory.items()))}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"wrote {target} ({len(document['configs'])} winners) in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
