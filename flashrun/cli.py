@@ -391,7 +391,11 @@ def runs(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """List recent runs: time, command, kernels, cases, verdict or best TFLOP/s."""
+    """List recent runs: id, time, command, kernels, cases, verdict or best TFLOP/s.
+
+    Ids and numbers are never cut, piped or at any width; when the terminal is narrow the time
+    column is left out (the id holds the time to the second) and kernels and outcome wrap.
+    """
     if ctx.invoked_subcommand is not None:
         return
     from flashrun.records import runs as runs_mod
