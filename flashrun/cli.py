@@ -246,6 +246,7 @@ def gen_cases(
     ] = None,
     out_file: Annotated[Path, typer.Option("--out", "-o", help="Cases file to write.")] = Path("cases.json"),
     offline: Annotated[bool, typer.Option("--offline", help="Built-in edge cases; no gateway, no key.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the cases file if it exists.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -260,13 +261,15 @@ def gen_cases(
       flashrun gen-cases -m gpt-4o -m deepseek-chat --max-seq-len 4096 --out cases/mixed.json
 
       flashrun gen-cases --offline && flashrun verify --cases cases.json
+
+    An existing cases file is never overwritten without --force.
     """
     from flashrun.gateway import gencases
 
     with _boundary(verbose):
         flags = {"cases.count": count, "cases.max_seq_len": max_seq_len, "cases.prompt": prompt}
         cfg = _setup(config, settings, sets, verbose, flags)
-        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline)
+        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline, force=force)
         if json_out:
             out.print_json(data=report.to_json())
         else:

@@ -273,8 +273,34 @@ def test_missing_key_variable_is_named(gateway: FakeGateway, isolated: Path, mon
 def test_existing_file_survives_a_failure(gateway: FakeGateway, isolated: Path) -> None:
     (isolated / "cases.json").write_text("previous")
     gateway.script("good-model", completion(""))
-    assert gen(write_config(isolated, gateway.base_url)).exit_code == 1
+    # --force: the run means to replace the file, and a failed run still must not clobber it
+    assert gen(write_config(isolated, gateway.base_url), "--force").exit_code == 1
     assert (isolated / "cases.json").read_text() == "previous"
+
+
+@pytest.mark.parametrize("args", [[], ["--offline"], ["-o", "mine.json"], ["--json"]],
+                         ids=["gateway", "offline", "out", "json"])
+def test_existing_file_is_not_overwritten_without_force(gateway: FakeGateway, isolated: Path,
+                                                        args: list[str]) -> None:
+    target = isolated / ("mine.json" if "mine.json" in args else "cases.json")
+    target.write_text("previous")
+    config = write_config(isolated, gateway.base_url)
+    result = gen(config, *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[0] == f"error: would overwrite {target.name}"
+    assert "--force" in result.stderr and "Traceback" not in result.output
+    assert result.stdout == ""  # not even with --json: an error is no report
+    assert target.read_text() == "previous"
+    assert gateway.seen == []  # nothing was asked of the gateway
+    assert not (isolated / "logs" / "runs.jsonl").exists()
+
+
+def test_force_overwrites(gateway: FakeGateway, isolated: Path) -> None:
+    (isolated / "cases.json").write_text("previous")
+    gateway.script("good-model", completion(GOOD))
+    result = gen(write_config(isolated, gateway.base_url), "--force")
+    assert result.exit_code == 0, result.output
+    assert load_cases(isolated / "cases.json") == GOOD_CASES
 
 
 def test_key_never_leaks_from_a_real_process(gateway: FakeGateway, isolated: Path) -> None:
@@ -398,7 +424,7 @@ def test_offline_needs_no_gateway_and_feeds_verify(isolated: Path, monkeypatch: 
     assert {1, 15, 16, 17, 127, 128, 129, 251, 256, 509, 512, 1000} <= lengths and max(lengths) == 1000
     assert {c["head_dim"] for c in cases} == set(HEAD_DIMS)
     first = (isolated / "cases.json").read_text()
-    assert gen(config, "--offline", "--max-seq-len", "1000").exit_code == 0
+    assert gen(config, "--offline", "--max-seq-len", "1000", "--force").exit_code == 0  # deterministic: same set again
     assert json.loads(first)["cases"] == json.loads((isolated / "cases.json").read_text())["cases"]
     assert records(isolated)[-1]["results"]["generator"] == "offline"
 

@@ -175,13 +175,18 @@ def run(
     all_models: bool = False,
     out: Path = Path("cases.json"),
     offline: bool = False,
+    force: bool = False,
 ) -> GenReport:
     """Generate cases and write ``out``; append a run record. Returns the report (never raises
     for a model's failure: see ``GenReport.error``). ``[cases]`` says how many cases, how long
-    and what to ask; ``offline``'s fixed set is capped only when ``cases.count`` was set."""
+    and what to ask; ``offline``'s fixed set is capped only when ``cases.count`` was set.
+    An existing ``out`` is refused before anything is asked, unless ``force`` (like ``init``)."""
     out = Path(out)
     if out.is_dir():
         raise InputError(f"--out {out}: is a folder", hint="give a file name, e.g. --out cases.json")
+    if out.exists() and not force:
+        raise InputError(f"would overwrite {out}",
+                         hint="nothing was written or asked; pass --force to overwrite, or pick another file with --out")
     limit = cfg.cases.max_seq_len
     if offline:
         if models or all_models:
