@@ -269,7 +269,9 @@ def gen_cases(
     with _boundary(verbose):
         flags = {"cases.count": count, "cases.max_seq_len": max_seq_len, "cases.prompt": prompt}
         cfg = _setup(config, settings, sets, verbose, flags)
-        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline, force=force)
+        # The status line goes to stderr (never into --json's stdout); not with -v, whose logs share it.
+        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline, force=force,
+                              console=None if verbose else err)
         if json_out:
             out.print_json(data=report.to_json())
         else:

@@ -359,6 +359,38 @@ def test_every_model_failing_writes_nothing(gateway: FakeGateway, isolated: Path
     assert not (isolated / "cases.json").exists()
 
 
+def test_status_names_the_model_being_waited_for(gateway: FakeGateway, isolated: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import flashrun.cli
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(flashrun.cli, "err", Console(file=terminal, force_terminal=True, width=120))
+    gateway.script("good-model", completion(GOOD))
+    gateway.script("other-model", completion(GOOD))
+    result = gen(write_config(isolated, gateway.base_url), "-m", "good-model", "-m", "other-model", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["n_cases"] == 6  # stdout holds the JSON and nothing else
+    shown = terminal.getvalue()
+    assert f"waiting for good-model (1 of 2) at {gateway.base_url}" in shown
+    assert "waiting for other-model (2 of 2)" in shown
+
+
+def test_no_status_off_a_terminal(gateway: FakeGateway, isolated: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    piped = io.StringIO()
+    gateway.script("good-model", completion(GOOD))
+    cfg = load_config(write_config(isolated, gateway.base_url), None, None, None)
+    report = gencases.run(cfg, out=isolated / "cases.json", console=Console(file=piped, force_terminal=False))
+    assert report.exit_code == 0 and piped.getvalue() == ""
+
+
 def test_json_output_on_failure(gateway: FakeGateway, isolated: Path) -> None:
     gateway.script("good-model", ECHO_KEY)
     result = gen(write_config(isolated, gateway.base_url), "--json")
