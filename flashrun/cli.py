@@ -145,9 +145,9 @@ def verify(
     diagnose: Annotated[bool, typer.Option("--diagnose", help="Report the logit range of q·kᵀ·scale.")] = False,
     device: DeviceOpt = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.", show_default=False)] = None,
-    rerun: Annotated[
-        Optional[str], typer.Option("--rerun", help="Repeat a recorded run (see `flashrun runs`).", show_default=False)
-    ] = None,
+    rerun: Annotated[Optional[str], typer.Option(
+        "--rerun", help="Repeat a recorded run exactly (see `flashrun runs`); options that would change its plan "
+        "are refused.", show_default=False)] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -169,8 +169,15 @@ def verify(
     flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
              "verify.grad": grad or None, "verify.diagnose": diagnose or None}
     with _boundary(verbose):
+        if rerun is not None:
+            _refuse_rerun_conflicts(rerun, {"--kernel": kernel, "--cases": cases, "--grad": grad or None,
+                                            "--diagnose": diagnose or None, "--device": device, "--seed": seed},
+                                    sets)
         cfg = _setup(config, settings, sets, verbose, flags)
         if rerun is not None:
+            if config is not None or settings is not None:
+                err.print("[yellow]note:[/] --rerun repeats the recorded config; "
+                          f"{'--config' if config is not None else '--settings'} only located {escape(str(cfg.logging.log_dir))}")
             cfg, plan = verify_mod.plan_from_record(find_record(cfg.logging.log_dir, rerun))
         else:
             plan = verify_mod.make_plan(cfg, cases)
@@ -180,6 +187,19 @@ def verify(
         else:
             verify_mod.render(report, out)
         raise typer.Exit(report.exit_code)
+
+
+def _refuse_rerun_conflicts(run_id: str, given: dict[str, Any], sets: list[str] | None) -> None:
+    """``--rerun`` repeats a recorded plan exactly: options that would change it are refused, not
+    silently ignored. ``--set logging.*`` stays allowed: it only says where the record is."""
+    named = [name for name, value in given.items() if value is not None]
+    named += [f"--set {item}" for item in sets or () if not item.partition("=")[0].strip().startswith("logging.")]
+    if named:
+        raise InputError(
+            f"--rerun {run_id} repeats that run exactly as recorded, so {', '.join(named)} would be ignored",
+            hint=f"drop {'it' if len(named) == 1 else 'them'} to repeat the run, or run without --rerun to change "
+                 f"the plan (`flashrun runs show {run_id}` shows what it ran)",
+        )
 
 
 # -- check-env ----------------------------------------------------------------------------------

@@ -155,6 +155,43 @@ def test_run_record_and_rerun(workdir):
     assert [r["id"] for r in json.loads(listing.stdout)][-2:] == [first["run_id"], again["run_id"]]
 
 
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--grad"], "--grad"),
+        (["--diagnose"], "--diagnose"),
+        (["-k", "minimal"], "--kernel"),
+        (["--cases", "cases.json"], "--cases"),
+        (["--device", "cpu"], "--device"),
+        (["--seed", "3"], "--seed"),
+        (["--set", "experiment.dtype=bfloat16"], "--set experiment.dtype=bfloat16"),
+    ],
+)
+def test_rerun_refuses_options_that_would_change_the_plan(workdir, args, named):
+    result = verify("--rerun", "20990101-000000-beef", *args)  # refused before the record is even looked up
+    assert result.exit_code == 2, result.output
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("error: --rerun 20990101-000000-beef repeats that run exactly as recorded")
+    assert named in first and "--rerun" in result.stderr.splitlines()[1]  # the hint
+    assert not (workdir / "logs").exists()  # nothing ran, nothing recorded
+
+
+def test_rerun_names_every_conflicting_option_and_keeps_logging_overrides(workdir):
+    code, first = verify_json("--set", "experiment.seq_len=1")
+    assert code == 0
+    records = (workdir / "logs" / "runs.jsonl").read_text()
+    result = verify("--rerun", first["run_id"], "--grad", "-k", "minimal", "--set", "verify.seq_len=[1,2]",
+                    "--set", "logging.level=debug")
+    assert result.exit_code == 2
+    assert "--kernel, --grad, --set verify.seq_len=[1,2] would be ignored" in result.stderr
+    assert (workdir / "logs" / "runs.jsonl").read_text() == records
+    # --config and --set logging.* only say where the record is: accepted, and the note says so
+    code, again = verify_json("--rerun", first["run_id"], "--config", "config.toml", "--set", "logging.log_dir=logs")
+    assert code == 0 and [r["label"] for r in again["results"]] == [r["label"] for r in first["results"]]
+    noted = verify("--rerun", first["run_id"], "--config", "config.toml")
+    assert "--rerun repeats the recorded config; --config only located" in noted.stderr
+
+
 def test_table_output(workdir):
     result = verify("--kernel", f"{BAD}:no_scale", "--kernel", "flash")
     assert result.exit_code == 1
