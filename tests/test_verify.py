@@ -131,8 +131,24 @@ def test_cuda_request_falls_back_to_the_interpreter_with_a_notice(workdir):
 
 def test_diagnose_reports_logit_range(workdir):
     _, data = verify_json("--diagnose")
-    low, high = data["results"][0]["logit_range"]
+    (result,) = data["results"]
+    low, high = result["logit_range"]
     assert low < 0 < high
+    # in range is an answer too: the range is shown, without the saturation warning
+    assert result["notes"] == [f"logits q·kᵀ·scale span [{low:.2f}, {high:.2f}], within ±10"]
+    table = verify("--diagnose")
+    assert table.exit_code == 0
+    assert f"flash B1 H2 N37 D32 fp32 causal: logits q·kᵀ·scale span [{low:.2f}, {high:.2f}], within ±10" in table.stdout
+    assert "saturates" not in table.output
+
+
+def test_diagnose_warns_outside_ten(workdir, monkeypatch):
+    import flashrun.harness.reference
+
+    monkeypatch.setattr(flashrun.harness.reference, "logit_range", lambda q, k, sm_scale=None: (-12.5, 3.0))
+    _, data = verify_json("--diagnose")
+    assert data["results"][0]["logit_range"] == [-12.5, 3.0]
+    assert data["results"][0]["notes"] == ["logits q·kᵀ·scale span [-12.50, 3.00], outside about ±10: softmax saturates"]
 
 
 def test_run_record_and_rerun(workdir):

@@ -235,11 +235,12 @@ def check_case(kernel: Any, case: Shape, plan: Plan, seed: int, device: str, bf1
     inputs = make_inputs(case, seed, device)[0]
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.dout
     sm_scale = 1.0 / math.sqrt(case.head_dim)
-    if plan.diagnose:
+    if plan.diagnose:  # the range is always shown: "in range" is an answer too
         result.logits = logit_range(q, k, sm_scale)
-        if max(abs(result.logits[0]), abs(result.logits[1])) > 10:
-            result.notes.append(f"logits q·kᵀ·scale span [{result.logits[0]:.1f}, {result.logits[1]:.1f}], "
-                                "outside about ±10: softmax saturates")
+        low, high = result.logits
+        saturates = max(abs(low), abs(high)) > 10
+        result.notes.append(f"logits q·kᵀ·scale span [{low:.2f}, {high:.2f}]"
+                            + (", outside about ±10: softmax saturates" if saturates else ", within ±10"))
     if not kernel.takes_causal:
         result.notes.append("called as (q, k, v): judged against causal="
                             f"{case.causal} and scale 1/sqrt({case.head_dim})")
