@@ -322,7 +322,8 @@ def bench(
     mode: Annotated[ListOpt, typer.Option(
         "--mode", help="fwd | bwd | fwd_bwd (repeatable or comma-separated).", show_default=False)] = None,
     dtype: Annotated[ListOpt, typer.Option(
-        "--dtype", help="float16 | bfloat16 | float32 (repeatable or comma-separated).", show_default=False)] = None,
+        "--dtype", help="float16 | bfloat16 | float32, or fp16 | bf16 | fp32 (repeatable or comma-separated).",
+        show_default=False)] = None,
     seq_lens: Annotated[ListOpt, typer.Option(
         "--seq-lens", help="Query lengths, e.g. 512,1024 (repeatable).", show_default=False)] = None,
     seq_lens_k: Annotated[ListOpt, typer.Option(

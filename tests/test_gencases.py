@@ -561,6 +561,12 @@ def test_load_cases_hand_written(isolated: Path) -> None:
                                 {"seq_len": 1}]
 
 
+def test_load_cases_reads_short_dtype_names(isolated: Path) -> None:
+    path = isolated / "mine.json"
+    path.write_text('[{"seq_len": 97, "dtype": "bf16"}, {"seq_len": 1, "dtype": "fp32"}, {"seq_len": 2, "dtype": "fp16"}]')
+    assert [c["dtype"] for c in load_cases(path)] == ["bfloat16", "float32", "float16"]
+
+
 def test_verbose_traceback_masks_the_key(gateway: FakeGateway, isolated: Path) -> None:
     # -v prints the traceback of a user-facing error; the server's reply in it echoes the key
     gateway.script("good-model", ECHO_KEY)

@@ -234,6 +234,18 @@ def test_cases_file_from_gen_cases_offline(workdir):
     assert {r["case"]["dtype"] for r in data["results"]} == {"float32"}
 
 
+def test_short_dtype_names_and_comma_separated_kernels(workdir):
+    (workdir / "cases.json").write_text('[{"seq_len": 16, "dtype": "fp16"}]')
+    code, data = verify_json("-k", "flash,minimal", "--cases", "cases.json")
+    assert code == 0, data
+    assert [(r["kernel"], r["case"]["dtype"], r["label"]) for r in data["results"]] == [
+        ("flash", "float16", "B1 H2 N16 D32 fp16 causal"), ("minimal", "float16", "B1 H2 N16 D32 fp16 causal")]
+    code, data = verify_json("--set", "experiment.dtype=fp32", "--set", "experiment.seq_len=3")
+    assert code == 0 and data["results"][0]["case"]["dtype"] == "float32"
+    record = json.loads((workdir / "logs" / "runs.jsonl").read_text().splitlines()[-1])
+    assert record["config"]["experiment"]["dtype"] == "float32" and record["plan"]["cases"][0]["dtype"] == "float32"
+
+
 def test_cases_file_errors(workdir):
     (workdir / "bad.json").write_text('{"cases": [{"seq_len": 0, "head_dim": 64}]}')
     result = verify("--cases", "bad.json")
