@@ -185,7 +185,7 @@ def verify(
         if json_out:
             out.print_json(data=report.to_json())
         else:
-            verify_mod.render(report, out)
+            verify_mod.render(report, out, verbose=verbose)
         raise typer.Exit(report.exit_code)
 
 

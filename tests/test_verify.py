@@ -30,7 +30,9 @@ def workdir(tmp_path, monkeypatch):
 
 def verify(*args):
     result = runner.invoke(app, ["verify", *args])
-    assert "Traceback" not in result.output, result.output
+    # A traceback only where it is asked for: -v prints a failing kernel's; --json carries it as data.
+    assert "-v" in args or "Traceback" not in result.stderr, result.output
+    assert "-v" in args or "--json" in args or "Traceback" not in result.stdout, result.output
     return result
 
 
@@ -64,6 +66,45 @@ def test_wrong_kernels_fail_for_the_right_reason(workdir, kernel, reason):
     (result,) = data["results"]
     assert result["status"] in ("fail", "error")
     assert reason in result["message"]
+
+
+def _line_of(text):
+    return next(i for i, line in enumerate(BAD.read_text().splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize(
+    "kernel,where,error",
+    [
+        ("raises", f"{BAD}:{_line_of('raise RuntimeError')} in raises", "RuntimeError: boom"),
+        # inside a @triton.jit function: the interpreter's own error wraps it; the line is the user's
+        ("jit_error", f"{BAD}:{_line_of('q * not_defined')} in _fails_inside", "name 'not_defined' is not defined"),
+    ],
+)
+def test_a_kernel_that_raises_says_where(workdir, kernel, where, error):
+    code, data = verify_json("--kernel", f"{BAD}:{kernel}", "--kernel", "flash")
+    assert code == 1
+    failed, passed = data["results"]
+    assert failed["status"] == "error" and error in failed["message"]
+    assert failed["message"].endswith(f" (at {where})")  # one line: the user's innermost frame
+    assert "\n" not in failed["message"]
+    assert failed["traceback"].startswith("Traceback (most recent call last):")
+    assert f'{BAD}", line {where.split(":")[1].split()[0]}' in failed["traceback"]
+    assert "traceback" not in passed  # only when there is one
+    record = json.loads((workdir / "logs" / "runs.jsonl").read_text().splitlines()[-1])
+    assert record["results"]["checks"][0]["traceback"] == failed["traceback"]
+
+    table = verify("--kernel", f"{BAD}:{kernel}")
+    assert table.exit_code == 1 and f"(at {where})" in table.stdout and "Traceback" not in table.output
+    verbose = verify("--kernel", f"{BAD}:{kernel}", "-v")
+    assert verbose.exit_code == 1
+    assert "Traceback (most recent call last):" in verbose.stdout and f"(at {where})" in verbose.stdout
+
+
+def test_where_is_relative_to_the_working_folder_when_inside_it(workdir):
+    (workdir / "experiments").mkdir()
+    (workdir / "experiments" / "mine.py").write_text(BAD.read_text())
+    _, data = verify_json("--kernel", "experiments/mine.py:raises")
+    assert data["results"][0]["message"].endswith(f"(at experiments/mine.py:{_line_of('raise RuntimeError')} in raises)")
 
 
 def test_unwritten_row_is_counted(workdir):

@@ -9,13 +9,17 @@ the same for dq, dk, dv.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import time
+import traceback as tb_module
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -86,14 +90,18 @@ class CaseResult:
     seconds: float = 0.0
     logits: tuple[float, float] | None = None
     notes: list[str] = field(default_factory=list)
+    traceback: str | None = None  # the full traceback when the kernel raised (shown with -v)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
             "message": self.message, "seconds": round(self.seconds, 4), "notes": self.notes,
             "logit_range": list(self.logits) if self.logits else None,
             "checks": [c.to_json() for c in self.checks],
         }
+        if self.traceback is not None:
+            data["traceback"] = self.traceback
+        return data
 
 
 @dataclass
@@ -273,7 +281,10 @@ def check_case(kernel: Any, case: Shape, plan: Plan, seed: int, device: str, bf1
         return result
     except Exception as exc:  # noqa: BLE001 - a kernel that raises fails this case, with its message
         result.status = "error"
-        result.message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        where = _kernel_frame(exc, kernel)
+        result.message = (f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                          + (f" (at {where})" if where else ""))
+        result.traceback = "".join(tb_module.format_exception(exc))
         return result
     result.seconds = time.perf_counter() - start
 
@@ -290,6 +301,29 @@ def check_case(kernel: Any, case: Shape, plan: Plan, seed: int, device: str, bf1
         result.status = "fail"
         result.message = "; ".join(c.reason() for c in failing)
     return result
+
+
+def _kernel_frame(exc: BaseException, kernel: Any) -> str | None:
+    """``path:line in function`` of the innermost frame in the user's kernel file, looking through
+    the exceptions it was raised from (Triton's interpreter re-raises a jitted function's error as
+    its own): where the user should look. None for flashrun's own kernels or when no frame is there."""
+    if kernel.name in ("flash", "minimal"):
+        return None
+    try:
+        source = Path(inspect.getsourcefile(kernel.fn) or "").resolve()
+    except TypeError:  # a builtin or a callable object without a source file
+        return None
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:  # as Python prints them: causes first
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    for error in reversed(chain):
+        frames = [f for f in tb_module.extract_tb(error.__traceback__) if Path(f.filename).resolve() == source]
+        if frames:
+            shown = os.path.relpath(source)
+            return f"{source if shown.startswith('..') else shown}:{frames[-1].lineno} in {frames[-1].name}"
+    return None
 
 
 def reproduce_command(kernel: str, shape: Shape, seed: int, grad: bool) -> str:
@@ -332,7 +366,9 @@ def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> 
 _STYLE = {"pass": "green", "fail": "red", "error": "red", "oom": "red", "unsupported": "yellow", "skipped": "yellow"}
 
 
-def render(report: Report, console: Console) -> None:
+def render(report: Report, console: Console, verbose: bool = False) -> None:
+    """The results table, then each case's message and notes (and with ``verbose`` the traceback
+    of a kernel that raised)."""
     table = Table(title=f"verify on {report.device}", title_justify="left")
     # max err: the worst tensor's max |kernel - ref|; ×torch: that error over PyTorch's own in the
     # same dtype (the yardstick); nan: NaN/Inf values; unwr: elements the kernel never wrote
@@ -352,8 +388,10 @@ def render(report: Report, console: Console) -> None:
         table.add_row(*cells)
     console.print(table)
     for r in report.results:
-        for line in ([r.message] if r.message else []) + r.notes:
-            console.print(f"  [dim]{r.kernel} {r.case.label}:[/] {line}")
+        for line in ([r.message] if r.message else []) + r.notes:  # messages may quote [brackets]
+            console.print(f"  [dim]{escape(r.kernel)} {r.case.label}:[/] {escape(line)}")
+        if verbose and r.traceback:
+            console.print(escape(r.traceback.rstrip()), style="dim")
     style = "green" if report.exit_code == 0 else "red"
     console.print(f"[{style}]{report.verdict}[/]" + (f"  (run {report.run_id})" if report.run_id else ""))
 
