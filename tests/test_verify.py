@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,10 +250,15 @@ def test_rerun_names_every_conflicting_option_and_keeps_logging_overrides(workdi
     assert "--rerun repeats the recorded config; --config only located" in noted.stderr
 
 
-def test_table_output(workdir):
+def test_table_output(workdir, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # a pipe's width: numbers are still printed whole
     result = verify("--kernel", f"{BAD}:no_scale", "--kernel", "flash")
     assert result.exit_code == 1
     assert "1 passed, 1 failed" in result.output
+    table = result.stdout.split("\n  ")[0]  # the notes under the table quote numbers of their own
+    assert "…" not in table
+    assert len(re.findall(r"\b\d\.\d\de[+-]\d\d\b", table)) == 4  # max err and rel L2 of both rows
+    assert len(re.findall(r"\b\d+\.\d\dx\b", table)) == 2  # ×torch
 
 
 def test_verify_as_a_subprocess(workdir):

@@ -372,19 +372,34 @@ def render(report: Report, console: Console, verbose: bool = False) -> None:
     table = Table(title=f"verify on {report.device}", title_justify="left")
     # max err: the worst tensor's max |kernel - ref|; ×torch: that error over PyTorch's own in the
     # same dtype (the yardstick); nan: NaN/Inf values; unwr: elements the kernel never wrote
-    for name in ("kernel", "case", "result", "max err", "rel L2", "×torch", "nan", "unwr", "ms"):
-        left = name in ("kernel", "case", "result")
-        table.add_column(name, justify="left" if left else "right", no_wrap=left)
+    names = ("kernel", "case", "result", "max err", "rel L2", "×torch", "nan", "unwr", "ms")
+    rows: list[tuple[CaseResult, list[str]]] = []
     for r in report.results:
         worst = max(r.checks, key=lambda c: (not c.passed, c.max_abs / c.bound if c.bound else 0), default=None)
         ratio = "" if worst is None or worst.ratio is None else f"{worst.ratio:.2f}x"
-        cells = [r.kernel, r.case.label, f"[{_STYLE[r.status]}]{r.status}[/]"]
+        cells = [r.kernel, r.case.label, r.status]
         if worst is None:
             cells += ["", "", "", "", "", ""]
         else:
             cells += [f"{worst.max_abs:.2e}" + ("" if len(r.checks) == 1 else f" ({worst.name})"),
                       f"{worst.rel_l2:.2e}", ratio, str(sum(c.nonfinite for c in r.checks)),
                       str(sum(c.unwritten for c in r.checks)), f"{r.seconds * 1e3:.1f}"]
+        rows.append((r, cells))
+    # A number cut to "1.4…" is another number: the result and number columns keep their full
+    # width; kernel and case wrap instead, and when even that does not fit (a pipe is 80 columns)
+    # the table grows past the terminal rather than cut a number.
+    wrapping = ("kernel", "case")
+    widths = {name: max([len(name)] + [len(cells[i]) for _, cells in rows]) for i, name in enumerate(names)}
+    for name in names:
+        whole = name not in wrapping
+        table.add_column(name, justify="left" if name in ("kernel", "case", "result") else "right", no_wrap=whole,
+                         overflow="fold", min_width=widths[name] if whole else None)
+    needed = sum(min(widths[n], 12) if n in wrapping else widths[n] for n in names) + 3 * len(names) + 1
+    if needed > console.width:
+        table.width = needed
+    for r, cells in rows:
+        cells[0] = escape(cells[0])  # a kernel's path may hold [brackets]
+        cells[2] = f"[{_STYLE[r.status]}]{r.status}[/]"
         table.add_row(*cells)
     console.print(table)
     for r in report.results:
