@@ -175,9 +175,10 @@ def verify(
                                     sets)
         cfg = _setup(config, settings, sets, verbose, flags)
         if rerun is not None:
-            if config is not None or settings is not None:
-                err.print("[yellow]note:[/] --rerun repeats the recorded config; "
-                          f"{'--config' if config is not None else '--settings'} only located {escape(str(cfg.logging.log_dir))}")
+            if config is not None or settings is not None:  # they only say where the record is
+                given = "--config" if config is not None else "--settings"
+                err.print(f"[yellow]note:[/] --rerun repeats the recorded config; {given} only located "
+                          f"{escape(str(cfg.logging.log_dir))}")
             cfg, plan = verify_mod.plan_from_record(find_record(cfg.logging.log_dir, rerun))
         else:
             plan = verify_mod.make_plan(cfg, cases)

@@ -194,8 +194,8 @@ def run(
     if out.is_dir():
         raise InputError(f"--out {out}: is a folder", hint="give a file name, e.g. --out cases.json")
     if out.exists() and not force:
-        raise InputError(f"would overwrite {out}",
-                         hint="nothing was written or asked; pass --force to overwrite, or pick another file with --out")
+        raise InputError(f"would overwrite {out}", hint="nothing was written or asked; pass --force to "
+                                                         "overwrite, or pick another file with --out")
     limit = cfg.cases.max_seq_len
     if offline:
         if models or all_models:
