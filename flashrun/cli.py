@@ -148,9 +148,9 @@ def verify(
         "(default verify.budget_s = 120; 0 runs everything).", show_default=False)] = None,
     device: DeviceOpt = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed.", show_default=False)] = None,
-    rerun: Annotated[
-        Optional[str], typer.Option("--rerun", help="Repeat a recorded run (see `flashrun runs`).", show_default=False)
-    ] = None,
+    rerun: Annotated[Optional[str], typer.Option(
+        "--rerun", help="Repeat a recorded run exactly (see `flashrun runs`); options that would change its plan "
+        "are refused.", show_default=False)] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -172,8 +172,16 @@ def verify(
     flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
              "verify.grad": grad or None, "verify.diagnose": diagnose or None, "verify.budget_s": budget}
     with _boundary(verbose):
+        if rerun is not None:
+            _refuse_rerun_conflicts(rerun, {"--kernel": kernel, "--cases": cases, "--grad": grad or None,
+                                            "--diagnose": diagnose or None, "--device": device, "--seed": seed},
+                                    sets)
         cfg = _setup(config, settings, sets, verbose, flags)
         if rerun is not None:
+            if config is not None or settings is not None:  # they only say where the record is
+                given = "--config" if config is not None else "--settings"
+                err.print(f"[yellow]note:[/] --rerun repeats the recorded config; {given} only located "
+                          f"{escape(str(cfg.logging.log_dir))}")
             cfg, plan = verify_mod.plan_from_record(find_record(cfg.logging.log_dir, rerun))
         else:
             plan = verify_mod.make_plan(cfg, cases)
@@ -181,8 +189,21 @@ def verify(
         if json_out:
             out.print_json(data=report.to_json())
         else:
-            verify_mod.render(report, out)
+            verify_mod.render(report, out, verbose=verbose)
         raise typer.Exit(report.exit_code)
+
+
+def _refuse_rerun_conflicts(run_id: str, given: dict[str, Any], sets: list[str] | None) -> None:
+    """``--rerun`` repeats a recorded plan exactly: options that would change it are refused, not
+    silently ignored. ``--set logging.*`` stays allowed: it only says where the record is."""
+    named = [name for name, value in given.items() if value is not None]
+    named += [f"--set {item}" for item in sets or () if not item.partition("=")[0].strip().startswith("logging.")]
+    if named:
+        raise InputError(
+            f"--rerun {run_id} repeats that run exactly as recorded, so {', '.join(named)} would be ignored",
+            hint=f"drop {'it' if len(named) == 1 else 'them'} to repeat the run, or run without --rerun to change "
+                 f"the plan (`flashrun runs show {run_id}` shows what it ran)",
+        )
 
 
 # -- check-env ----------------------------------------------------------------------------------
@@ -250,6 +271,7 @@ def gen_cases(
     ] = None,
     out_file: Annotated[Path, typer.Option("--out", "-o", help="Cases file to write.")] = Path("cases.json"),
     offline: Annotated[bool, typer.Option("--offline", help="Built-in edge cases; no gateway, no key.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the cases file if it exists.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -264,13 +286,17 @@ def gen_cases(
       flashrun gen-cases -m gpt-4o -m deepseek-chat --max-seq-len 4096 --out cases/mixed.json
 
       flashrun gen-cases --offline && flashrun verify --cases cases.json
+
+    An existing cases file is never overwritten without --force.
     """
     from flashrun.gateway import gencases
 
     with _boundary(verbose):
         flags = {"cases.count": count, "cases.max_seq_len": max_seq_len, "cases.prompt": prompt}
         cfg = _setup(config, settings, sets, verbose, flags)
-        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline)
+        # The status line goes to stderr (never into --json's stdout); not with -v, whose logs share it.
+        report = gencases.run(cfg, model, all_models, out=out_file, offline=offline, force=force,
+                              console=None if verbose else err)
         if json_out:
             out.print_json(data=report.to_json())
         else:
@@ -301,7 +327,8 @@ def bench(
     mode: Annotated[ListOpt, typer.Option(
         "--mode", help="fwd | bwd | fwd_bwd (repeatable or comma-separated).", show_default=False)] = None,
     dtype: Annotated[ListOpt, typer.Option(
-        "--dtype", help="float16 | bfloat16 | float32 (repeatable or comma-separated).", show_default=False)] = None,
+        "--dtype", help="float16 | bfloat16 | float32, or fp16 | bf16 | fp32 (repeatable or comma-separated).",
+        show_default=False)] = None,
     seq_lens: Annotated[ListOpt, typer.Option(
         "--seq-lens", help="Query lengths, e.g. 512,1024 (repeatable).", show_default=False)] = None,
     seq_lens_k: Annotated[ListOpt, typer.Option(
@@ -395,7 +422,11 @@ def runs(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """List recent runs: time, command, kernels, cases, verdict or best TFLOP/s."""
+    """List recent runs: id, time, command, kernels, cases, verdict or best TFLOP/s.
+
+    Ids and numbers are never cut, piped or at any width; when the terminal is narrow the time
+    column is left out (the id holds the time to the second) and kernels and outcome wrap.
+    """
     if ctx.invoked_subcommand is not None:
         return
     from flashrun.records import runs as runs_mod

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -30,7 +31,7 @@ from pydantic import (
 )
 
 from flashrun.errors import ConfigError, MissingKeyError
-from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashrun.limits import DTYPE_ALIASES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from flashrun.records.redact import register_secret
 
 if sys.version_info >= (3, 11):
@@ -45,7 +46,14 @@ PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PathField = Annotated[Path, Field(strict=False)]
-Dtype = Literal["float16", "bfloat16", "float32"]
+
+
+def _full_dtype(value: Any) -> Any:
+    """``fp16``/``bf16``/``fp32`` (the names flashrun prints) -> the full name kept everywhere after."""
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+Dtype = Annotated[Literal["float16", "bfloat16", "float32"], BeforeValidator(_full_dtype)]
 HeadDim = Annotated[int, Field(ge=MIN_HEAD_DIM, le=MAX_HEAD_DIM)]
 
 
@@ -375,7 +383,8 @@ def _expected(error: dict[str, Any], loc: tuple[Any, ...]) -> str:
     if kind in simple:
         return simple[kind]
     if kind == "literal_error":
-        return f"expected one of {ctx.get('expected')}"
+        aliases = f" (or {', '.join(DTYPE_ALIASES)})" if "dtype" in loc[-2:] else ""  # dtype, or dtype.<index>
+        return f"expected one of {ctx.get('expected')}{aliases}"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))

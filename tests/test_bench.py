@@ -125,6 +125,13 @@ def test_flags_override_the_config_lists(isolated: Path) -> None:
     assert bench["mode"] == ["fwd", "bwd"] and bench["causal"] == [False, True] and bench["dtype"] == ["float32"]
 
 
+def test_dtype_flag_takes_the_short_names(isolated: Path) -> None:
+    result = invoke(*TINY, "-p", "sdpa", "--causal", "no", "--dtype", "fp32", "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert {row["dtype"] for row in json.loads(result.stdout)["rows"]} == {"float32"}  # full names in results
+    assert json.loads(result_files(isolated)[1].read_text())["bench"]["dtype"] == ["float32"]
+
+
 def test_baseline_comes_first_and_kernels_are_added_once() -> None:
     cfg = load_config(flags={"bench.providers": ["sdpa-cudnn", "flash", "sdpa"], "bench.baseline": "sdpa"})
     assert provider_names(cfg, ("flash", "my.py:attn")) == ["sdpa", "sdpa-cudnn", "flash", "my.py:attn"]

@@ -158,6 +158,46 @@ def test_runs_lists_and_shows_records(cli, tmp_path: Path) -> None:
     assert shown.exit_code == 0 and json.loads(shown.stdout)["id"] == "20250101-000000-aaaa"
 
 
+def _long_records(log_dir: Path) -> list[str]:
+    """Runs whose kernels and outcomes are long enough to crowd an 80-column table."""
+    ids = [f"20261201-08152{i}-ab1{i}" for i in range(3)]
+    for run_id in ids[:2]:
+        append_record(log_dir, {"id": run_id, "time": "2026-12-01T08:15:20+01:00", "command": "verify",
+                                "kernels": ["flash", "minimal", "/home/me/exp/experiments/my_attention.py:attention"],
+                                "n_cases": 1234, "results": {"verdict": "1230 passed, 3 failed, 1 skipped"}})
+    append_record(log_dir, {"id": ids[2], "time": "2026-12-01T08:15:22+01:00", "command": "bench",
+                            "kernels": ["flash"], "n_cases": 48, "results": {"best_tflops": 612.345}})
+    return ids
+
+
+def _assert_whole(table: str, ids: list[str]) -> None:
+    assert "…" not in table and "..." not in table
+    for run_id in ids:
+        assert run_id in table  # on one line, as `runs show` and `verify --rerun` take it
+    for number in ("1234", "1230 passed", "48", "612.3"):
+        assert number in table
+
+
+def test_runs_table_keeps_ids_and_numbers_whole_when_piped_at_80_columns(flashrun, tmp_path: Path) -> None:
+    ids = _long_records(tmp_path / "logs")
+    proc = flashrun("runs", env={"COLUMNS": "80"})  # stdout is a pipe
+    assert proc.returncode == 0, proc.stderr
+    _assert_whole(proc.stdout, ids)
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 80
+    assert "my_attention.py" in proc.stdout and "/home/me" not in proc.stdout  # a user kernel by its file name
+
+
+def test_runs_table_keeps_ids_whole_in_process(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = _long_records(tmp_path / "logs")
+    for columns in ("80", "40"):  # at 40 nothing fits: the table grows rather than cut an id
+        monkeypatch.setenv("COLUMNS", columns)
+        result = cli("runs")
+        assert result.exit_code == 0, result.output
+        _assert_whole(result.stdout, ids)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert "2026-12-01T08:15:22+01:00" in cli("runs").stdout  # room enough: the time column is back
+
+
 @pytest.mark.parametrize(("run_id", "message"), [("nope", "error: no run 'nope'"), ("2025", "is ambiguous (2 runs match)")])
 def test_runs_show_bad_ids(cli, tmp_path: Path, run_id: str, message: str) -> None:
     _record(tmp_path / "logs", "20250101-000000-aaaa", "ok")

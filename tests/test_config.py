@@ -350,3 +350,27 @@ def test_absolute_paths_are_kept(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     write(tmp_path / "p" / "config.toml", f'[logging]\nlog_dir = "{target.as_posix()}"\n')
     assert load_config(Path("p/config.toml")).logging.log_dir == target
+
+
+# -- dtype short names ----------------------------------------------------------------------------
+
+
+def test_short_dtype_names_are_read_everywhere_and_kept_full(tmp_path: Path) -> None:
+    # fp16/bf16/fp32 are the names flashrun prints in labels; they are read wherever a dtype is
+    config = write(tmp_path / "config.toml", '[experiment]\ndtype = "bf16"\n\n[verify]\ndtype = ["fp16", "fp32"]\n'
+                                             '\n[bench]\ndtype = "fp32"\n')
+    cfg = load_config(config)
+    assert (cfg.experiment.dtype, cfg.verify.dtype, cfg.bench.dtype) == ("bfloat16", ["float16", "float32"], ["float32"])
+    dumped = cfg.public_dict()  # what run records and --json hold
+    assert (dumped["experiment"]["dtype"], dumped["verify"]["dtype"]) == ("bfloat16", ["float16", "float32"])
+    flags = load_config(config, flags={"bench.dtype": ["bf16", "float16"]},  # bench --dtype bf16,float16
+                        sets=["experiment.dtype=fp32", "verify.dtype=[bf16,float32]"])
+    assert flags.bench.dtype == ["bfloat16", "float16"]
+    assert (flags.experiment.dtype, flags.verify.dtype) == ("float32", ["bfloat16", "float32"])
+
+
+def test_an_unknown_dtype_names_the_short_names_too(cli) -> None:
+    result = cli("runs", "--set", "verify.dtype=[fp16,fp8]")
+    assert result.exit_code == 2
+    assert ("error: --set: verify.dtype.1: expected one of 'float16', 'bfloat16' or 'float32' (or fp16, bf16, fp32), "
+            'got "fp8"') in result.stderr

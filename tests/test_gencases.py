@@ -268,8 +268,34 @@ def test_missing_key_variable_is_named(gateway: FakeGateway, isolated: Path, mon
 def test_existing_file_survives_a_failure(gateway: FakeGateway, isolated: Path) -> None:
     (isolated / "cases.json").write_text("previous")
     gateway.script("good-model", completion(""))
-    assert gen(write_config(isolated, gateway.base_url)).exit_code == 1
+    # --force: the run means to replace the file, and a failed run still must not clobber it
+    assert gen(write_config(isolated, gateway.base_url), "--force").exit_code == 1
     assert (isolated / "cases.json").read_text() == "previous"
+
+
+@pytest.mark.parametrize("args", [[], ["--offline"], ["-o", "mine.json"], ["--json"]],
+                         ids=["gateway", "offline", "out", "json"])
+def test_existing_file_is_not_overwritten_without_force(gateway: FakeGateway, isolated: Path,
+                                                        args: list[str]) -> None:
+    target = isolated / ("mine.json" if "mine.json" in args else "cases.json")
+    target.write_text("previous")
+    config = write_config(isolated, gateway.base_url)
+    result = gen(config, *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[0] == f"error: would overwrite {target.name}"
+    assert "--force" in result.stderr and "Traceback" not in result.output
+    assert result.stdout == ""  # not even with --json: an error is no report
+    assert target.read_text() == "previous"
+    assert gateway.seen == []  # nothing was asked of the gateway
+    assert not (isolated / "logs" / "runs.jsonl").exists()
+
+
+def test_force_overwrites(gateway: FakeGateway, isolated: Path) -> None:
+    (isolated / "cases.json").write_text("previous")
+    gateway.script("good-model", completion(GOOD))
+    result = gen(write_config(isolated, gateway.base_url), "--force")
+    assert result.exit_code == 0, result.output
+    assert load_cases(isolated / "cases.json") == GOOD_CASES
 
 
 def test_key_never_leaks_from_a_real_process(gateway: FakeGateway, isolated: Path) -> None:
@@ -326,6 +352,38 @@ def test_every_model_failing_writes_nothing(gateway: FakeGateway, isolated: Path
     assert "error: the gateway does not know model 'nope-1'" in result.stderr
     assert "nope-2" in result.stdout  # the table still shows every model
     assert not (isolated / "cases.json").exists()
+
+
+def test_status_names_the_model_being_waited_for(gateway: FakeGateway, isolated: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import flashrun.cli
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(flashrun.cli, "err", Console(file=terminal, force_terminal=True, width=120))
+    gateway.script("good-model", completion(GOOD))
+    gateway.script("other-model", completion(GOOD))
+    result = gen(write_config(isolated, gateway.base_url), "-m", "good-model", "-m", "other-model", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["n_cases"] == 6  # stdout holds the JSON and nothing else
+    shown = terminal.getvalue()
+    assert f"waiting for good-model (1 of 2) at {gateway.base_url}" in shown
+    assert "waiting for other-model (2 of 2)" in shown
+
+
+def test_no_status_off_a_terminal(gateway: FakeGateway, isolated: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    piped = io.StringIO()
+    gateway.script("good-model", completion(GOOD))
+    cfg = load_config(write_config(isolated, gateway.base_url), None, None, None)
+    report = gencases.run(cfg, out=isolated / "cases.json", console=Console(file=piped, force_terminal=False))
+    assert report.exit_code == 0 and piped.getvalue() == ""
 
 
 def test_json_output_on_failure(gateway: FakeGateway, isolated: Path) -> None:
@@ -393,7 +451,7 @@ def test_offline_needs_no_gateway_and_feeds_verify(isolated: Path, monkeypatch: 
     assert {1, 15, 16, 17, 127, 128, 129, 251, 256, 509, 512, 1000} <= lengths and max(lengths) == 1000
     assert {c["head_dim"] for c in cases} == set(HEAD_DIMS)
     first = (isolated / "cases.json").read_text()
-    assert gen(config, "--offline", "--max-seq-len", "1000").exit_code == 0
+    assert gen(config, "--offline", "--max-seq-len", "1000", "--force").exit_code == 0  # deterministic: same set again
     assert json.loads(first)["cases"] == json.loads((isolated / "cases.json").read_text())["cases"]
     assert records(isolated)[-1]["results"]["generator"] == "offline"
 
@@ -496,6 +554,12 @@ def test_load_cases_hand_written(isolated: Path) -> None:
     path.write_text('[{"seq_len": 97, "head_dim": 40, "causal": true, "dtype": "bfloat16"}, {"seq_len": 1}]')
     assert load_cases(path) == [{"seq_len": 97, "head_dim": 40, "causal": True, "dtype": "bfloat16"},
                                 {"seq_len": 1}]
+
+
+def test_load_cases_reads_short_dtype_names(isolated: Path) -> None:
+    path = isolated / "mine.json"
+    path.write_text('[{"seq_len": 97, "dtype": "bf16"}, {"seq_len": 1, "dtype": "fp32"}, {"seq_len": 2, "dtype": "fp16"}]')
+    assert [c["dtype"] for c in load_cases(path)] == ["bfloat16", "float32", "float16"]
 
 
 def test_verbose_traceback_masks_the_key(gateway: FakeGateway, isolated: Path) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,9 @@ def workdir(tmp_path, monkeypatch):
 
 def verify(*args):
     result = runner.invoke(app, ["verify", *args])
-    assert "Traceback" not in result.output, result.output
+    # A traceback only where it is asked for: -v prints a failing kernel's; --json carries it as data.
+    assert "-v" in args or "Traceback" not in result.stderr, result.output
+    assert "-v" in args or "--json" in args or "Traceback" not in result.stdout, result.output
     return result
 
 
@@ -64,6 +67,45 @@ def test_wrong_kernels_fail_for_the_right_reason(workdir, kernel, reason):
     (result,) = data["results"]
     assert result["status"] in ("fail", "error")
     assert reason in result["message"]
+
+
+def _line_of(text):
+    return next(i for i, line in enumerate(BAD.read_text().splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize(
+    "kernel,where,error",
+    [
+        ("raises", f"{BAD}:{_line_of('raise RuntimeError')} in raises", "RuntimeError: boom"),
+        # inside a @triton.jit function: the interpreter's own error wraps it; the line is the user's
+        ("jit_error", f"{BAD}:{_line_of('q * not_defined')} in _fails_inside", "name 'not_defined' is not defined"),
+    ],
+)
+def test_a_kernel_that_raises_says_where(workdir, kernel, where, error):
+    code, data = verify_json("--kernel", f"{BAD}:{kernel}", "--kernel", "flash")
+    assert code == 1
+    failed, passed = data["results"]
+    assert failed["status"] == "error" and error in failed["message"]
+    assert failed["message"].endswith(f" (at {where})")  # one line: the user's innermost frame
+    assert "\n" not in failed["message"]
+    assert failed["traceback"].startswith("Traceback (most recent call last):")
+    assert f'{BAD}", line {where.split(":")[1].split()[0]}' in failed["traceback"]
+    assert "traceback" not in passed  # only when there is one
+    record = json.loads((workdir / "logs" / "runs.jsonl").read_text().splitlines()[-1])
+    assert record["results"]["checks"][0]["traceback"] == failed["traceback"]
+
+    table = verify("--kernel", f"{BAD}:{kernel}")
+    assert table.exit_code == 1 and f"(at {where})" in table.stdout and "Traceback" not in table.output
+    verbose = verify("--kernel", f"{BAD}:{kernel}", "-v")
+    assert verbose.exit_code == 1
+    assert "Traceback (most recent call last):" in verbose.stdout and f"(at {where})" in verbose.stdout
+
+
+def test_where_is_relative_to_the_working_folder_when_inside_it(workdir):
+    (workdir / "experiments").mkdir()
+    (workdir / "experiments" / "mine.py").write_text(BAD.read_text())
+    _, data = verify_json("--kernel", "experiments/mine.py:raises")
+    assert data["results"][0]["message"].endswith(f"(at experiments/mine.py:{_line_of('raise RuntimeError')} in raises)")
 
 
 def test_unwritten_row_is_counted(workdir):
@@ -131,8 +173,24 @@ def test_cuda_request_falls_back_to_the_interpreter_with_a_notice(workdir):
 
 def test_diagnose_reports_logit_range(workdir):
     _, data = verify_json("--diagnose")
-    low, high = data["results"][0]["logit_range"]
+    (result,) = data["results"]
+    low, high = result["logit_range"]
     assert low < 0 < high
+    # in range is an answer too: the range is shown, without the saturation warning
+    assert result["notes"] == [f"logits q·kᵀ·scale span [{low:.2f}, {high:.2f}], within ±10"]
+    table = verify("--diagnose")
+    assert table.exit_code == 0
+    assert f"flash B1 H2 N37 D32 fp32 causal: logits q·kᵀ·scale span [{low:.2f}, {high:.2f}], within ±10" in table.stdout
+    assert "saturates" not in table.output
+
+
+def test_diagnose_warns_outside_ten(workdir, monkeypatch):
+    import flashrun.harness.reference
+
+    monkeypatch.setattr(flashrun.harness.reference, "logit_range", lambda q, k, sm_scale=None: (-12.5, 3.0))
+    _, data = verify_json("--diagnose")
+    assert data["results"][0]["logit_range"] == [-12.5, 3.0]
+    assert data["results"][0]["notes"] == ["logits q·kᵀ·scale span [-12.50, 3.00], outside about ±10: softmax saturates"]
 
 
 def test_run_record_and_rerun(workdir):
@@ -155,10 +213,52 @@ def test_run_record_and_rerun(workdir):
     assert [r["id"] for r in json.loads(listing.stdout)][-2:] == [first["run_id"], again["run_id"]]
 
 
-def test_table_output(workdir):
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--grad"], "--grad"),
+        (["--diagnose"], "--diagnose"),
+        (["-k", "minimal"], "--kernel"),
+        (["--cases", "cases.json"], "--cases"),
+        (["--device", "cpu"], "--device"),
+        (["--seed", "3"], "--seed"),
+        (["--set", "experiment.dtype=bfloat16"], "--set experiment.dtype=bfloat16"),
+    ],
+)
+def test_rerun_refuses_options_that_would_change_the_plan(workdir, args, named):
+    result = verify("--rerun", "20990101-000000-beef", *args)  # refused before the record is even looked up
+    assert result.exit_code == 2, result.output
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("error: --rerun 20990101-000000-beef repeats that run exactly as recorded")
+    assert named in first and "--rerun" in result.stderr.splitlines()[1]  # the hint
+    assert not (workdir / "logs").exists()  # nothing ran, nothing recorded
+
+
+def test_rerun_names_every_conflicting_option_and_keeps_logging_overrides(workdir):
+    code, first = verify_json("--set", "experiment.seq_len=1")
+    assert code == 0
+    records = (workdir / "logs" / "runs.jsonl").read_text()
+    result = verify("--rerun", first["run_id"], "--grad", "-k", "minimal", "--set", "verify.seq_len=[1,2]",
+                    "--set", "logging.level=debug")
+    assert result.exit_code == 2
+    assert "--kernel, --grad, --set verify.seq_len=[1,2] would be ignored" in result.stderr
+    assert (workdir / "logs" / "runs.jsonl").read_text() == records
+    # --config and --set logging.* only say where the record is: accepted, and the note says so
+    code, again = verify_json("--rerun", first["run_id"], "--config", "config.toml", "--set", "logging.log_dir=logs")
+    assert code == 0 and [r["label"] for r in again["results"]] == [r["label"] for r in first["results"]]
+    noted = verify("--rerun", first["run_id"], "--config", "config.toml")
+    assert "--rerun repeats the recorded config; --config only located" in noted.stderr
+
+
+def test_table_output(workdir, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # a pipe's width: numbers are still printed whole
     result = verify("--kernel", f"{BAD}:no_scale", "--kernel", "flash")
     assert result.exit_code == 1
     assert "1 passed, 1 failed" in result.output
+    table = result.stdout.split("\n  ")[0]  # the notes under the table quote numbers of their own
+    assert "…" not in table
+    assert len(re.findall(r"\b\d\.\d\de[+-]\d\d\b", table)) == 4  # max err and rel L2 of both rows
+    assert len(re.findall(r"\b\d+\.\d\dx\b", table)) == 2  # ×torch
 
 
 def test_verify_as_a_subprocess(workdir):
@@ -179,6 +279,18 @@ def test_cases_file_from_gen_cases_offline(workdir):
         [(c["seq_len"], c["head_dim"]) for c in cases]
     # fields a case leaves out come from [experiment]
     assert {r["case"]["dtype"] for r in data["results"]} == {"float32"}
+
+
+def test_short_dtype_names_and_comma_separated_kernels(workdir):
+    (workdir / "cases.json").write_text('[{"seq_len": 16, "dtype": "fp16"}]')
+    code, data = verify_json("-k", "flash,minimal", "--cases", "cases.json")
+    assert code == 0, data
+    assert [(r["kernel"], r["case"]["dtype"], r["label"]) for r in data["results"]] == [
+        ("flash", "float16", "B1 H2 N16 D32 fp16 causal"), ("minimal", "float16", "B1 H2 N16 D32 fp16 causal")]
+    code, data = verify_json("--set", "experiment.dtype=fp32", "--set", "experiment.seq_len=3")
+    assert code == 0 and data["results"][0]["case"]["dtype"] == "float32"
+    record = json.loads((workdir / "logs" / "runs.jsonl").read_text().splitlines()[-1])
+    assert record["config"]["experiment"]["dtype"] == "float32" and record["plan"]["cases"][0]["dtype"] == "float32"
 
 
 def test_cases_file_errors(workdir):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -168,19 +169,32 @@ def _ask(gateway: Gateway, model: str, messages: list[dict[str, str]], max_seq_l
     return result
 
 
+def _waiting(console: Console | None, text: str) -> Any:
+    """A spinner with ``text`` while a model thinks; rich draws it only on a terminal (a pipe or
+    file sees nothing), and never on stdout: the CLI passes its stderr console."""
+    return nullcontext() if console is None else console.status(escape(text))
+
+
 def run(
     cfg: Config,
     models: list[str] | None = None,
     all_models: bool = False,
     out: Path = Path("cases.json"),
     offline: bool = False,
+    force: bool = False,
+    console: Console | None = None,
 ) -> GenReport:
     """Generate cases and write ``out``; append a run record. Returns the report (never raises
     for a model's failure: see ``GenReport.error``). ``[cases]`` says how many cases, how long
-    and what to ask; ``offline``'s fixed set is capped only when ``cases.count`` was set."""
+    and what to ask; ``offline``'s fixed set is capped only when ``cases.count`` was set.
+    An existing ``out`` is refused before anything is asked, unless ``force`` (like ``init``).
+    ``console``: where a status line names the model being waited for (shown only on a terminal)."""
     out = Path(out)
     if out.is_dir():
         raise InputError(f"--out {out}: is a folder", hint="give a file name, e.g. --out cases.json")
+    if out.exists() and not force:
+        raise InputError(f"would overwrite {out}", hint="nothing was written or asked; pass --force to "
+                                                         "overwrite, or pick another file with --out")
     limit = cfg.cases.max_seq_len
     if offline:
         if models or all_models:
@@ -194,7 +208,11 @@ def run(
         asked = cfg.cases.count
         messages = build_messages(cfg.cases.prompt or DEFAULT_PROMPT, asked, limit)
         gateway = Gateway(cfg)
-        results = [_ask(gateway, name, messages, limit, asked) for name in names]
+        results = []
+        for index, name in enumerate(names, 1):
+            which = f" ({index} of {len(names)})" if len(names) > 1 else ""
+            with _waiting(console, f"waiting for {name}{which} at {gateway.base_url}..."):
+                results.append(_ask(gateway, name, messages, limit, asked))
         cases = [{**_as_dict(c), "model": r.model} for r in results if r.error is None for c in r.cases]
         report = GenReport("gateway", out, cases, results, base_url=gateway.base_url)
         if cases:

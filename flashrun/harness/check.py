@@ -13,9 +13,13 @@ included (``first_call_s``); on a GPU the forward is then timed again, compiled 
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import time
+import traceback as tb_module
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from flashrun.errors import KernelError, is_oom
@@ -50,15 +54,19 @@ class CaseResult:
     ms: float | None = None  # median forward time after it (GPU only)
     logits: tuple[float, float] | None = None
     notes: list[str] = field(default_factory=list)
+    traceback: str | None = None  # the full traceback when the kernel raised (shown with -v)
     index: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
             "message": self.message, "first_call_s": _round(self.first_call_s), "ms": _round(self.ms),
             "notes": self.notes, "logit_range": list(self.logits) if self.logits else None,
             "checks": [c.to_json() for c in self.checks],
         }
+        if self.traceback is not None:
+            data["traceback"] = self.traceback
+        return data
 
 
 def _round(value: float | None) -> float | None:
@@ -125,11 +133,12 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         return _oom(result, device, "the inputs alone")
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.dout
     sm_scale = 1.0 / math.sqrt(case.head_dim)
-    if job.diagnose:
+    if job.diagnose:  # the range is always shown: "in range" is an answer too
         result.logits = logit_range(q, k, sm_scale)
-        if max(abs(result.logits[0]), abs(result.logits[1])) > 10:
-            result.notes.append(f"logits q·kᵀ·scale span [{result.logits[0]:.1f}, {result.logits[1]:.1f}], "
-                                "outside about ±10: softmax saturates")
+        low, high = result.logits
+        saturates = max(abs(low), abs(high)) > 10
+        result.notes.append(f"logits q·kᵀ·scale span [{low:.2f}, {high:.2f}]"
+                            + (", outside about ±10: softmax saturates" if saturates else ", within ±10"))
     if not kernel.takes_causal:
         result.notes.append("called as (q, k, v): judged against causal="
                             f"{case.causal} and scale 1/sqrt({case.head_dim})")
@@ -157,7 +166,10 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         if is_oom(exc):
             return _oom(result, device, "the kernel")
         result.status = "error"
-        result.message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        where = _kernel_frame(exc, kernel)
+        result.message = (f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                          + (f" (at {where})" if where else ""))
+        result.traceback = "".join(tb_module.format_exception(exc))
         return result
     result.first_call_s = time.perf_counter() - start
 
@@ -181,6 +193,29 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     if device == "cuda":
         result.ms = _time_forward(kernel, kq.detach(), kk.detach(), kv.detach(), case.causal, sm_scale)
     return result
+
+
+def _kernel_frame(exc: BaseException, kernel: Any) -> str | None:
+    """``path:line in function`` of the innermost frame in the user's kernel file, looking through
+    the exceptions it was raised from (Triton's interpreter re-raises a jitted function's error as
+    its own): where the user should look. None for flashrun's own kernels or when no frame is there."""
+    if kernel.name in ("flash", "minimal"):
+        return None
+    try:
+        source = Path(inspect.getsourcefile(kernel.fn) or "").resolve()
+    except TypeError:  # a builtin or a callable object without a source file
+        return None
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:  # as Python prints them: causes first
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    for error in reversed(chain):
+        frames = [f for f in tb_module.extract_tb(error.__traceback__) if Path(f.filename).resolve() == source]
+        if frames:
+            shown = os.path.relpath(source)
+            return f"{source if shown.startswith('..') else shown}:{frames[-1].lineno} in {frames[-1].name}"
+    return None
 
 
 def _sync(device: str) -> None:

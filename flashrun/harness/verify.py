@@ -254,17 +254,20 @@ def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> 
 # Rendering
 
 
-def render(report: Report, console: Console) -> None:
-    """The results table. Numbers never wrap or get cut: when the console is narrow (80 columns,
-    a pipe) the case label wraps; the kernel heads a section instead of taking a column; the
-    NaN/unwritten counts appear only when some check has any, ``ms`` only when measured (GPU)."""
+def render(report: Report, console: Console, verbose: bool = False) -> None:
+    """The results table, then each case's message and notes (and with ``verbose`` the traceback
+    of a kernel that raised). Numbers never wrap or get cut: when the console is narrow (80
+    columns, a pipe) the case label wraps; the kernel heads a section instead of taking a
+    column; the NaN/unwritten counts appear only when some check has any, ``ms`` only when
+    measured (GPU)."""
     several = len({r.kernel for r in report.results}) > 1
     flagged = any(c.nonfinite or c.unwritten for r in report.results for c in r.checks)
     # max err: the worst tensor's max |kernel - ref|; ×torch: that error over PyTorch's own in the
     # same dtype (the yardstick); nan: NaN/Inf values; unwr: elements the kernel never wrote
     columns = ["case", "result", "max err", "rel L2", "×torch", *(("nan", "unwr") if flagged else ()), "first s",
                *(("ms",) if any(r.ms is not None for r in report.results) else ())]  # ms: GPU only
-    table = Table(title=f"verify on {report.device}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=f"verify on {report.device}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  show_edge=False)
     for name in columns:
         if name == "case":
             table.add_column(name, overflow="fold")
@@ -273,9 +276,7 @@ def render(report: Report, console: Console) -> None:
     kernel = None
     order = {name: i for i, name in enumerate(dict.fromkeys(r.kernel for r in report.results))}
     for r in sorted(report.results, key=lambda r: order[r.kernel]):  # stable: cases keep their order
-        if several and r.kernel != kernel:
-            if kernel is not None:
-                table.add_section()
+        if several and r.kernel != kernel:  # the kernel heads its rows
             table.add_row(f"[bold]{escape(r.kernel)}[/]", *[""] * (len(columns) - 1))
             kernel = r.kernel
         worst = max(r.checks, key=lambda c: (not c.passed, c.max_abs / c.bound if c.bound else 0), default=None)
@@ -293,5 +294,7 @@ def render(report: Report, console: Console) -> None:
     for r in report.results:
         for line in ([r.message] if r.message else []) + r.notes:
             console.print(f"  [dim]{escape(r.kernel)} {escape(r.case.label)}:[/] {escape(line)}")
+        if verbose and r.traceback:
+            console.print(escape(r.traceback.rstrip()), style="dim")
     style = "green" if report.exit_code == 0 else "red"
     console.print(f"[{style}]{report.verdict}[/]" + (f"  (run {report.run_id})" if report.run_id else ""))

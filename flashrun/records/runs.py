@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flashrun.records.runlog import load_records
@@ -31,14 +32,50 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _kernel_label(spec: str) -> str:
+    """``/abs/experiments/my_attention.py:attention`` -> ``my_attention.py:attention`` (as verify names it)."""
+    path, sep, func = spec.rpartition(":")
+    return f"{Path(path).name}:{func}" if sep and path.endswith(".py") else spec
+
+
+# Columns that are never wrapped or cut: `runs show ID` and `verify --rerun ID` need the id whole,
+# and a number cut short is a different number. Only the text columns wrap (folding long words,
+# never an ellipsis).
+_WHOLE = ("id", "time", "command", "cases")
+_TEXT_MIN = 12  # the narrowest a text column gets before the time column is left out
+
+
 def render_list(records: list[dict[str, Any]], log_dir: Path, console: Console) -> None:
     if not records:
         console.print(f"no runs recorded in {log_dir}")
         return
-    table = Table(title=f"runs in {log_dir}")
-    for column in ("id", "time", "command", "kernels", "cases", "outcome"):
-        table.add_column(column)
+    cells = []
     for record in records:
-        row = summary(record)
-        table.add_row(*("" if row[c] is None else str(row[c]) for c in row))
+        row = {**summary(record), "kernels": ", ".join(_kernel_label(k) for k in record.get("kernels") or [])}
+        cells.append({c: "" if value is None else str(value) for c, value in row.items()})
+    columns = list(cells[0])
+
+    def natural(column: str) -> int:
+        return max(len(column), *(len(cell[column]) for cell in cells))
+
+    def width_needed(shown: list[str], text_width: int) -> int:
+        fixed = sum(natural(c) for c in shown if c in _WHOLE)
+        text = sum(min(natural(c), text_width) for c in shown if c not in _WHOLE)
+        return fixed + text + 3 * len(shown) + 1  # padding of 1 each side and the borders
+
+    # The id already holds the local time to the second: when the terminal (or a pipe's 80
+    # columns) is too narrow for everything, the time column goes, never part of an id.
+    if width_needed(columns, _TEXT_MIN) > console.width:
+        columns.remove("time")
+    table = Table(title=f"runs in {log_dir}")
+    for column in columns:
+        whole = column in _WHOLE
+        table.add_column(column, no_wrap=whole, overflow="fold", justify="right" if column == "cases" else "left",
+                         min_width=natural(column) if whole else None)
+    # Narrower still: the table grows past the terminal (which then wraps lines) rather than cut an id.
+    needed = width_needed(columns, _TEXT_MIN)
+    if needed > console.width:
+        table.width = needed
+    for cell in cells:
+        table.add_row(*(escape(cell[c]) for c in columns))  # a path may hold [brackets]
     console.print(table)

@@ -3,6 +3,8 @@
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 
 def _expand(k, heads):
@@ -55,3 +57,17 @@ def qkv_only(q, k, v):
 
 def too_many_args(q, k, v, causal, sm_scale, extra):
     return q
+
+
+@triton.jit
+def _fails_inside(Q, O, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    q = tl.load(Q + offs, mask=offs < N)
+    tl.store(O + offs, q * not_defined, mask=offs < N)  # noqa: F821 - the bug verify must point at
+
+
+def jit_error(q, k, v, causal, sm_scale):
+    """Raises inside a Triton kernel: the interpreter re-raises it as its own error."""
+    o = torch.empty_like(q)
+    _fails_inside[(1,)](q, o, q.numel(), BLOCK=16)
+    return o
