@@ -1,0 +1,216 @@
+"""The config schema: one pydantic model per section, unknown keys forbidden, values checked.
+
+This module must stay cheap to import: no torch, no triton.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+
+from flashrun.limits import DTYPE_ALIASES, MAX_HEAD_DIM, MIN_HEAD_DIM
+
+# The default config ships inside the package so that a non-editable install has it.
+DEFAULT_CONFIG = Path(__file__).parents[1] / "data" / "default.toml"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PathField = Annotated[Path, Field(strict=False)]
+
+
+def _full_dtype(value: Any) -> Any:
+    """``fp16``/``bf16``/``fp32`` (the names flashrun prints) -> the full name kept everywhere after."""
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+Dtype = Annotated[Literal["float16", "bfloat16", "float32"], BeforeValidator(_full_dtype)]
+HeadDim = Annotated[int, Field(ge=MIN_HEAD_DIM, le=MAX_HEAD_DIM)]
+
+
+
+def _power_of_two(value: int | None, name: str) -> int | None:
+    if value is not None and (value <= 0 or value & (value - 1)):
+        raise ValueError(f"expected a power of two for {name}")
+    return value
+
+
+def _as_list(value: Any) -> Any:
+    """Sweep keys accept a scalar or a list; a scalar is a one-element sweep."""
+    return value if isinstance(value, list) or value is None else [value]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ApiConfig(_Section):
+    base_url: str = "https://api.openai.com/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    # A literal key is accepted (with a warning) but never shown, dumped or logged.
+    api_key: str | None = Field(default=None, repr=False, exclude=True)
+    default_model: str = "gpt-4o-mini"
+    models: list[str] = []
+    timeout: PositiveFloat = 60.0
+    max_retries: NonNegativeInt = 3
+
+
+class RequestConfig(_Section):
+    timeout: PositiveFloat | None = None  # overrides api.timeout for chat requests
+    max_tokens: PositiveInt = 2048
+    temperature: Annotated[float, Field(ge=0, le=2)] = 0.7
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_dir: PathField = Path("logs")
+
+
+class ExperimentConfig(_Section):
+    name: str = "flashrun"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    dtype: Dtype = "float16"
+    batch_size: PositiveInt = 2
+    seq_len: PositiveInt = 128
+    seq_len_k: PositiveInt | None = None  # key/value length; defaults to seq_len
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt | None = None  # GQA/MQA; defaults to num_heads
+    head_dim: HeadDim = 64
+    causal: bool = False
+    seed: int = 0
+    kernel: list[str] = ["flash"]
+
+    _kernel_list = field_validator("kernel", mode="before")(_as_list)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ExperimentConfig:
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})")
+        return self
+
+
+class TritonConfig(_Section):
+    """Launch overrides for our kernels; unset means autotuned (GPU) or a fixed small config (CPU)."""
+
+    num_warps: PositiveInt | None = None
+    num_stages: PositiveInt | None = None
+    block_m: PositiveInt | None = None
+    block_n: PositiveInt | None = None
+
+    @field_validator("num_warps", "block_m", "block_n")
+    @classmethod
+    def _pow2(cls, value: int | None, info: Any) -> int | None:
+        return _power_of_two(value, info.field_name)
+
+    @field_validator("block_m", "block_n")
+    @classmethod
+    def _block_range(cls, value: int | None) -> int | None:
+        if value is not None and not 16 <= value <= 256:
+            raise ValueError("expected a power of two from 16 to 256")
+        return value
+
+
+class VerifyConfig(_Section):
+    """A sweep: any key given here replaces the [experiment] value with a list of values."""
+
+    batch_size: list[PositiveInt] | None = None
+    num_heads: list[PositiveInt] | None = None
+    num_kv_heads: list[PositiveInt] | None = None
+    seq_len: list[PositiveInt] | None = None
+    seq_len_k: list[PositiveInt] | None = None
+    head_dim: list[HeadDim] | None = None
+    dtype: list[Dtype] | None = None
+    causal: list[bool] | None = None
+    grad: bool = False
+    diagnose: bool = False
+    # Through the interpreter, a case expected to take longer than this many seconds is skipped
+    # up front (with the reason); 0 runs everything.
+    budget_s: Annotated[float, Field(ge=0)] = 120.0
+
+    _lists = field_validator(
+        "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",
+        mode="before",
+    )(_as_list)
+
+
+class CasesConfig(_Section):
+    max_seq_len: PositiveInt = 16384
+    count: PositiveInt = 12
+    prompt: str | None = None
+
+
+class BenchConfig(_Section):
+    providers: list[str] = ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "torch-naive"]
+    baseline: str = "sdpa"
+    mode: list[Literal["fwd", "bwd", "fwd_bwd"]] = ["fwd"]
+    dtype: list[Dtype] = ["float16"]
+    seq_len: list[PositiveInt] = [512, 1024, 2048, 4096, 8192, 16384]
+    seq_len_k: list[PositiveInt] | None = None  # decode-like shapes: seq_len queries against these key lengths
+    head_dim: list[HeadDim] = [64, 128]
+    causal: list[bool] = [False, True]
+    hidden: PositiveInt = 2048  # heads = hidden // head_dim (the FlashAttention benchmark convention)
+    tokens: PositiveInt = 32768  # batch = tokens // seq_len
+    num_kv_heads: PositiveInt | None = None
+    warmup_ms: PositiveInt = 25
+    rep_ms: PositiveInt = 100
+    out: PathField | None = None  # default <log_dir>/bench
+
+    _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", mode="before")(_as_list)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "api": ApiConfig,
+    "request": RequestConfig,
+    "logging": LoggingConfig,
+    "experiment": ExperimentConfig,
+    "triton": TritonConfig,
+    "verify": VerifyConfig,
+    "cases": CasesConfig,
+    "bench": BenchConfig,
+}
+
+
+class Config(_Section):
+    api: ApiConfig = ApiConfig()
+    request: RequestConfig = RequestConfig()
+    logging: LoggingConfig = LoggingConfig()
+    experiment: ExperimentConfig = ExperimentConfig()
+    triton: TritonConfig = TritonConfig()
+    verify: VerifyConfig = VerifyConfig()
+    cases: CasesConfig = CasesConfig()
+    bench: BenchConfig = BenchConfig()
+
+    # Where the values came from (for messages and run records) and warnings to show the user.
+    _files: list[str] = PrivateAttr(default_factory=list)
+    _key_source: str = PrivateAttr(default="default")
+    _warnings: list[str] = PrivateAttr(default_factory=list)
+    _set_keys: frozenset[str] = PrivateAttr(default_factory=frozenset)  # "section.key" given by any source
+
+    @property
+    def files(self) -> list[str]:
+        return list(self._files)
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self._warnings)
+
+    def is_set(self, key: str) -> bool:
+        """Whether ``"section.key"`` was given by a file or the command line (not a default)."""
+        return key in self._set_keys
+
+    def public_dict(self) -> dict[str, Any]:
+        """The resolved config as JSON-able data, without secrets (api.api_key is excluded)."""
+        return self.model_dump(mode="json")
+
+
