@@ -16,6 +16,7 @@ from flashrun.env import smoke
 from flashrun.errors import KernelError
 from flashrun.harness.reference import attention_ref
 from flashrun.harness.tolerance import compare
+from flashrun.harness.verify import POISON, _poisoned_allocations
 from flashrun.kernels import (
     LaunchConfig,
     attention_forward,
@@ -53,17 +54,24 @@ def _inputs(shape, dtype, seed=0, requires_grad=True):
     return [t.requires_grad_(requires_grad) for t in (q, k, v)] + [do]
 
 
-def _check_fwd_bwd(q, k, v, do, causal, sm_scale=None, launch=None):
-    out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch)
-    grads = torch.autograd.grad(out, (q, k, v), do)
+def _check_fwd_bwd(q, k, v, do, causal, sm_scale=None, launch=None, **variants):
+    """flash against the float64 reference, forward and backward; ``variants``: window, softcap,
+    alibi_slopes. Fresh allocations are poisoned, so an element never written cannot pass."""
+    with _poisoned_allocations():
+        out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, **variants)
+        grads = torch.autograd.grad(out, (q, k, v), do)
     ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_ref(*ref_in, causal=causal, sm_scale=sm_scale)
+    ref = attention_ref(*ref_in, causal=causal, sm_scale=sm_scale, **variants)
     ref_grads = torch.autograd.grad(ref, ref_in, do.double())
     low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    yard = attention_ref(*low_in, causal=causal, sm_scale=sm_scale, upcast=False)
+    yard = attention_ref(*low_in, causal=causal, sm_scale=sm_scale, upcast=False, **variants)
     yard_grads = torch.autograd.grad(yard, low_in, do)
-    for name, got, want, base in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), (yard, *yard_grads)):
-        result = compare(name, got, want, base)
+    _judge(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), (yard, *yard_grads))
+
+
+def _judge(names, got, want, yardsticks):
+    for name, out, ref, yard in zip(names, got, want, yardsticks):
+        result = compare(name, out, ref, yard, POISON)
         assert result.passed, result.reason()
 
 

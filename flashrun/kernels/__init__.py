@@ -24,11 +24,11 @@ from typing import Callable
 import torch
 
 from flashrun.errors import KernelError
-from flashrun.kernels.flash import attention_forward, flash_attention
+from flashrun.kernels.flash import alibi_slopes, attention_forward, flash_attention
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
 
-__all__ = ["Kernel", "LaunchConfig", "attention_forward", "flash_attention", "get", "minimal_attention"]
+__all__ = ["Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "flash_attention", "get", "minimal_attention"]
 
 BUILTIN = ("flash", "minimal")
 

@@ -20,12 +20,32 @@ Conventions (shared with ``flashrun.harness.reference``, which this module never
     dots (``input_precision="ieee"``, no TF32), so float32 is exact enough to check against, not fast.
   * Causal work is split into the key blocks every query of the tile sees (no mask) and the few
     diagonal/edge blocks that need one, so only those pay for masking.
+
+Variants (FlashAttention-2's arguments ``window``, ``softcap``, ``alibi_slopes``). Each is a
+constexpr of the kernels (``WINDOW``, ``SOFTCAP``, ``ALIBI``), so plain and causal attention
+compile as they did without them. With ``off = Nk - Nq``:
+  * scores  s_ij = q_i·k_j · sm_scale;  softcap c > 0:  s = c · tanh(s / c);
+    ALiBi:  s -= slope_h · |i + off - j|  (slopes (H,) or (B, H), float32);  then the mask;
+  * mask    key j is allowed for query i iff  i + off - left <= j <= i + off + right, for
+    ``window = (left, right)``; -1, or a side at least as wide as the keys, is unbounded;
+    ``causal`` is right = 0. A query with no allowed key outputs zeros (LSE = -inf);
+  * base 2  the tanh needs its argument in natural units, so with a softcap ``qk_scale`` is
+    sm_scale / c and log2 e is folded in after the tanh (``softcap2 = c · log2 e``); ALiBi slopes
+    are multiplied by log2 e once per program;
+  * backward  through s' = c · tanh(s / c):  dS = P ∘ (dP − delta) ∘ (1 − tanh²(s / c)), the tanh
+    recomputed from Q Kᵀ; the ALiBi bias is a constant (slopes get no gradient);
+  * skipping  a window bounds the keys each query tile sees on both sides: blocks outside are
+    never visited (loop bounds), blocks inside that every row of the tile sees whole run
+    unmasked, and only the blocks on the window's two edges pay for the mask. The backward
+    bounds its query loops (dK/dV) and key loops (dQ) the same way.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,7 +54,7 @@ from triton.tools.tensor_descriptor import (
     TensorDescriptor,  # host-side TMA descriptors (triton >= 3.4)
 )
 
-from flashrun.errors import KernelError
+from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.tuning import INTERPRETER, Launch, LaunchConfig, choose
 
 LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
@@ -42,6 +62,10 @@ LOG2E_C = tl.constexpr(LOG2E)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# An unbounded side of a window, as the kernels see it: wider than any key or query range, and
+# small enough that i + off ± UNBOUNDED stays inside int32.
+UNBOUNDED = 2**30
+UNBOUNDED_C = tl.constexpr(UNBOUNDED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,19 +83,115 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _key_range(start_m, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys for query rows [start_m, start_m + BLOCK_M): [0, lo) need no mask, [lo, hi) do."""
+def _key_range(start_m, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys for query rows [start_m, start_m + BLOCK_M) as block-aligned ranges: [lo, mid_lo) and
+    [mid_hi, hi) need a mask, [mid_lo, mid_hi) none; keys outside [lo, hi) are never visited."""
     full = (N_K // BLOCK_N) * BLOCK_N  # blocks entirely inside the sequence
-    if CAUSAL:
-        shift = N_K - N_Q  # bottom-right alignment: row i sees keys j <= i + shift
+    shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
+    if WINDOW:
+        # row i sees keys [i + shift - left, i + shift + right]; rows past N_Q widen nothing
+        end_m = tl.minimum(start_m + BLOCK_M, N_Q)
+        lo = (tl.maximum(start_m + shift - left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(tl.maximum(end_m + shift + right, 0), N_K), lo)
+        # whole blocks that every row sees: from the last row's first key to the first row's last
+        mid_lo = tl.cdiv(tl.maximum(end_m - 1 + shift - left, 0), BLOCK_N) * BLOCK_N
+        mid_hi = tl.minimum((tl.maximum(start_m + shift + right + 1, 0) // BLOCK_N) * BLOCK_N, full)
+        # clamped into [lo, hi]; where a clamp cuts a boundary off its block grid, every range
+        # after it is empty, so the loops still step over whole blocks
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    elif CAUSAL:
+        lo = 0
+        mid_lo = 0
         hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), N_K)
         # the tile's first row sees keys <= start_m + shift: whole blocks below that are unmasked
-        lo = tl.minimum((tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N, full)
-        lo = tl.minimum(lo, hi)
+        mid_hi = tl.minimum((tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N, full)
+        mid_hi = tl.minimum(mid_hi, hi)
     else:
-        lo = full
+        lo = 0
+        mid_lo = 0
+        mid_hi = full
         hi = N_K
-    return lo, hi
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Query rows that see keys [start_n, start_n + BLOCK_N), as :func:`_key_range` gives keys:
+    [lo, mid_lo) and [mid_hi, hi) need a mask, [mid_lo, mid_hi) none, other rows see no key here.
+    Keys of the block past N_K need no mask (their dK/dV are never stored), nor rows past N_Q
+    (they load as zeros)."""
+    shift = N_K - N_Q
+    if WINDOW:
+        # query i sees key j iff j - shift - right <= i <= j - shift + left
+        end_n = tl.minimum(start_n + BLOCK_N, N_K)
+        lo = (tl.maximum(start_n - shift - right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(tl.maximum(end_n - shift + left, 0), N_Q), lo)
+        # whole blocks of rows that see every key: from the row that sees the last key to the
+        # last row that sees the first (or to N_Q when every row up to the end does)
+        mid_lo = tl.cdiv(tl.maximum(end_n - 1 - shift - right, 0), BLOCK_M) * BLOCK_M
+        mid_hi = (tl.maximum(start_n - shift + left + 1, 0) // BLOCK_M) * BLOCK_M
+        mid_hi = tl.where(start_n - shift + left + 1 >= N_Q, N_Q, mid_hi)
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    elif CAUSAL:
+        # queries that see some key of this block start at start_n - shift; all of it, at
+        # start_n + BLOCK_N - 1 - shift
+        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+        mid_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
+        mid_lo = tl.maximum(tl.minimum(mid_lo, N_Q), lo)
+        mid_hi = N_Q
+        hi = N_Q
+    else:
+        lo = 0
+        mid_lo = 0
+        mid_hi = N_Q
+        hi = N_Q
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _in_window(rows, cols, shift, left, right, CAUSAL: tl.constexpr):
+    """Whether query ``rows`` may see key ``cols`` (broadcast against each other): query i faces
+    key i + shift (bottom-right alignment) and sees keys [i + shift - left, i + shift + right]."""
+    diag = rows + shift
+    if CAUSAL:
+        keep = cols <= diag
+    else:
+        keep = (cols >= diag - left) & (cols <= diag + right)
+    return keep
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2 (the interpreter has no libdevice; one code path for CPU and GPU): the odd
+    # Taylor series below 0.4, where (1 - e)/(1 + e) would lose digits to cancellation (both are
+    # within about 1e-7 relative there), that formula above
+    a = tl.abs(x)
+    e = tl.math.exp2(a * (-2.0 * LOG2E_C))  # exp(-2|x|) in (0, 1]: cannot overflow
+    far = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    near = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * (
+            -0.008863235529902197 + x2 * 0.003592128036572481)))))
+    return tl.where(a < 0.4, near, tl.where(x < 0.0, -far, far))
+
+
+@triton.jit
+def _scores(qk, rows, cols, shift, qk_scale, softcap2, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Base-2 scores s · log2 e from the dot products ``qk`` (``rows``/``cols`` broadcast to its
+    shape), and t = tanh(s / softcap) for the softcap backward (``qk`` when SOFTCAP is off: unused)."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
+        s = t * softcap2  # softcap · log2 e: base 2 only after the tanh
+    else:
+        t = qk
+        s = qk * qk_scale  # qk_scale = sm_scale · log2 e
+    if ALIBI:
+        s = s - slope2 * tl.abs(rows + shift - cols).to(tl.float32)  # slope2 = slope · log2 e
+    return s, t
 
 
 @triton.jit
@@ -103,9 +223,10 @@ def _load_rows(src, head_row, start, stride_row, stride_d, N, offs_d,
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
-                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     TMA: tl.constexpr, WS: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     # WS: let the compiler split the loop into producer (TMA) and consumer warps (Hopper+)
@@ -116,26 +237,41 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk
         qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         # -- update m_i and l_i --
         if MASKED:
+            qk, _ = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
             keep = cols[None, :] < N_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            if CAUSAL or WINDOW:
+                keep = keep & _in_window(offs_m[:, None], cols[None, :], N_K - N_Q, left, right, CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            # a row that has seen no key yet keeps m = -inf; use 0 so exp2 below stays finite
-            # (keys are a prefix for every row, so such a row never sees a key later either)
-            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            qk = qk - m_ij[:, None]
+            # a row that has seen no key yet keeps m = -inf (a window's row may see its first key
+            # in a later block); subtracting 0 instead keeps exp2 below at 0, not NaN
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        elif SOFTCAP or ALIBI:
+            qk, _ = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_ij
         else:
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_ij[:, None]
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_ij)  # rescales what was accumulated under the old max
+            qk = qk * qk_scale
+            m_sub = m_ij
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- update the output accumulator --
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, UPCAST, PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
+
+
+@triton.jit
+def _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI: tl.constexpr):
+    """This (batch, head)'s ALiBi slope times log2 e (slopes (H,) come with stride_az = 0)."""
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E_C
+    else:
+        slope2 = 0.0
+    return slope2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,15 +284,18 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_kz, stride_kh, stride_kn, stride_kk,
               stride_vz, stride_vh, stride_vn, stride_vk,
               stride_oz, stride_oh, stride_om, stride_ok,
-              H, N_Q, N_K, qk_scale,
+              H, N_Q, N_K,
+              qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
     pid_m = tl.program_id(0)
-    if CAUSAL:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
+    if CAUSAL or WINDOW:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     off_hz = tl.program_id(1)
@@ -182,16 +321,25 @@ def _attn_fwd(Q, K, V, O, LSE,
         k_src = K + off_z * stride_kz + off_hkv * stride_kh
         v_src = V + off_z * stride_vz + off_hkv * stride_vh
         kv_row = 0
+    slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
 
-    lo, hi = _key_range(start_m, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if WINDOW:  # stage 0: the window's left edge - masked
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk,
+                                        stride_vn, stride_vk, offs_m, offs_d, lo, mid_lo, N_Q, N_K,
+                                        qk_scale, softcap2, slope2, win_left, win_right,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                        UPCAST, PRECISION, TMA, False)
     # stage 1: key blocks every row of the tile sees in full - no mask
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, 0, lo, N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION, TMA, WS)
-    # stage 2: the causal diagonal and the ragged end of the sequence - masked
+                                    offs_m, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2,
+                                    win_left, win_right, BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW,
+                                    SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, WS)
+    # stage 2: the causal diagonal or the window's right edge, and the ragged end of the sequence - masked
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION, TMA, False)
+                                    offs_m, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2,
+                                    win_left, win_right, BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
+                                    SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, False)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf --
     seen = l_i > 0.0
@@ -208,14 +356,18 @@ def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
                     stride_qz, stride_qh, stride_qm, stride_qk,
                     stride_kz, stride_kh, stride_kn, stride_kk,
                     stride_vz, stride_vh, stride_vn, stride_vk,
-                    H, N_Q, N_K, qk_scale, KEYS_PER_SPLIT,
+                    H, N_Q, N_K, FIRST_KEY, KEYS_PER_SPLIT,
+                    qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Flash-decoding: when a few query rows face many keys, B*H programs cannot fill the GPU,
     so program (split, batch*head) attends the head's (<= BLOCK_M) queries to one key range
-    [split * KEYS_PER_SPLIT, ...) only. It writes that range's normalized output (float32) and
-    its log2-sum-exp2; :func:`_attn_fwd_combine` merges the splits."""
+    [FIRST_KEY + split * KEYS_PER_SPLIT, ...) only. It writes that range's normalized output
+    (float32) and its log2-sum-exp2; :func:`_attn_fwd_combine` merges the splits. Windows, the
+    softcap and ALiBi apply as in :func:`_attn_fwd`; a window's keys start at FIRST_KEY."""
+    tl.static_assert(not (CAUSAL and WINDOW))
     split = tl.program_id(0)
     off_hz = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
@@ -227,19 +379,30 @@ def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
                    BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
     k_src = K + off_z * stride_kz + off_hkv * stride_kh
     v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # the causal/edge split of the whole key range, clipped to this split's keys
-    lo, hi = _key_range(0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    k_lo = split * KEYS_PER_SPLIT  # a multiple of BLOCK_N, as lo is
+    # the masked/unmasked split of the whole key range, each part clipped to this split's keys
+    lo, mid_lo, mid_hi, hi = _key_range(0, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    k_lo = FIRST_KEY + split * KEYS_PER_SPLIT  # a multiple of BLOCK_N, as the ranges' bounds are
     k_hi = k_lo + KEYS_PER_SPLIT
+    if WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
+                                        offs_m, offs_d, tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), N_Q, N_K,
+                                        qk_scale, softcap2, slope2, win_left, win_right,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                        UPCAST, PRECISION, False, False)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, k_lo, tl.minimum(k_hi, lo), N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION, False, False)
+                                    offs_m, offs_d, tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), N_Q, N_K,
+                                    qk_scale, softcap2, slope2, win_left, win_right,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                    UPCAST, PRECISION, False, False)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, tl.maximum(k_lo, lo), tl.minimum(k_hi, hi), N_Q, N_K, qk_scale,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION, False, False)
+                                    offs_m, offs_d, tl.maximum(k_lo, mid_hi), tl.minimum(k_hi, hi), N_Q, N_K,
+                                    qk_scale, softcap2, slope2, win_left, win_right,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                    UPCAST, PRECISION, False, False)
     # rows that saw no key of this split: output 0, log-sum -inf (weight 0 in the combine)
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -305,9 +468,10 @@ def _attn_bwd_preprocess(O, DO, Delta,
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                          stride_qm, stride_qk, stride_dom, stride_dok,
-                         offs_n, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                         offs_n, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -322,12 +486,15 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         # a row that saw no key (LSE = -inf) has P = 0: make exp2 give 0, not inf
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         qkT = _dot(k, tl.trans(q), None, UPCAST, PRECISION)  # (BLOCK_N, BLOCK_M) = (Q Kᵀ)ᵀ
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED:  # causal diagonal: query i sees key j iff j <= i + Nk - Nq
-            pT = tl.where(offs_n[:, None] <= offs_m[None, :] + (N_K - N_Q), pT, 0.0)
+        sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+        pT = tl.math.exp2(sT - lse2[None, :])
+        if MASKED:  # the causal diagonal or a window's edges
+            pT = tl.where(_in_window(offs_m[None, :], offs_n[:, None], N_K - N_Q, left, right, CAUSAL), pT, 0.0)
         dv = _dot(pT.to(do.dtype), do, dv, UPCAST, PRECISION)  # dV += Pᵀ dO
         dpT = _dot(v, tl.trans(do), None, UPCAST, PRECISION)  # (dO Vᵀ)ᵀ
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 - tanh²
+            dsT = dsT * (1.0 - tT * tT)
         dk = _dot(dsT.to(q.dtype), q, dk, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
     return dk, dv
 
@@ -339,10 +506,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                    stride_vz, stride_vh, stride_vn, stride_vk,
                    stride_doz, stride_doh, stride_dom, stride_dok,
                    stride_dkz, stride_dkh, stride_dkn, stride_dkk,
-                   H, H_KV, N_Q, N_K, sm_scale, qk_scale,
+                   H, H_KV, N_Q, N_K, sm_scale,
+                   qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    tl.static_assert(not (CAUSAL and WINDOW))
     start_n = tl.program_id(0) * BLOCK_N
     off_zh = tl.program_id(1)
     off_z = (off_zh // H_KV).to(tl.int64)
@@ -358,16 +528,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
-        shift = N_K - N_Q
-        # queries that see some key of this block start at start_n - shift; all of it, at
-        # start_n + BLOCK_N - 1 - shift
-        q_lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
-        q_full = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
-        q_mid = tl.minimum(q_full, N_Q)
-    else:
-        q_lo = 0
-        q_mid = 0
+    lo, mid_lo, mid_hi, hi = _query_range(start_n, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # GQA: dK/dV of a shared k/v head sum over its query heads - here, in order, without atomics
     for g in range(GROUP):
         off_h = off_hkv * GROUP + g
@@ -376,14 +537,24 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
         do_base = DO + off_z * stride_doz + off_h * stride_doh
         lse_base = LSE + off_hz * N_Q
         delta_base = Delta + off_hz * N_Q
+        slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
+        if CAUSAL or WINDOW:  # the causal diagonal or the window's first edge - masked
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                          stride_qm, stride_qk, stride_dom, stride_dok,
+                                          offs_n, offs_d, lo, mid_lo, N_Q, N_K, qk_scale, softcap2, slope2,
+                                          win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
+                                          SOFTCAP, ALIBI, UPCAST, PRECISION)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                       stride_qm, stride_qk, stride_dom, stride_dok,
-                                      offs_n, offs_d, q_lo, q_mid, N_Q, N_K, qk_scale,
-                                      BLOCK_M, HEAD_DIM, BLOCK_D, True, UPCAST, PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                      stride_qm, stride_qk, stride_dom, stride_dok,
-                                      offs_n, offs_d, tl.maximum(q_mid, q_lo), N_Q, N_Q, N_K, qk_scale,
-                                      BLOCK_M, HEAD_DIM, BLOCK_D, False, UPCAST, PRECISION)
+                                      offs_n, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2,
+                                      win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW,
+                                      SOFTCAP, ALIBI, UPCAST, PRECISION)
+        if WINDOW:  # the window's other edge - masked
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                          stride_qm, stride_qk, stride_dom, stride_dok,
+                                          offs_n, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2,
+                                          win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
+                                          SOFTCAP, ALIBI, UPCAST, PRECISION)
     dk *= sm_scale
     out = off_z * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)
@@ -392,9 +563,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                       offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
+                       offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                       MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -405,14 +577,17 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk, mask=kv_ok, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk, mask=kv_ok, other=0.0)
         qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        s, t = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+        p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             keep = cols[None, :] < N_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            if CAUSAL or WINDOW:
+                keep = keep & _in_window(offs_m[:, None], cols[None, :], N_K - N_Q, left, right, CAUSAL)
             p = tl.where(keep, p, 0.0)
         dp = _dot(do, tl.trans(v), None, UPCAST, PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 - tanh²
+            ds = ds * (1.0 - t * t)
         dq = _dot(ds.to(k.dtype), k, dq, UPCAST, PRECISION)  # dQ += dS K (scaled at the end)
     return dq
 
@@ -424,12 +599,15 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  stride_vz, stride_vh, stride_vn, stride_vk,
                  stride_doz, stride_doh, stride_dom, stride_dok,
                  stride_dqz, stride_dqh, stride_dqm, stride_dqk,
-                 H, N_Q, N_K, sm_scale, qk_scale,
+                 H, N_Q, N_K, sm_scale,
+                 qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    tl.static_assert(not (CAUSAL and WINDOW))
     pid_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query tiles first, as in the forward
+    if CAUSAL or WINDOW:  # heaviest query tiles first, as in the forward
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     off_hz = tl.program_id(1)
@@ -448,15 +626,20 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)  # no key seen -> P = 0
     k_base = K + off_z * stride_kz + off_hkv * stride_kh
     v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, hi = _key_range(start_m, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if WINDOW:  # the window's left edge - masked
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
+                                offs_m, offs_d, lo, mid_lo, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
+                                BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                            offs_m, offs_d, 0, lo, N_Q, N_K, qk_scale,
-                            BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, UPCAST, PRECISION)
+                            offs_m, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
+                            BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                            offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale,
-                            BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, UPCAST, PRECISION)
+                            offs_m, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
+                            BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
     dq *= sm_scale
     tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              dq.to(DQ.dtype.element_ty), mask=ok)
@@ -553,19 +736,25 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _decode_splits(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
-    """(number of key splits, keys per split) for flash-decoding; (1, N_K) means no split."""
+def _decode_splits(q: torch.Tensor, k: torch.Tensor, keys: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(number of key splits, keys per split, first key) for flash-decoding; one split means none.
+
+    ``keys``: the range [first, end) that the queries can see at all (a window narrows it);
+    the splits share it out, starting at ``first`` rounded down to a key block."""
     z, h, n_q, _ = q.shape
     n_k = k.shape[2]
     block_n = _decode_config().block_n
+    first, end = keys if keys is not None else (0, n_k)
+    first = first // block_n * block_n
+    span = end - first
     min_keys = 4 * block_n
     programs = z * h
     sms = _multiprocessors(q.device)
-    if n_q > DECODE_MAX_QUERIES or programs >= sms or n_k < 2 * min_keys:
-        return 1, n_k
-    splits = min(triton.cdiv(2 * sms, programs), n_k // min_keys)  # about two waves of programs
-    keys_per_split = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n  # whole key blocks
-    return triton.cdiv(n_k, keys_per_split), keys_per_split
+    if n_q > DECODE_MAX_QUERIES or programs >= sms or span < 2 * min_keys:
+        return 1, n_k, 0
+    splits = min(triton.cdiv(2 * sms, programs), span // min_keys)  # about two waves of programs
+    keys_per_split = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n  # whole key blocks
+    return triton.cdiv(span, keys_per_split), keys_per_split, first
 
 
 def dot_options(dtype: torch.dtype) -> dict:
@@ -576,22 +765,133 @@ def dot_options(dtype: torch.dtype) -> dict:
     }
 
 
-def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float,
+# -- variants: checked arguments, in the kernels' terms --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one call asks beyond plain attention, as the kernels take it (built by ``_variant``).
+
+    The mask is exactly one of plain, ``causal`` (the CAUSAL path: keys up to the diagonal) or
+    ``window`` (WINDOW: ``(left, right)``, an unbounded side given as UNBOUNDED)."""
+
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0  # > 0: SOFTCAP
+    alibi_slopes: torch.Tensor | None = None  # float32 (H,) or (B, H): ALIBI
+
+    def kernel_args(self, sm_scale: float) -> dict:
+        """The runtime arguments and constexprs every kernel here takes for the variants."""
+        slopes = self.alibi_slopes
+        left, right = self.window if self.window is not None else (0, 0)  # read only under WINDOW
+        return {
+            # with a softcap the tanh needs natural units: log2 e comes in after it, via softcap2
+            "qk_scale": sm_scale / self.softcap if self.softcap else sm_scale * LOG2E,
+            "softcap2": self.softcap * LOG2E,
+            "ALIBI_SLOPES": slopes,
+            "stride_az": slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,  # (H,): one row for all
+            "stride_ah": slopes.stride(-1) if slopes is not None else 0,
+            "win_left": left,
+            "win_right": right,
+            "CAUSAL": self.causal,
+            "WINDOW": self.window is not None,
+            "SOFTCAP": self.softcap > 0,
+            "ALIBI": slopes is not None,
+        }
+
+    def key_span(self, n_q: int, n_k: int) -> tuple[int, int]:
+        """Keys [first, n_k) that some of queries 0..n_q-1 may see (the last query faces the last
+        key, so only a window's left side narrows it)."""
+        if self.window is None:
+            return 0, n_k
+        return max(n_k - n_q - self.window[0], 0), n_k  # query 0 faces key n_k - n_q
+
+
+def _window_arg(window) -> tuple[int, int]:
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ArgumentError(f"window must be a pair of ints >= -1, (left, right), got {window!r}",
+                            hint="-1 leaves a side unbounded: (-1, -1) is full attention, (W, 0) a causal "
+                                 "sliding window of W keys before the diagonal")
+    return int(window[0]), int(window[1])
+
+
+def _softcap_arg(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise ArgumentError(f"softcap must be a finite number >= 0, got {softcap!r}",
+                            hint="0 turns it off; Gemma-2 caps attention logits at 50.0")
+    return float(softcap)
+
+
+def _alibi_arg(slopes, q: torch.Tensor, batch: int) -> torch.Tensor | None:
+    heads = q.shape[1]  # (B, H, N, D) and packed (total, H, D) alike
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise ArgumentError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}",
+                            hint="flashrun.kernels.alibi_slopes(num_heads) gives the standard ones")
+    if slopes.dtype != torch.float32:
+        raise ArgumentError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.device != q.device:
+        raise ArgumentError(f"alibi_slopes is on {slopes.device}, q on {q.device}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ArgumentError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (heads, or batch x "
+                            f"heads), got {tuple(slopes.shape)}")
+    return slopes
+
+
+def _variant(q: torch.Tensor, batch: int, n_k: int, causal, window, softcap, alibi_slopes) -> Variant:
+    """Check FlashAttention-2's arguments and fold them into one mask: ``causal`` is right = 0,
+    and a side that is -1 or at least ``n_k`` keys wide is unbounded (n_k: the longest key sequence)."""
+    left, right = _window_arg(window)
+    if causal:
+        right = 0
+    left = -1 if left >= n_k else left
+    right = -1 if right >= n_k else right
+    if left < 0 and right < 0:
+        mask = {}
+    elif left < 0 and right == 0:
+        mask = {"causal": True}
+    else:
+        mask = {"window": (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)}
+    return Variant(**mask, softcap=_softcap_arg(softcap), alibi_slopes=_alibi_arg(alibi_slopes, q, batch))
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al.), float32 (num_heads,): for n a power of two,
+    2^(-8h/n) for h = 1..n; otherwise those of the largest power of two p < n, then every other
+    slope of 2p heads' for the remaining n - p heads."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads < 1:
+        raise ArgumentError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def powers_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    p = 1 << (int(num_heads).bit_length() - 1)  # largest power of two <= num_heads
+    slopes = powers_of_two(p) + powers_of_two(2 * p)[0::2][: num_heads - p]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+# -- launchers ----------------------------------------------------------------------------------
+
+
+def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
                   launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor]:
     Z, H, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     o = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
+    var = variant.kernel_args(sm_scale)
 
-    splits, keys_per_split = _decode_splits(q, k)
+    splits, keys_per_split, first_key = _decode_splits(q, k, variant.key_span(N_Q, N_K))
     if splits > 1:  # flash-decoding: a fixed config, no tuning (bandwidth-bound; see _attn_fwd_split)
         cfg = _decode_config()
         o_part = torch.empty((Z * H, N_Q, splits, _block_d(D)), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((Z * H, N_Q, splits), dtype=torch.float32, device=q.device)
         _attn_fwd_split[(splits, Z * H)](q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
-                                         H, N_Q, N_K, sm_scale * LOG2E, keys_per_split,
+                                         H, N_Q, N_K, first_key, keys_per_split, **var,
                                          GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
-                                         BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n, CAUSAL=causal,
+                                         BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n,
                                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
         _attn_fwd_combine[(N_Q, Z * H)](o_part, lse_part, o, lse, *o.stride(), H, N_Q, splits,
                                         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_S=triton.next_power_of_2(splits))
@@ -603,17 +903,17 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         srcs = (_rows_descriptor(q, cfg.block_m), _rows_descriptor(k, cfg.block_n),
                 _rows_descriptor(v, cfg.block_n)) if tma else (q, k, v)
         _attn_fwd[grid](*srcs, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                        H, N_Q, N_K, sm_scale * LOG2E,
+                        H, N_Q, N_K, **var,
                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TMA=tma, WS=tma and bool(cfg.ws),
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
 
-    run(choose("fwd", q, k, causal, launch, run))
+    run(choose("fwd", q, k, variant.causal, launch, run))
     return o, lse
 
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, sm_scale: float,
+                   lse: torch.Tensor, sm_scale: float, variant: Variant,
                    launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     Z, H, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
@@ -622,7 +922,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dk = torch.empty((Z, H_KV, N_K, D), dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
     delta = torch.empty_like(lse)
-    common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **dot_options(q.dtype))
+    common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **variant.kernel_args(sm_scale), **dot_options(q.dtype))
 
     pre_m = 64 if N_Q >= 64 else 16
     _attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), Z * H)](
@@ -631,35 +931,33 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     def run_dkdv(cfg: LaunchConfig) -> None:
         _attn_bwd_dkdv[(triton.cdiv(N_K, cfg.block_n), Z * H_KV)](
             q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-            H, H_KV, N_Q, N_K, sm_scale, sm_scale * LOG2E, GROUP=group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     def run_dq(cfg: LaunchConfig) -> None:
         _attn_bwd_dq[(triton.cdiv(N_Q, cfg.block_m), Z * H)](
             q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-            H, N_Q, N_K, sm_scale, sm_scale * LOG2E, GROUP=group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            H, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
-    run_dkdv(choose("bwd_dkdv", q, k, causal, launch, run_dkdv))
-    run_dq(choose("bwd_dq", q, k, causal, launch, run_dq))
+    run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv))
+    run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq))
     return dq, dk, dv
 
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, launch):
-        o, lse = _attn_forward(q, k, v, causal, sm_scale, launch)
+    def forward(ctx, q, k, v, sm_scale, variant, launch):
+        o, lse = _attn_forward(q, k, v, sm_scale, variant, launch)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale, ctx.launch = causal, sm_scale, launch
+        ctx.sm_scale, ctx.variant, ctx.launch = sm_scale, variant, launch
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale, ctx.launch)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch)
+        return dq, dk, dv, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
 
 
 def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
@@ -667,15 +965,24 @@ def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                      sm_scale: float | None = None, launch: Launch = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      sm_scale: float | None = None, launch: Launch = None, *,
+                      window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                      alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only, no autograd: returns ``(o, lse)``, lse in natural log, float32, (B, H, Nq)."""
     check_inputs(q, k, v)
-    return _attn_forward(q, k, v, bool(causal), _scale(q, sm_scale), launch)
+    variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
+    return _attn_forward(q, k, v, _scale(q, sm_scale), variant, launch)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    sm_scale: float | None = None, launch: Launch = None) -> torch.Tensor:
-    """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D)."""
+                    sm_scale: float | None = None, launch: Launch = None, *,
+                    window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D).
+
+    FlashAttention-2's variants (see the module docstring): ``window=(left, right)`` (-1
+    unbounded), ``softcap`` (> 0 caps the scores at ±softcap through a tanh), ``alibi_slopes``
+    (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient)."""
     check_inputs(q, k, v)
-    return FlashAttention.apply(q, k, v, bool(causal), _scale(q, sm_scale), launch)
+    variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
