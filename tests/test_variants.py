@@ -1,4 +1,4 @@
-"""FlashAttention-2's variants (window, softcap, ALiBi) against the float64 reference.
+"""FlashAttention-2's variants (window, softcap, ALiBi, packed sequences) against the float64 reference.
 
 Every comparison goes through test_kernels' judge (flashrun.harness.tolerance, poisoned
 outputs). Shapes stay small: the interpreter runs every program in numpy.
@@ -10,11 +10,20 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels import TMA, _check_fwd_bwd, _inputs
+from test_kernels import TMA, _check_fwd_bwd, _inputs, _judge
 
 from flashrun.errors import KernelError
-from flashrun.harness.reference import allowed, attention_ref
-from flashrun.kernels import LaunchConfig, alibi_slopes, attention_forward, flash, flash_attention
+from flashrun.harness.reference import allowed, attention_ref, attention_ref_varlen
+from flashrun.harness.verify import _poisoned_allocations
+from flashrun.kernels import (
+    LaunchConfig,
+    alibi_slopes,
+    attention_forward,
+    attention_forward_varlen,
+    flash,
+    flash_attention,
+    flash_attention_varlen,
+)
 from flashrun.kernels.flash import _key_range, _query_range, _tanh
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -149,6 +158,84 @@ def test_equivalent_masks_are_bitwise_equal(causal, window, same_as):
     assert torch.equal(flash_attention(q, k, v, causal=causal, window=window), flash_attention(q, k, v, **same_as))
 
 
+# -- packed sequences (varlen) -------------------------------------------------------------------
+def _packed(lengths_q, lengths_k, h, h_kv, d, dtype, seed=0):
+    """q (total_q, H, D), k, v (total_k, H_kv, D), dO, and int32 cu_seqlens for those lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), h, d, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(sum(lengths_k), h_kv, d, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(sum(lengths_k), h_kv, d, generator=gen).to(dtype).requires_grad_()
+    do = torch.randn(sum(lengths_q), h, d, generator=gen).to(dtype)
+    return q, k, v, do, cu_q, cu_k
+
+
+def _check_varlen(q, k, v, do, cu_q, cu_k, causal=False, **variants):
+    """As _check_fwd_bwd, for packed sequences: every output and gradient row must be written."""
+    with _poisoned_allocations():
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, **variants)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_ref_varlen(*ref_in, cu_q, cu_k, causal, **variants)
+    ref_grads = torch.autograd.grad(ref, ref_in, do.double())
+    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    yard = attention_ref_varlen(*low_in, cu_q, cu_k, causal, upcast=False, **variants)
+    yard_grads = torch.autograd.grad(yard, low_in, do)
+    _judge(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), (yard, *yard_grads))
+
+
+# (id, query lengths, key lengths, H, H_kv, D, dtype, causal, variants). [0, 1, 17, 5] / [3, 0, 17, 9]:
+# a sequence with no queries (its keys' dK/dV must still be written: zeros), one with no keys
+# (its output is zeros), Nq < Nk and Nq > Nk in one batch.
+VARLEN_CASES = [
+    ("plain", [0, 1, 17, 5], [3, 0, 17, 9], 2, 2, 16, FP32, False, {}),
+    ("causal-gqa", [0, 1, 17, 5], [3, 0, 17, 9], 4, 2, 40, FP16, True, {}),
+    ("causal-window-gqa-alibi", [40, 1, 70, 5], [33, 7, 50, 90], 4, 2, 64, BF16, True,
+     {"window": (20, -1), "alibi_slopes": "H"}),
+    ("window-softcap-alibi-mqa", [40, 1, 70, 5], [33, 7, 50, 90], 4, 1, 80, FP16, False,
+     {"window": (8, 2), "softcap": 5.0, "alibi_slopes": "BH"}),
+    # right = 5 is unbounded in the first sequence only (4 keys): each sequence decides on its own
+    ("window-wider-than-one-sequence", [30, 5, 20], [4, 40, 60], 2, 2, 16, FP32, False, {"window": (2, 5)}),
+]
+
+
+@pytest.mark.parametrize("name,lengths_q,lengths_k,h,h_kv,d,dtype,causal,variants", VARLEN_CASES,
+                         ids=[c[0] for c in VARLEN_CASES])
+def test_varlen_matches_reference(name, lengths_q, lengths_k, h, h_kv, d, dtype, causal, variants):
+    q, k, v, do, cu_q, cu_k = _packed(lengths_q, lengths_k, h, h_kv, d, dtype)
+    if isinstance(variants.get("alibi_slopes"), str):
+        variants = {**variants, "alibi_slopes": _slopes(variants["alibi_slopes"], len(lengths_q), h)}
+    _check_varlen(q, k, v, do, cu_q, cu_k, causal, **variants)
+
+
+def test_varlen_rows_with_no_key_and_empty_batches():
+    # sequence 0: 3 queries, no keys; sequence 1: no queries, 4 keys; sequence 2: window (0, 0)
+    # with 6 queries for 2 keys, so its first 4 rows see nothing
+    q, k, v, _, cu_q, cu_k = _packed([3, 0, 6], [0, 4, 2], 2, 1, 16, FP32)
+    o, lse = attention_forward_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, window=(0, 0))
+    assert lse.shape == (2, 9)
+    blind = [0, 1, 2, 3, 4, 5, 6]  # packed rows that see no key
+    assert torch.equal(o[blind], torch.zeros_like(o[blind]))
+    assert (lse[:, blind] == float("-inf")).all() and torch.isfinite(lse[:, 7:]).all()
+    # no query at all, or no key at all: the right shapes, and zeros written (poisoned allocations)
+    for lengths_q, lengths_k in (([0, 0], [3, 2]), ([2, 3], [0, 0])):
+        q, k, v, do, cu_q, cu_k = _packed(lengths_q, lengths_k, 2, 2, 16, FP16)
+        with _poisoned_allocations():
+            out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+        for got, like in zip((out, *grads), (q, q, k, v)):
+            assert got.shape == like.shape and not got.any()
+
+
+def test_varlen_matches_dense_attention():
+    # one sequence packed is the dense call, bit for bit (same kernels, same order of work)
+    q, k, v, _ = _inputs((1, 4, 2, 70, 90, 40), FP16, requires_grad=False)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (N, H, D) views
+    cu_q, cu_k = torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0, 90], dtype=torch.int32)
+    kwargs = {"window": (9, 3), "softcap": 5.0, "alibi_slopes": alibi_slopes(4)}
+    assert torch.equal(flash_attention_varlen(*packed, cu_q, cu_k, **kwargs), flash_attention(q, k, v, **kwargs)[0].transpose(0, 1))
+
+
 # -- the loop bounds: every allowed key visited, unmasked blocks fully allowed, nothing wasted ---
 @triton.jit
 def _ranges_kernel(OUT, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -273,6 +360,42 @@ def test_bad_arguments(kwargs, match):
         with pytest.raises(ValueError, match=match) as info:
             fn(q, k, v, **kwargs)
         assert isinstance(info.value, KernelError)
+
+
+def _cu(*offsets, dtype=torch.int32):
+    return torch.tensor(offsets, dtype=dtype)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((_cu(0, 2, 5, dtype=torch.int64), _cu(0, 3, 6)), {}, "cu_seqlens_q must be int32"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6).float()), {}, "cu_seqlens_k must be int32"),
+    ((_cu(0, 2, 5)[None], _cu(0, 3, 6)), {}, "cu_seqlens_q must be 1-D"),
+    ((_cu(5), _cu(6)), {}, "cu_seqlens_q must be 1-D"),
+    ((_cu(1, 2, 5), _cu(0, 3, 6)), {}, "cu_seqlens_q must start at 0"),
+    ((_cu(0, 3, 2, 5), _cu(0, 3, 3, 6)), {}, "cu_seqlens_q must be non-decreasing"),
+    ((_cu(0, 2, 4), _cu(0, 3, 6)), {}, "cu_seqlens_q must end at q's number of rows, 5"),
+    ((_cu(0, 2, 5), _cu(0, 3, 7)), {}, "cu_seqlens_k must end at k's number of rows, 6"),
+    ((_cu(0, 2, 5), _cu(0, 6)), {}, "as many sequences"),
+    (([0, 2, 5], _cu(0, 3, 6)), {}, "cu_seqlens_q must be a torch.Tensor"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6).to("meta")), {}, "cu_seqlens_k is on meta"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6)), {"max_seqlen_q": 2}, "max_seqlen_q .* longest sequence \\(3\\)"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6)), {"max_seqlen_k": 2.5}, "max_seqlen_k"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6)), {"alibi_slopes": torch.ones(3, 2)}, "alibi_slopes .* \\(2, 2\\)"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6)), {"window": (0, -3)}, "window"),
+    ((_cu(0, 2, 5), _cu(0, 3, 6)), {"softcap": -0.5}, "softcap"),
+], ids=lambda x: None if isinstance(x, (tuple, dict)) else x)
+def test_varlen_bad_arguments(args, kwargs, match):
+    q, k, v, _, _, _ = _packed([2, 3], [3, 3], 2, 1, 16, FP16)
+    for fn in (flash_attention_varlen, attention_forward_varlen):
+        with pytest.raises(ValueError, match=match) as info:
+            fn(q, k, v, *args, **kwargs)
+        assert isinstance(info.value, KernelError)
+
+
+def test_varlen_wants_packed_tensors():
+    q, k, v, _ = _inputs((1, 2, 1, 5, 6, 16), FP16, requires_grad=False)
+    with pytest.raises(KernelError, match=r"3 dims \(total, heads, head_dim\)"):
+        flash_attention_varlen(q, k, v, _cu(0, 5), _cu(0, 6))
 
 
 def test_alibi_slopes_rejects_bad_head_counts():

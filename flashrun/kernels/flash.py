@@ -38,6 +38,13 @@ compile as they did without them. With ``off = Nk - Nq``:
     never visited (loop bounds), blocks inside that every row of the tile sees whole run
     unmasked, and only the blocks on the window's two edges pay for the mask. The backward
     bounds its query loops (dK/dV) and key loops (dQ) the same way.
+Packed sequences (``flash_attention_varlen``, constexpr ``VARLEN``): q (total_q, H, D) and k, v
+(total_k, H_kv, D) hold B sequences back to back, sequence b in rows cu_seqlens[b] ..
+cu_seqlens[b+1] (int32). The grid spans the longest sequence; a program reads its sequence's
+bounds, addresses it as a batch entry whose "batch stride" is the row stride (so ``off`` and the
+window are per sequence), and returns at once when its tile lies past that sequence's end.
+LSE is (H, total_q). Flash-decoding and TMA loads are bypassed for packed sequences (the split
+plan would differ per sequence; a head's packed rows are not one block of rows).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -265,6 +272,26 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk
 
 
 @triton.jit
+def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right, VARLEN: tl.constexpr, WINDOW: tl.constexpr):
+    """Where sequence ``off_z`` is: (off_zq, off_zk, N_Q, N_K, right). Tensors are addressed as
+    ``off_zq * stride_qz`` (and k's likewise): dense ones by batch index, packed ones (VARLEN)
+    by their first row, the launcher passing a row's stride as the batch stride."""
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_z)
+        k_start = tl.load(CU_SEQLENS_K + off_z)
+        N_Q = tl.load(CU_SEQLENS_Q + off_z + 1) - q_start
+        N_K = tl.load(CU_SEQLENS_K + off_z + 1) - k_start
+        off_zq = q_start.to(tl.int64)
+        off_zk = k_start.to(tl.int64)
+        if WINDOW:  # a right side as wide as this sequence's keys is unbounded (dense: the launcher did it)
+            win_right = tl.where(N_K <= win_right, UNBOUNDED_C, win_right)
+    else:
+        off_zq = off_z
+        off_zk = off_z
+    return off_zq, off_zk, N_Q, N_K, win_right
+
+
+@triton.jit
 def _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI: tl.constexpr):
     """This (batch, head)'s ALiBi slope times log2 e (slopes (H,) come with stride_az = 0)."""
     if ALIBI:
@@ -284,16 +311,20 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_kz, stride_kh, stride_kn, stride_kk,
               stride_vz, stride_vh, stride_vn, stride_vk,
               stride_oz, stride_oh, stride_om, stride_ok,
+              stride_lz, stride_lh,
               H, N_Q, N_K,
-              qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+              qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right, CU_SEQLENS_Q, CU_SEQLENS_K,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
-    """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows."""
+    """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows.
+    VARLEN: sequence z is rows [CU_SEQLENS_Q[z], CU_SEQLENS_Q[z + 1]) of the packed tensors, and
+    N_Q/N_K (the grid's) are the longest lengths; each program reads its sequence's own."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
+    tl.static_assert(not (TMA and VARLEN))  # a packed head's rows are not one block of rows
     pid_m = tl.program_id(0)
     if CAUSAL or WINDOW:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -302,6 +333,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     off_z = (off_hz // H).to(tl.int64)  # int64: batch offsets can pass 2**31 elements
     off_h = off_hz % H
     off_hkv = off_h // GROUP  # GQA: GROUP query heads share one k/v head
+    off_zq, off_zk, N_Q, N_K, win_right = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right,
+                                                    VARLEN, WINDOW)
+    if VARLEN:
+        if start_m >= N_Q:  # a tile past this (shorter) sequence's end
+            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -316,10 +352,10 @@ def _attn_fwd(Q, K, V, O, LSE,
         v_src = V
         kv_row = ((off_hz // H) * (H // GROUP) + off_hkv) * N_K
     else:
-        q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
+        q_ptrs = Q + off_zq * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
         q = tl.load(q_ptrs, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        k_src = K + off_z * stride_kz + off_hkv * stride_kh
-        v_src = V + off_z * stride_vz + off_hkv * stride_vh
+        k_src = K + off_zk * stride_kz + off_hkv * stride_kh
+        v_src = V + off_zk * stride_vz + off_hkv * stride_vh
         kv_row = 0
     slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
 
@@ -346,8 +382,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E_C, float("-inf"))
     row_ok = offs_m < N_Q
-    tl.store(LSE + off_hz.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
-    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok
+    tl.store(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, lse, mask=row_ok)
+    o_ptrs = O + off_zq * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
@@ -358,16 +394,19 @@ def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
                     stride_vz, stride_vh, stride_vn, stride_vk,
                     H, N_Q, N_K, FIRST_KEY, KEYS_PER_SPLIT,
                     qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+                    CU_SEQLENS_Q, CU_SEQLENS_K,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Flash-decoding: when a few query rows face many keys, B*H programs cannot fill the GPU,
     so program (split, batch*head) attends the head's (<= BLOCK_M) queries to one key range
     [FIRST_KEY + split * KEYS_PER_SPLIT, ...) only. It writes that range's normalized output
     (float32) and its log2-sum-exp2; :func:`_attn_fwd_combine` merges the splits. Windows, the
-    softcap and ALiBi apply as in :func:`_attn_fwd`; a window's keys start at FIRST_KEY."""
+    softcap and ALiBi apply as in :func:`_attn_fwd`; a window's keys start at FIRST_KEY. Packed
+    sequences (VARLEN) do not come here: each has its own length, the launcher one split plan."""
     tl.static_assert(not (CAUSAL and WINDOW))
+    tl.static_assert(not VARLEN)
     split = tl.program_id(0)
     off_hz = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
@@ -506,24 +545,33 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                    stride_vz, stride_vh, stride_vn, stride_vk,
                    stride_doz, stride_doh, stride_dom, stride_dok,
                    stride_dkz, stride_dkh, stride_dkn, stride_dkk,
+                   stride_lz, stride_lh,
                    H, H_KV, N_Q, N_K, sm_scale,
                    qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+                   CU_SEQLENS_Q, CU_SEQLENS_K,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV for one block of keys of one k/v head. LSE and Delta: (batch, heads, Nq) or, packed,
+    (heads, total_q), addressed through stride_lz/stride_lh like the tensors (see _sequence)."""
     tl.static_assert(not (CAUSAL and WINDOW))
     start_n = tl.program_id(0) * BLOCK_N
     off_zh = tl.program_id(1)
     off_z = (off_zh // H_KV).to(tl.int64)
     off_hkv = off_zh % H_KV
+    off_zq, off_zk, N_Q, N_K, win_right = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right,
+                                                    VARLEN, WINDOW)
+    if VARLEN:
+        if start_n >= N_K:  # a block past this sequence's keys
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
     # k and v stay on chip while every query block that sees them streams past
-    k = tl.load(K + off_z * stride_kz + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kk,
+    k = tl.load(K + off_zk * stride_kz + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kk,
                 mask=kv_ok, other=0.0)
-    v = tl.load(V + off_z * stride_vz + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk,
+    v = tl.load(V + off_zk * stride_vz + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk,
                 mask=kv_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -532,11 +580,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     # GQA: dK/dV of a shared k/v head sum over its query heads - here, in order, without atomics
     for g in range(GROUP):
         off_h = off_hkv * GROUP + g
-        off_hz = off_z * H + off_h
-        q_base = Q + off_z * stride_qz + off_h * stride_qh
-        do_base = DO + off_z * stride_doz + off_h * stride_doh
-        lse_base = LSE + off_hz * N_Q
-        delta_base = Delta + off_hz * N_Q
+        q_base = Q + off_zq * stride_qz + off_h * stride_qh
+        do_base = DO + off_zq * stride_doz + off_h * stride_doh
+        lse_base = LSE + off_zq * stride_lz + off_h * stride_lh
+        delta_base = Delta + off_zq * stride_lz + off_h * stride_lh  # Delta is laid out as LSE
         slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
         if CAUSAL or WINDOW:  # the causal diagonal or the window's first edge - masked
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
@@ -556,7 +603,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                                           win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
                                           SOFTCAP, ALIBI, UPCAST, PRECISION)
     dk *= sm_scale
-    out = off_z * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
+    out = off_zk * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)  # DV shares DK's (contiguous) strides
 
@@ -599,11 +646,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  stride_vz, stride_vh, stride_vn, stride_vk,
                  stride_doz, stride_doh, stride_dom, stride_dok,
                  stride_dqz, stride_dqh, stride_dqm, stride_dqk,
+                 stride_lz, stride_lh,
                  H, N_Q, N_K, sm_scale,
                  qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+                 CU_SEQLENS_Q, CU_SEQLENS_K,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     tl.static_assert(not (CAUSAL and WINDOW))
     pid_m = tl.program_id(0)
@@ -614,18 +663,23 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     off_z = (off_hz // H).to(tl.int64)
     off_h = off_hz % H
     off_hkv = off_h // GROUP
+    off_zq, off_zk, N_Q, N_K, win_right = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right,
+                                                    VARLEN, WINDOW)
+    if VARLEN:
+        if start_m >= N_Q:
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
+    q = tl.load(Q + off_zq * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
                 mask=ok, other=0.0)
-    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+    do = tl.load(DO + off_zq * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dok, mask=ok, other=0.0)
-    lse = tl.load(LSE + off_hz.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
-    delta = tl.load(Delta + off_hz.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    lse = tl.load(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=offs_m < N_Q, other=0.0)
+    delta = tl.load(Delta + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=offs_m < N_Q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)  # no key seen -> P = 0
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    k_base = K + off_zk * stride_kz + off_hkv * stride_kh
+    v_base = V + off_zk * stride_vz + off_hkv * stride_vh
     slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -641,7 +695,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                             offs_m, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
                             BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
     dq *= sm_scale
-    tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
+    tl.store(DQ + off_zq * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              dq.to(DQ.dtype.element_ty), mask=ok)
 
 
@@ -649,13 +703,17 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
 # Python launchers
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Preconditions shared by every kernel here, with messages that say what to change."""
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
+    """Preconditions shared by every kernel here, with messages that say what to change.
+
+    ``packed``: varlen's (total, heads, head_dim) layout (sequences along the rows; the
+    cu_seqlens are checked apart) instead of (batch, heads, seq, head_dim)."""
+    dims, layout = (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seq, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise KernelError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise KernelError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.dim() != dims:
+            raise KernelError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise KernelError(f"dtype {q.dtype} is not supported", hint="use float16, bfloat16 or float32")
     if not (q.dtype == k.dtype == v.dtype):
@@ -664,18 +722,18 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise KernelError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
         raise KernelError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
+    if not packed and q.shape[0] != k.shape[0]:
         raise KernelError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise KernelError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise KernelError(f"head_dim differs: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise KernelError(
             f"q's {q.shape[1]} heads are not a multiple of k/v's {k.shape[1]} heads",
             hint="GQA/MQA needs num_heads % num_kv_heads == 0",
         )
-    if not MIN_HEAD_DIM <= q.shape[3] <= MAX_HEAD_DIM:
-        raise KernelError(f"head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[3]}")
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0 or q.shape[1] == 0:
+    if not MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise KernelError(f"head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if q.shape[1] == 0 or (not packed and (q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0)):
         raise KernelError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.device.type == "cpu" and not INTERPRETED:
         raise KernelError(
@@ -773,12 +831,21 @@ class Variant:
     """What one call asks beyond plain attention, as the kernels take it (built by ``_variant``).
 
     The mask is exactly one of plain, ``causal`` (the CAUSAL path: keys up to the diagonal) or
-    ``window`` (WINDOW: ``(left, right)``, an unbounded side given as UNBOUNDED)."""
+    ``window`` (WINDOW: ``(left, right)``, an unbounded side given as UNBOUNDED). Packed
+    sequences (VARLEN) carry their int32 offsets and longest lengths (the grid's extent)."""
 
     causal: bool = False
     window: tuple[int, int] | None = None
     softcap: float = 0.0  # > 0: SOFTCAP
     alibi_slopes: torch.Tensor | None = None  # float32 (H,) or (B, H): ALIBI
+    cu_seqlens_q: torch.Tensor | None = None  # VARLEN: (B + 1,) int32
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
 
     def kernel_args(self, sm_scale: float) -> dict:
         """The runtime arguments and constexprs every kernel here takes for the variants."""
@@ -793,10 +860,13 @@ class Variant:
             "stride_ah": slopes.stride(-1) if slopes is not None else 0,
             "win_left": left,
             "win_right": right,
+            "CU_SEQLENS_Q": self.cu_seqlens_q,
+            "CU_SEQLENS_K": self.cu_seqlens_k,
             "CAUSAL": self.causal,
             "WINDOW": self.window is not None,
             "SOFTCAP": self.softcap > 0,
             "ALIBI": slopes is not None,
+            "VARLEN": self.varlen,
         }
 
     def key_span(self, n_q: int, n_k: int) -> tuple[int, int]:
@@ -805,6 +875,11 @@ class Variant:
         if self.window is None:
             return 0, n_k
         return max(n_k - n_q - self.window[0], 0), n_k  # query 0 faces key n_k - n_q
+
+    def with_sequences(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                       max_seqlen_q: int, max_seqlen_k: int) -> Variant:
+        return replace(self, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def _window_arg(window) -> tuple[int, int]:
@@ -838,6 +913,36 @@ def _alibi_arg(slopes, q: torch.Tensor, batch: int) -> torch.Tensor | None:
         raise ArgumentError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (heads, or batch x "
                             f"heads), got {tuple(slopes.shape)}")
     return slopes
+
+
+def _cu_seqlens_arg(cu, name: str, rows: int, tensor: str, device: torch.device) -> list[int]:
+    """Check one cu_seqlens; returns its offsets (the check reads them on the host, one sync)."""
+    if not isinstance(cu, torch.Tensor):
+        raise ArgumentError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ArgumentError(f"{name} must be int32, got {cu.dtype}", hint=f"pass {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ArgumentError(f"{name} must be 1-D, (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ArgumentError(f"{name} is on {cu.device}, q on {device}")
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ArgumentError(f"{name} must start at 0, got {offsets[0]}")
+    for b in range(len(offsets) - 1):
+        if offsets[b + 1] < offsets[b]:
+            raise ArgumentError(f"{name} must be non-decreasing: entry {b + 1} ({offsets[b + 1]}) < entry {b} "
+                                f"({offsets[b]})")
+    if offsets[-1] != rows:
+        raise ArgumentError(f"{name} must end at {tensor}'s number of rows, {rows}, got {offsets[-1]}")
+    return offsets
+
+
+def _max_seqlen_arg(max_seqlen, name: str, longest: int) -> int:
+    if max_seqlen is None:
+        return longest
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
+        raise ArgumentError(f"{name} must be None or an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+    return int(max_seqlen)
 
 
 def _variant(q: torch.Tensor, batch: int, n_k: int, causal, window, softcap, alibi_slopes) -> Variant:
@@ -875,16 +980,39 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> to
 # -- launchers ----------------------------------------------------------------------------------
 
 
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """(batch, head, row, dim) strides as the kernels address ``t``. A packed (total, heads, dim)
+    tensor's "batch" stride is its row stride: sequence z starts at row cu_seqlens[z] (_sequence)."""
+    return tuple(t.stride()) if t.dim() == 4 else (t.stride(0), t.stride(1), t.stride(0), t.stride(2))
+
+
+def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
+    """LSE and Delta, (batch, heads, Nq) or packed (heads, total_q), as (batch, head) strides."""
+    return (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (lse.stride(1), lse.stride(0))
+
+
+def _dims(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> tuple[int, int, int, int, int, int]:
+    """(Z, H, H_KV, N_Q, N_K, D); packed sequences give the longest lengths, the grid's extent."""
+    if variant.varlen:
+        return (variant.cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], variant.max_seqlen_q,
+                variant.max_seqlen_k, q.shape[2])
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+
 def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
                   launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor]:
-    Z, H, N_Q, D = q.shape
-    H_KV, N_K = k.shape[1], k.shape[2]
-    o = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
+    """``(o, lse)``: lse (B, H, Nq), or (H, total_q) for packed sequences, natural log, float32."""
+    Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
     var = variant.kernel_args(sm_scale)
+    if N_Q == 0:  # packed sequences that are all empty
+        return o, lse
 
-    splits, keys_per_split, first_key = _decode_splits(q, k, variant.key_span(N_Q, N_K))
-    if splits > 1:  # flash-decoding: a fixed config, no tuning (bandwidth-bound; see _attn_fwd_split)
+    # flash-decoding: a fixed config, no tuning (bandwidth-bound; see _attn_fwd_split); packed
+    # sequences bypass it - the split plan would differ per sequence
+    splits, keys_per_split, first_key = (1, N_K, 0) if variant.varlen else _decode_splits(q, k, variant.key_span(N_Q, N_K))
+    if splits > 1:
         cfg = _decode_config()
         o_part = torch.empty((Z * H, N_Q, splits, _block_d(D)), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((Z * H, N_Q, splits), dtype=torch.float32, device=q.device)
@@ -899,10 +1027,10 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
     def run(cfg: LaunchConfig) -> None:
         grid = (triton.cdiv(N_Q, cfg.block_m), Z * H)
-        tma = bool(cfg.tma) and _tma_ok(q, k, v)
+        tma = bool(cfg.tma) and not variant.varlen and _tma_ok(q, k, v)  # packed: pointers only
         srcs = (_rows_descriptor(q, cfg.block_m), _rows_descriptor(k, cfg.block_n),
                 _rows_descriptor(v, cfg.block_n)) if tma else (q, k, v)
-        _attn_fwd[grid](*srcs, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        _attn_fwd[grid](*srcs, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_lse_strides(lse),
                         H, N_Q, N_K, **var,
                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws),
@@ -915,33 +1043,39 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, sm_scale: float, variant: Variant,
                    launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    Z, H, N_Q, D = q.shape
-    H_KV, N_K = k.shape[1], k.shape[2]
+    Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     group = H // H_KV
-    dq = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((Z, H_KV, N_K, D), dtype=k.dtype, device=k.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
     delta = torch.empty_like(lse)
     common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **variant.kernel_args(sm_scale), **dot_options(q.dtype))
 
-    pre_m = 64 if N_Q >= 64 else 16
-    _attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), Z * H)](
-        o, do, delta, *o.stride(), *do.stride(), H, N_Q, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
+    # delta = rowsum(dO * O), laid out as LSE; packed rows are one (1, H, total_q) batch to it
+    rows = q.shape[0] if variant.varlen else N_Q
+    o_strides, do_strides = ((_strides(o), _strides(do)) if not variant.varlen else
+                             ((0, *_strides(o)[1:]), (0, *_strides(do)[1:])))
+    pre_m = 64 if rows >= 64 else 16
+    if rows:
+        _attn_bwd_preprocess[(triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H)](
+            o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
 
     def run_dkdv(cfg: LaunchConfig) -> None:
         _attn_bwd_dkdv[(triton.cdiv(N_K, cfg.block_n), Z * H_KV)](
-            q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-            H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+            *_strides(dk), *_lse_strides(lse), H, H_KV, N_Q, N_K, sm_scale, GROUP=group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     def run_dq(cfg: LaunchConfig) -> None:
         _attn_bwd_dq[(triton.cdiv(N_Q, cfg.block_m), Z * H)](
-            q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-            H, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+            *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, sm_scale, GROUP=group,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
-    run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv))
-    run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq))
+    if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
+        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv))
+    if N_Q:
+        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq))
     return dq, dk, dv
 
 
@@ -985,4 +1119,50 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient)."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
+
+
+def _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
+                    alibi_slopes) -> Variant:
+    check_inputs(q, k, v, packed=True)
+    starts_q = _cu_seqlens_arg(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", q.device)
+    starts_k = _cu_seqlens_arg(cu_seqlens_k, "cu_seqlens_k", k.shape[0], "k", q.device)
+    if len(starts_q) != len(starts_k):
+        raise ArgumentError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
+                            f"{len(starts_q) - 1} and {len(starts_k) - 1}")
+    longest_q = max(b - a for a, b in zip(starts_q, starts_q[1:]))
+    longest_k = max(b - a for a, b in zip(starts_k, starts_k[1:]))
+    max_seqlen_q = _max_seqlen_arg(max_seqlen_q, "max_seqlen_q", longest_q)
+    max_seqlen_k = _max_seqlen_arg(max_seqlen_k, "max_seqlen_k", longest_k)
+    # a window side as wide as the longest keys is unbounded everywhere; narrower ones are
+    # decided per sequence in the kernels
+    variant = _variant(q, len(starts_q) - 1, longest_k, causal, window, softcap, alibi_slopes)
+    return variant.with_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
+                             max_seqlen_k: int | None = None, causal: bool = False,
+                             sm_scale: float | None = None, *, window: tuple[int, int] = (-1, -1),
+                             softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                             launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only, packed sequences: ``(o, lse)``, lse (H, total_q) in natural log, float32."""
+    variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                              softcap, alibi_slopes)
+    return _attn_forward(q, k, v, _scale(q, sm_scale), variant, launch)
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
+                           max_seqlen_k: int | None = None, causal: bool = False,
+                           sm_scale: float | None = None, *, window: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                           launch: Launch = None) -> torch.Tensor:
+    """Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k, v (total_k, H_kv, D);
+    sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, (B + 1,), a length may be 0) and
+    attends on its own (bottom-right alignment per sequence). Returns (total_q, H, D),
+    differentiable. ``max_seqlen_*``: the longest lengths if known (else read from cu_seqlens,
+    which are checked on the host either way); ``alibi_slopes``: (H,) or (B, H)."""
+    variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                              softcap, alibi_slopes)
     return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
