@@ -324,6 +324,27 @@ def test_tanh_is_accurate():
     assert ((y.double() - want).abs() <= 2e-7 * want.abs().clamp(min=1e-30) + 1e-38).all()
 
 
+# -- tuning: variants are tuned apart from plain calls of the same shape -------------------------
+def test_tuning_keys_tell_variants_apart(monkeypatch, tmp_path):
+    from flashrun.kernels import tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETED", False)  # tune as on a GPU, with a fake clock
+    monkeypatch.setattr(tuning, "_cache_path", lambda: tmp_path / "tune.json")
+    monkeypatch.setattr(tuning, "_memory", {})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: 1.0)
+    q, k, v, _ = _inputs((1, 4, 2, 70, 90, 64), FP16, requires_grad=False)
+    plain = flash._variant(q, 1, 90, False, (-1, -1), 0.0, None)
+    window = flash._variant(q, 1, 90, True, (8, -1), 5.0, alibi_slopes(4))
+    packed = window.with_sequences(torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0, 90], dtype=torch.int32),
+                                   70, 90)
+    packed_q, packed_k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (N, H, D): the shapes choose() sees
+    for variant, (tq, tk) in ((plain, (q, k)), (window, (q, k)), (packed, (packed_q, packed_k))):
+        tuning.choose("fwd", tq, tk, variant.causal, None, lambda cfg: None, **variant.tuning(70, 90))
+    assert sorted(tuning._memory) == ["fwd|float16|d64|full|g2|nq128|nk128",
+                                      "fwd|float16|d64|full|g2|nq128|nk128|window+softcap+alibi",
+                                      "fwd|float16|d64|full|g2|nq128|nk128|window+softcap+alibi+varlen"]
+
+
 # -- ALiBi slopes (Press et al.; features.md §5) -------------------------------------------------
 def test_alibi_slopes_power_of_two():
     assert alibi_slopes(8).tolist() == [2.0 ** -h for h in range(1, 9)]  # 2^(-8h/8)

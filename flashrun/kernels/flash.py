@@ -847,6 +847,12 @@ class Variant:
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
 
+    def tuning(self, n_q: int, n_k: int) -> dict:
+        """How :func:`choose` tells these calls apart from plain ones of the same shape."""
+        flags = (("window", self.window is not None), ("softcap", self.softcap > 0),
+                 ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen))
+        return {"variants": "+".join(name for name, on in flags if on), "lengths": (n_q, n_k)}
+
     def kernel_args(self, sm_scale: float) -> dict:
         """The runtime arguments and constexprs every kernel here takes for the variants."""
         slopes = self.alibi_slopes
@@ -1036,7 +1042,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
 
-    run(choose("fwd", q, k, variant.causal, launch, run))
+    run(choose("fwd", q, k, variant.causal, launch, run, **variant.tuning(N_Q, N_K)))
     return o, lse
 
 
@@ -1073,9 +1079,9 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
-        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv))
+        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **variant.tuning(N_Q, N_K)))
     if N_Q:
-        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq))
+        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **variant.tuning(N_Q, N_K)))
     return dq, dk, dv
 
 

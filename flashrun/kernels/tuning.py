@@ -1,7 +1,7 @@
 """Launch configurations for the attention kernels: pinned, fixed (interpreter) or autotuned.
 
-On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket)
-times a small pruned set of configs on the real inputs and keeps the fastest; the choice is
+On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket,
+variants) times a small pruned set of configs on the real inputs and keeps the fastest; the choice is
 cached in memory and on disk per (GPU, triton version, kernel source) so the next process
 starts fast. ``[triton]`` in the config pins a config instead (unset fields fall back to the
 fixed default for that kernel). In Triton's interpreter a small fixed config is used.
@@ -130,11 +130,15 @@ def _save(path: Path) -> None:
 
 
 def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
-           launch: Launch, run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+           launch: Launch, run: Callable[[LaunchConfig], None], *, variants: str = "",
+           lengths: tuple[int, int] | None = None) -> LaunchConfig:
     """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first.
 
     ``launch``: None tunes; ``"default"`` takes the default; a LaunchConfig pins every kernel
-    (unset fields from the default); a dict pins kernels by name.
+    (unset fields from the default); a dict pins kernels by name. ``variants`` (e.g.
+    ``"window+softcap"``) tunes those calls apart: a window leaves each tile a few key blocks, a
+    softcap or ALiBi adds work per score, so another config may win. ``lengths``: (Nq, Nk) for
+    packed sequences (the longest), whose q/k shapes are (total, heads, head_dim).
     """
     head_dim = q.shape[-1]
     if launch == "default":  # no tuning: each kernel's default config (what verify checks)
@@ -145,9 +149,10 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
         return launch.filled(default(kind, head_dim, q.dtype))
     if INTERPRETED:
         return INTERPRETER
+    n_q, n_k = lengths if lengths is not None else (q.shape[2], k.shape[2])
     key = "|".join(str(part) for part in (
         kind, str(q.dtype).removeprefix("torch."), f"d{head_dim}", "causal" if causal else "full",
-        f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(q.shape[2])}", f"nk{_bucket(k.shape[2])}"))
+        f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(n_q)}", f"nk{_bucket(n_k)}", *([variants] if variants else [])))
     path = _cache_path()
     _load(path)
     if key in _memory:
