@@ -141,17 +141,17 @@ def test_keys_no_query_sees_get_zero_gradients():
     # window (0, 0), Nq = 8 < Nk = 40: query i sees key i + 32 only; keys 0..31 get dK = dV = 0
     q, k, v, do = _inputs((1, 2, 1, 8, 40, 16), FP16)
     out = flash_attention(q, k, v, window=(0, 0))
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    _, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     assert not dk[:, :, :32].any() and not dv[:, :, :32].any()
     assert dv[:, :, 32:].abs().sum() > 0
 
 
 # -- normalization: the same mask said another way runs the same kernel --------------------------
 @pytest.mark.parametrize("causal,window,same_as", [
-    (False, (17, 17), dict(causal=False)),  # both sides as wide as the keys: unbounded
-    (False, (-1, 0), dict(causal=True)),
-    (True, (40, 3), dict(causal=False, window=(40, 0))),  # causal is right = 0
-    (True, (100, -1), dict(causal=True)),
+    (False, (17, 17), {"causal": False}),  # both sides as wide as the keys: unbounded
+    (False, (-1, 0), {"causal": True}),
+    (True, (40, 3), {"causal": False, "window": (40, 0)}),  # causal is right = 0
+    (True, (100, -1), {"causal": True}),
 ], ids=["wider-than-keys", "right0-is-causal", "causal-clips-right", "causal-wide-left"])
 def test_equivalent_masks_are_bitwise_equal(causal, window, same_as):
     q, k, v, _ = _inputs((1, 2, 1, 17, 17, 16), FP16, requires_grad=False)
@@ -332,7 +332,7 @@ def test_tuning_keys_tell_variants_apart(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "_cache_path", lambda: tmp_path / "tune.json")
     monkeypatch.setattr(tuning, "_memory", {})
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: 1.0)
-    q, k, v, _ = _inputs((1, 4, 2, 70, 90, 64), FP16, requires_grad=False)
+    q, k, _, _ = _inputs((1, 4, 2, 70, 90, 64), FP16, requires_grad=False)
     plain = flash._variant(q, 1, 90, False, (-1, -1), 0.0, None)
     window = flash._variant(q, 1, 90, True, (8, -1), 5.0, alibi_slopes(4))
     packed = window.with_sequences(torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0, 90], dtype=torch.int32),

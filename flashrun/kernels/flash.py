@@ -49,6 +49,7 @@ plan would differ per sequence; a head's packed rows are not one block of rows).
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
@@ -335,7 +336,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     off_hkv = off_h // GROUP  # GQA: GROUP query heads share one k/v head
     off_zq, off_zk, N_Q, N_K, win_right = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right,
                                                     VARLEN, WINDOW)
-    if VARLEN:
+    if VARLEN:  # (a constexpr: dense kernels compile no check)
         if start_m >= N_Q:  # a tile past this (shorter) sequence's end
             return
 
@@ -1136,8 +1137,8 @@ def _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if len(starts_q) != len(starts_k):
         raise ArgumentError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
                             f"{len(starts_q) - 1} and {len(starts_k) - 1}")
-    longest_q = max(b - a for a, b in zip(starts_q, starts_q[1:]))
-    longest_k = max(b - a for a, b in zip(starts_k, starts_k[1:]))
+    longest_q = max(b - a for a, b in itertools.pairwise(starts_q))
+    longest_k = max(b - a for a, b in itertools.pairwise(starts_k))
     max_seqlen_q = _max_seqlen_arg(max_seqlen_q, "max_seqlen_q", longest_q)
     max_seqlen_k = _max_seqlen_arg(max_seqlen_k, "max_seqlen_k", longest_k)
     # a window side as wide as the longest keys is unbounded everywhere; narrower ones are
