@@ -4,6 +4,8 @@ Every comparison goes through test_kernels' judge (flashrun.harness.tolerance, p
 outputs). Shapes stay small: the interpreter runs every program in numpy.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -234,6 +236,15 @@ def test_varlen_matches_dense_attention():
     cu_q, cu_k = torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0, 90], dtype=torch.int32)
     kwargs = {"window": (9, 3), "softcap": 5.0, "alibi_slopes": alibi_slopes(4)}
     assert torch.equal(flash_attention_varlen(*packed, cu_q, cu_k, **kwargs), flash_attention(q, k, v, **kwargs)[0].transpose(0, 1))
+
+
+# -- the GPU path compiles (the interpreter never compiles) ---------------------------------------
+def test_kernels_compile_for_hopper(python):
+    result = python(str(Path(__file__).parent / "compile_for_gpu.py"))
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "packed sequences" in result.stdout and "compiled for" in result.stdout
 
 
 # -- the loop bounds: every allowed key visited, unmasked blocks fully allowed, nothing wasted ---
