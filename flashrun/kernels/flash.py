@@ -37,7 +37,10 @@ compile as they did without them. With ``off = Nk - Nq``:
   * skipping  a window bounds the keys each query tile sees on both sides: blocks outside are
     never visited (loop bounds), blocks inside that every row of the tile sees whole run
     unmasked, and only the blocks on the window's two edges pay for the mask. The backward
-    bounds its query loops (dK/dV) and key loops (dQ) the same way.
+    bounds its query loops (dK/dV) and key loops (dQ) the same way;
+  * paths   TMA loads support every variant as they are (masks and scores do not depend on how
+    a tile was loaded); flash-decoding too, its splits sharing out only the keys a window
+    leaves visible.
 Packed sequences (``flash_attention_varlen``, constexpr ``VARLEN``): q (total_q, H, D) and k, v
 (total_k, H_kv, D) hold B sequences back to back, sequence b in rows cu_seqlens[b] ..
 cu_seqlens[b+1] (int32). The grid spans the longest sequence; a program reads its sequence's
