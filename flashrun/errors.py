@@ -30,6 +30,11 @@ class KernelError(FlashrunError):
     """A kernel cannot be loaded or refuses its inputs (unsupported shape, dtype, signature)."""
 
 
+class ArgumentError(KernelError, ValueError):
+    """A kernel argument has a bad value (a window, softcap, ALiBi slopes, cu_seqlens): a
+    ``ValueError`` for Python callers, a ``KernelError`` for the CLI."""
+
+
 class DeviceError(FlashrunError):
     """The requested device cannot be used (no GPU, Triton already imported in another mode)."""
 

@@ -1,4 +1,5 @@
-"""The GPU correctness suite: big shapes, bf16, GQA 8:1, every launch config the tuner may pick.
+"""The GPU correctness suite: big shapes, bf16, GQA 8:1, every launch config the tuner may pick,
+and the variants (window, softcap, ALiBi, packed sequences) at those sizes.
 
 Skipped without a CUDA device. On a GPU machine run it with the interpreter off (compiling
 dominates its time, so spread it over processes; they share Triton's kernel cache):
@@ -14,10 +15,16 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU with TRITON_INTERPRET unset", allow_module_level=True)
 
-from flashrun.harness.inputs import Inputs, make_inputs  # noqa: E402
+from flashrun.harness.check import POISON, _poisoned_allocations  # noqa: E402
+from flashrun.harness.inputs import Inputs  # noqa: E402
 from flashrun.harness.judge import Reference  # noqa: E402
-from flashrun.harness.shapes import Shape  # noqa: E402
-from flashrun.kernels import LaunchConfig, flash_attention  # noqa: E402
+from flashrun.kernels import (  # noqa: E402
+    LaunchConfig,
+    alibi_slopes,
+    flash,
+    flash_attention,
+    flash_attention_varlen,
+)
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -48,17 +55,27 @@ CASES = [
 ]
 
 
-def _inputs(z, h, h_kv, n_q, n_k, d, dtype, seed=0):
-    shape = Shape(z, h, h_kv, n_q, n_k, d, str(dtype).removeprefix("torch."), False)
-    drawn = make_inputs(shape, seed, "cuda", requires_grad=True)[0]
-    return drawn.q, drawn.k, drawn.v, drawn.dout
+def _inputs(z, h, h_kv, n_q, n_k, d, dtype, seed=0, q_scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(z, h, n_q, d, device="cuda", generator=gen) * q_scale).to(dtype).requires_grad_()
+    k = torch.randn(z, h_kv, n_k, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(z, h_kv, n_k, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    do = torch.randn(z, h, n_q, d, device="cuda", generator=gen).to(dtype)
+    return q, k, v, do
 
 
-def _check(q, k, v, do, causal, launch=None):
-    out = flash_attention(q, k, v, causal=causal, launch=launch)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    reference = Reference(Inputs(q, k, v, do), causal=causal, grads=True)  # float32 on the GPU
-    failures = [c.reason() for c in reference.judge(out, grads) if not c.passed]
+def _check(q, k, v, do, causal, launch=None, **variants):
+    """flash against the reference (float32 on the GPU), forward and backward; ``variants``:
+    window, softcap, alibi_slopes. Fresh allocations are poisoned, so an element never written
+    cannot pass."""
+    with _poisoned_allocations():
+        out = flash_attention(q, k, v, causal=causal, launch=launch, **variants)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=True, **variants), out, grads)
+
+
+def _judge(reference, out, grads):
+    failures = [c.reason() for c in reference.judge(out, grads, POISON) if not c.passed]
     torch.cuda.empty_cache()
     assert not failures, "; ".join(failures)
 
@@ -118,3 +135,111 @@ def test_float32_configs():
 def test_pinned_partial_override_from_config():
     # [triton] num_warps/num_stages only: block sizes come from the default
     _check(*_inputs(1, 4, 4, 1000, 1000, 64, FP16), True, launch=LaunchConfig(num_warps=4, num_stages=2))
+
+
+# -- variants ------------------------------------------------------------------------------------
+def _slopes(kind, z, h):
+    """ALiBi slopes: the standard (H,) ones, or random (B, H) as flash-attention's tests use."""
+    if kind == "H":
+        return alibi_slopes(h, device="cuda")
+    return torch.rand(z, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) * 0.3
+
+
+# (id, (Z, H, H_kv, N_q, N_k, D), dtype, causal, variants, q scale): sliding windows of 256 and
+# 1024 over 4096 (most key blocks skipped), softcaps reached by scaling q, ALiBi (H,) and (B, H),
+# GQA 8:1, Nq != Nk both ways (rows that see no key), head dims 64..256, the flash-decoding path.
+VARIANT_CASES = [
+    ("sliding1024-causal-gqa8", (2, 8, 1, 4096, 4096, 128), BF16, True, {"window": (1024, -1)}, 1),
+    ("window256x256", (2, 8, 8, 4096, 4096, 64), FP16, False, {"window": (256, 256)}, 1),
+    ("sliding256-softcap-alibi-gqa8", (1, 8, 1, 4096, 4096, 128), BF16, False,
+     {"window": (256, 0), "softcap": 30.0, "alibi_slopes": "H"}, 30),
+    ("window-alibiBH-nq<nk", (2, 8, 2, 2048, 4096, 128), BF16, False,
+     {"window": (512, 128), "alibi_slopes": "BH"}, 1),
+    ("window-softcap-nq>nk", (1, 8, 2, 4096, 1024, 64), FP16, False, {"window": (256, 0), "softcap": 20.0}, 20),
+    ("softcap50-d256", (1, 4, 4, 4096, 4096, 256), BF16, True, {"softcap": 50.0}, 50),
+    ("alibi-causal-d64", (2, 8, 8, 4096, 4096, 64), FP16, True, {"alibi_slopes": "H"}, 1),
+    ("all-odd-d80", (1, 4, 4, 777, 777, 80), FP16, False,
+     {"window": (100, 100), "softcap": 10.0, "alibi_slopes": "BH"}, 10),
+    ("all-d96-gqa", (1, 8, 2, 1000, 1037, 96), BF16, True,
+     {"window": (333, -1), "softcap": 10.0, "alibi_slopes": "BH"}, 10),
+    ("fp32", (1, 2, 2, 513, 513, 64), FP32, True, {"window": (64, 0), "softcap": 5.0, "alibi_slopes": "H"}, 3),
+]
+
+
+def _variant_inputs(shape, dtype, variants, q_scale):
+    q, k, v, do = _inputs(*shape, dtype, q_scale=q_scale)
+    if isinstance(variants.get("alibi_slopes"), str):
+        variants = {**variants, "alibi_slopes": _slopes(variants["alibi_slopes"], shape[0], shape[1])}
+    return q, k, v, do, variants
+
+
+@pytest.mark.parametrize("name,shape,dtype,causal,variants,q_scale", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_variants_on_gpu(name, shape, dtype, causal, variants, q_scale):
+    q, k, v, do, variants = _variant_inputs(shape, dtype, variants, q_scale)
+    _check(q, k, v, do, causal, launch=_defaults(shape[-1], dtype), **variants)
+
+
+@pytest.mark.parametrize("variants", [{"window": (4096, 0), "alibi_slopes": "H"}, {"softcap": 30.0}],
+                         ids=["sliding4096-alibi", "softcap"])
+def test_flash_decoding_with_variants_on_gpu(variants):
+    # one query per head against 16384 keys: the split path, only over the keys a window leaves
+    q, k, v, do, variants = _variant_inputs((2, 8, 8, 1, 16384, 128), BF16, variants, 30)
+    mask = flash._variant(q, 2, 16384, True, variants.get("window", (-1, -1)), 0.0, None)
+    assert flash._decode_splits(q, k, mask.key_span(1, 16384))[0] > 1
+    _check(q, k, v, do, True, **variants)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_autotuned_path_with_variants(causal):
+    q, k, v, do, variants = _variant_inputs((2, 8, 2, 2048, 2048, 64), BF16,
+                                            {"window": (256, 64), "softcap": 30.0, "alibi_slopes": "BH"}, 30)
+    _check(q, k, v, do, causal, **variants)
+
+
+# Every config the tuner may pick, with every variant at once (ragged lengths, GQA, bf16).
+@pytest.mark.parametrize("kind,head_dim,cfg", [c for c in _space() if c[1] in (64, 128)], ids=lambda x: str(x))
+def test_every_tunable_config_with_variants(kind, head_dim, cfg):
+    q, k, v, do, variants = _variant_inputs((2, 4, 2, 1000, 1037, head_dim), BF16,
+                                            {"window": (300, 17), "softcap": 30.0, "alibi_slopes": "BH"}, 30)
+    try:
+        _check(q, k, v, do, False, launch={**_defaults(head_dim, BF16), kind: cfg}, **variants)
+    except Exception as exc:  # a config that cannot launch on this GPU is skipped by the tuner too
+        if "out of resource" in str(exc).lower() or "OutOfResources" in type(exc).__name__:
+            pytest.skip(f"{cfg} does not fit this GPU: {exc}")
+        raise
+
+
+# -- packed sequences ----------------------------------------------------------------------------
+def _packed(lengths_q, lengths_k, h, h_kv, d, dtype, q_scale=1.0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in (lengths_q, lengths_k))
+    q = (torch.randn(sum(lengths_q), h, d, device="cuda", generator=gen) * q_scale).to(dtype).requires_grad_()
+    k = torch.randn(sum(lengths_k), h_kv, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(sum(lengths_k), h_kv, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    do = torch.randn(sum(lengths_q), h, d, device="cuda", generator=gen).to(dtype)
+    return q, k, v, do, cu_q, cu_k
+
+
+# Mixed lengths: empty sequences on either side, 1, block-ragged ones, 4096, Nq != Nk.
+LENGTHS_Q = [0, 1, 1000, 4096, 333, 2048, 17, 3000]
+LENGTHS_K = [5, 4096, 1000, 4096, 0, 2048, 17, 1000]
+VARLEN_CASES = [
+    ("causal-gqa8", 8, 1, 128, BF16, True, {}, 1),
+    ("sliding256-causal-gqa8", 8, 1, 128, BF16, True, {"window": (256, -1)}, 1),
+    ("window1024-softcap-alibiBH-gqa8", 8, 1, 64, BF16, False,
+     {"window": (1024, 1024), "softcap": 30.0, "alibi_slopes": "BH"}, 30),
+    ("plain-fp16-d80", 4, 2, 80, FP16, False, {"alibi_slopes": "H"}, 1),
+]
+
+
+@pytest.mark.parametrize("name,h,h_kv,d,dtype,causal,variants,q_scale", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_varlen_on_gpu(name, h, h_kv, d, dtype, causal, variants, q_scale):
+    q, k, v, do, cu_q, cu_k = _packed(LENGTHS_Q, LENGTHS_K, h, h_kv, d, dtype, q_scale)
+    if isinstance(variants.get("alibi_slopes"), str):
+        variants = {**variants, "alibi_slopes": _slopes(variants["alibi_slopes"], len(LENGTHS_Q), h)}
+    with _poisoned_allocations():
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, **variants)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     **variants), out, grads)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from flashrun.env import smoke
 from flashrun.errors import KernelError
+from flashrun.harness.check import POISON, _poisoned_allocations
 from flashrun.harness.inputs import Inputs, make_inputs
 from flashrun.harness.judge import Reference
 from flashrun.harness.reference import attention_ref
@@ -54,15 +55,21 @@ def _inputs(shape, dtype, seed=0, requires_grad=True):
     return [drawn.q, drawn.k, drawn.v, drawn.dout]
 
 
-def _judge(out, grads, q, k, v, do, causal, sm_scale=None):
-    reference = Reference(Inputs(q, k, v, do), causal=causal, sm_scale=sm_scale, grads=grads is not None)
-    for result in reference.judge(out, grads):
+def _judge(out, grads, q, k, v, do, causal, sm_scale=None, **variants):
+    """The harness's one judge: out (and grads) against the reference built from these inputs;
+    ``variants``: window, softcap, alibi_slopes, cu_seqlens_q/cu_seqlens_k for packed inputs."""
+    reference = Reference(Inputs(q, k, v, do), causal=causal, sm_scale=sm_scale, grads=grads is not None, **variants)
+    for result in reference.judge(out, grads, POISON):
         assert result.passed, result.reason()
 
 
-def _check_fwd_bwd(q, k, v, do, causal, sm_scale=None, launch=None):
-    out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch)
-    _judge(out, torch.autograd.grad(out, (q, k, v), do), q, k, v, do, causal, sm_scale)
+def _check_fwd_bwd(q, k, v, do, causal, sm_scale=None, launch=None, **variants):
+    """flash against the float64 reference, forward and backward; ``variants``: window, softcap,
+    alibi_slopes. Fresh allocations are poisoned, so an element never written cannot pass."""
+    with _poisoned_allocations():
+        out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, **variants)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    _judge(out, grads, q, k, v, do, causal, sm_scale, **variants)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -107,25 +107,38 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, yardstick: torch.Te
 
 
 class Reference:
-    """The reference and the yardstick for one input set, on the checked (batch, kv head) pairs.
+    """The reference and the yardstick for one input set, on the checked (sequence, kv head) pairs.
 
-    ``edges``: check batch elements {0, B-1} (a stride bug shows past the first element) and
-    kv heads {0, H_kv-1}, each with every query head it serves (so dk/dv are complete sums);
-    otherwise every batch element and head. ``grads``: also the gradients for ``inputs.dout``.
+    Dense inputs are ``(B, H, N, D)``; packed ones (``cu_seqlens_q``/``cu_seqlens_k`` given) are
+    ``(total, H, D)`` with sequence ``b`` in rows ``cu[b]:cu[b+1]``. ``edges``: check batch
+    elements {0, B-1} (a stride bug shows past the first element) and kv heads {0, H_kv-1},
+    each with every query head it serves (so dk/dv are complete sums); otherwise every batch
+    element (always every sequence of a packed batch) and head. ``grads``: also the gradients
+    for ``inputs.dout``. ``window``, ``softcap``, ``alibi_slopes``: the variants, with
+    :func:`~flashrun.harness.reference.attention_ref`'s meaning.
     """
 
     def __init__(self, inputs: Inputs, *, causal: bool, grads: bool, sm_scale: float | None = None,
-                 edges: bool = False) -> None:
+                 edges: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 alibi_slopes: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                 cu_seqlens_k: torch.Tensor | None = None) -> None:
         q, k = inputs.q, inputs.k
-        batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+        self.packed = cu_seqlens_q is not None
+        heads, kv_heads = q.shape[1], k.shape[1]  # (B, H, N, D) and packed (total, H, D) alike
+        if self.packed:
+            self._cu = (cu_seqlens_q.tolist(), cu_seqlens_k.tolist())
+            batch = len(self._cu[0]) - 1
+        else:
+            batch = q.shape[0]
         self.causal, self.sm_scale = causal, sm_scale
+        self.window, self.softcap, self.alibi_slopes = window, softcap, alibi_slopes
         self.group = heads // kv_heads
-        self._batches = sorted({0, batch - 1}) if edges else list(range(batch))
+        self._batches = sorted({0, batch - 1}) if edges and not self.packed else list(range(batch))
         self._kv_heads = sorted({0, kv_heads - 1}) if edges else list(range(kv_heads))
-        q_heads = [j * self.group + t for j in self._kv_heads for t in range(self.group)]
+        self._q_heads = [j * self.group + t for j in self._kv_heads for t in range(self.group)]
         device = q.device
         self._batch_idx = torch.tensor(self._batches, device=device)
-        self._head_idx = torch.tensor(q_heads, device=device)
+        self._head_idx = torch.tensor(self._q_heads, device=device)
         self._kv_idx = torch.tensor(self._kv_heads, device=device)
         self.out, self.grads = self._compute(inputs, grads, upcast=True)
         self.yard_out, self.yard_grads = self._compute(inputs, grads, upcast=False)
@@ -135,12 +148,16 @@ class Reference:
         return cls(inputs, causal=shape.causal, grads=grads, edges=edges)
 
     def slice_q(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, H, Nq, D) -> the checked (batch, query head) pairs."""
-        return t.detach().index_select(0, self._batch_idx).index_select(1, self._head_idx)
+        """(B, H, Nq, D) or (total_q, H, D) -> the checked (sequence, query head) pairs."""
+        t = t.detach()
+        return t.index_select(1, self._head_idx) if self.packed else \
+            t.index_select(0, self._batch_idx).index_select(1, self._head_idx)
 
     def slice_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, H_kv, Nk, D) -> the checked (batch, kv head) pairs."""
-        return t.detach().index_select(0, self._batch_idx).index_select(1, self._kv_idx)
+        """(B, H_kv, Nk, D) or (total_k, H_kv, D) -> the checked (sequence, kv head) pairs."""
+        t = t.detach()
+        return t.index_select(1, self._kv_idx) if self.packed else \
+            t.index_select(0, self._batch_idx).index_select(1, self._kv_idx)
 
     def judge(self, out: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               poison: float | None = None) -> list[Comparison]:
@@ -155,44 +172,62 @@ class Reference:
                 checks.append(compare(name, cut(got), want, yard, poison))
         return checks
 
+    def _sequence(self, t: torch.Tensor, b: int, keys: bool) -> torch.Tensor:
+        """Sequence ``b`` of ``t`` as ``(heads, n, D)``."""
+        if not self.packed:
+            return t[b]
+        cu = self._cu[1 if keys else 0]
+        return t[cu[b]:cu[b + 1]].transpose(0, 1)
+
+    def _slope(self, b: int, h: int) -> torch.Tensor | None:
+        if self.alibi_slopes is None:
+            return None
+        slopes = self.alibi_slopes
+        return (slopes[b, h] if slopes.dim() == 2 else slopes[h]).reshape(1)
+
     def _compute(self, inputs: Inputs, grads: bool, upcast: bool
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         q, k, v, dout = (t.detach() for t in (inputs.q, inputs.k, inputs.v, inputs.dout))
         dtype = q.dtype if not upcast else torch.float64 if q.device.type == "cpu" else torch.float32
-        n_q, n_k = q.shape[2], k.shape[2]
         budget = SCORE_TILE_BYTES.get(q.device.type, SCORE_TILE_BYTES["cpu"])
-        block = max(16, budget // max(1, n_k * dtype.itemsize))
 
         def leaf(t: torch.Tensor) -> torch.Tensor:  # (N, D) -> (1, 1, N, D), a copy in the working dtype
             return t[None, None].to(dtype, copy=True).requires_grad_(grads)
 
-        outs, dqs, dks, dvs = [], [], [], []  # flat, in slice order: batch element, then head
+        outs, dqs, dks, dvs = [], [], [], []  # per sequence: a list over the checked heads of (n, D)
         for b in self._batches:
+            qb, kb, vb, dob = (self._sequence(t, b, keys) for t, keys in ((q, False), (k, True), (v, True),
+                                                                            (dout, False)))
+            n_q, n_k = qb.shape[1], kb.shape[1]
+            block = max(16, budget // max(1, n_k * dtype.itemsize))
+            outs.append([]), dqs.append([]), dks.append([]), dvs.append([])
             for j in self._kv_heads:
-                kj, vj = leaf(k[b, j]), leaf(v[b, j])
+                kj, vj = leaf(kb[j]), leaf(vb[j])
                 dk_j, dv_j = torch.zeros_like(kj[0, 0]), torch.zeros_like(vj[0, 0])
                 for h in range(j * self.group, (j + 1) * self.group):
-                    rows, dq_rows = [], []
+                    rows, dq_rows = [torch.zeros(0, q.shape[-1], dtype=dtype, device=q.device)], []
                     for start in range(0, n_q, block):  # query blocks: each is exact on its own
-                        qh = leaf(q[b, h, start:start + block])
+                        qh = leaf(qb[h, start:start + block])
                         with torch.set_grad_enabled(grads):
                             o = attention_ref(qh, kj, vj, causal=self.causal, sm_scale=self.sm_scale, upcast=upcast,
-                                              q_start=start, seq_len_q=n_q)
+                                              window=self.window, softcap=self.softcap,
+                                              alibi_slopes=self._slope(b, h), q_start=start, seq_len_q=n_q)
                         rows.append(o.detach()[0, 0])
                         if grads:
-                            do = dout[b, h, start:start + block][None, None].to(dtype)
+                            do = dob[h, start:start + block][None, None].to(dtype)
                             gq, gk, gv = torch.autograd.grad(o, (qh, kj, vj), do)
                             dq_rows.append(gq[0, 0])
                             dk_j += gk[0, 0]  # a kv head's gradient sums over query rows and heads
                             dv_j += gv[0, 0]
-                    outs.append(torch.cat(rows))
-                    if grads:
-                        dqs.append(torch.cat(dq_rows))
-                dks.append(dk_j)
-                dvs.append(dv_j)
+                    outs[-1].append(torch.cat(rows))
+                    dqs[-1].append(torch.cat([rows[0], *dq_rows]))
+                dks[-1].append(dk_j)
+                dvs[-1].append(dv_j)
 
-        def shaped(parts: list[torch.Tensor]) -> torch.Tensor:  # -> (checked batches, checked heads, N, D)
-            return torch.stack(parts).unflatten(0, (len(self._batches), -1))
+        def shaped(parts: list[list[torch.Tensor]]) -> torch.Tensor:
+            if self.packed:  # -> (total rows, checked heads, D)
+                return torch.cat([torch.stack(heads, dim=1) for heads in parts], dim=0)
+            return torch.stack([torch.stack(heads) for heads in parts])  # -> (batches, heads, N, D)
 
         if not grads:
             return shaped(outs), None

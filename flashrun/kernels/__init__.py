@@ -24,11 +24,18 @@ from typing import Callable
 import torch
 
 from flashrun.errors import KernelError
-from flashrun.kernels.flash import attention_forward, flash_attention
+from flashrun.kernels.flash import (
+    attention_forward,
+    attention_forward_varlen,
+    flash_attention,
+    flash_attention_varlen,
+)
+from flashrun.kernels.flash_args import alibi_slopes
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
 
-__all__ = ["Kernel", "LaunchConfig", "attention_forward", "flash_attention", "get", "minimal_attention"]
+__all__ = ["Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
+           "flash_attention_varlen", "get", "minimal_attention"]
 
 BUILTIN = ("flash", "minimal")
 

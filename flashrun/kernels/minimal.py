@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from flashrun.errors import KernelError
-from flashrun.kernels.flash import _dot, check_inputs, dot_options
+from flashrun.kernels.flash_args import check_inputs, dot_options
+from flashrun.kernels.flash_jit import _dot
 
 BLOCK_M = 64
 BLOCK_N = 64  # the single key block: the longest key sequence this kernel can compute

@@ -1,6 +1,7 @@
 """Launch configurations for the attention kernels: pinned, fixed (interpreter) or autotuned.
 
-On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket)
+On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket,
+variants)
 looks the winner up in the tuned table shipped for this GPU and Triton minor version
 (``kernels/tuned/``), then in the user's cache; on a miss it compiles a small pruned set of
 configs in parallel, times them on the real inputs and keeps the fastest (in memory and on
@@ -192,11 +193,15 @@ def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]
 
 
 def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
-           launch: Launch, run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+           launch: Launch, run: Callable[[LaunchConfig], None], *, variants: str = "",
+           lengths: tuple[int, int] | None = None) -> LaunchConfig:
     """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first.
 
     ``launch``: None tunes; ``"default"`` takes the default; a LaunchConfig pins every kernel
-    (unset fields from the default); a dict pins kernels by name.
+    (unset fields from the default); a dict pins kernels by name. ``variants`` (e.g.
+    ``"window+softcap"``) tunes those calls apart: a window leaves each tile a few key blocks, a
+    softcap or ALiBi adds work per score, so another config may win. ``lengths``: (Nq, Nk) for
+    packed sequences (the longest), whose q/k shapes are (total, heads, head_dim).
     """
     head_dim = q.shape[-1]
     if launch == "default":  # no tuning: each kernel's default config (what verify checks)
@@ -207,9 +212,10 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
         return launch.filled(default(kind, head_dim, q.dtype))
     if INTERPRETED:
         return INTERPRETER
+    n_q, n_k = lengths if lengths is not None else (q.shape[2], k.shape[2])
     key = "|".join(str(part) for part in (
         kind, str(q.dtype).removeprefix("torch."), f"d{head_dim}", "causal" if causal else "full",
-        f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(q.shape[2])}", f"nk{_bucket(k.shape[2])}"))
+        f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(n_q)}", f"nk{_bucket(n_k)}", *([variants] if variants else [])))
     path = _cache_path()
     if USE_SHIPPED:
         _load(SHIPPED / f"{table_name()}.json", shipped=True)

@@ -1,0 +1,312 @@
+"""The flash launchers' preconditions and plans: input checks, FlashAttention-2's variant arguments
+checked into a :class:`Variant`, the TMA and flash-decoding decisions."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import (
+    TensorDescriptor,  # host-side TMA descriptors (triton >= 3.4)
+)
+
+from flashrun.errors import ArgumentError, KernelError
+from flashrun.kernels.flash_jit import (
+    LOG2E,
+    SUPPORTED_DTYPES,
+    UNBOUNDED,
+)
+from flashrun.kernels.tuning import (
+    INTERPRETED,
+    INTERPRETER,
+    LaunchConfig,
+)
+from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+# ---------------------------------------------------------------------------------------------
+# Python launchers
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: bool = False) -> None:
+    """Preconditions shared by every kernel here, with messages that say what to change.
+
+    ``packed``: varlen's (total, heads, head_dim) layout (sequences along the rows; the
+    cu_seqlens are checked apart) instead of (batch, heads, seq, head_dim)."""
+    dims, layout = (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seq, head_dim)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise KernelError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise KernelError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise KernelError(f"dtype {q.dtype} is not supported", hint="use float16, bfloat16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise KernelError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise KernelError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise KernelError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not packed and q.shape[0] != k.shape[0]:
+        raise KernelError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise KernelError(f"head_dim differs: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise KernelError(
+            f"q's {q.shape[1]} heads are not a multiple of k/v's {k.shape[1]} heads",
+            hint="GQA/MQA needs num_heads % num_kv_heads == 0",
+        )
+    if not MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise KernelError(f"head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if q.shape[1] == 0 or (not packed and (q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] == 0)):
+        raise KernelError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise KernelError(
+            "tensors are on the CPU but Triton is set up for the GPU",
+            hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported",
+        )
+
+
+def _rows_collapse(t: torch.Tensor) -> bool:
+    """(batch, heads, seq) strides nest, so the tensor is one (batch*heads*seq, head_dim) matrix."""
+    z, h, n, _ = t.shape
+    sz, sh, sn, sd = t.stride()
+    return sd == 1 and (h == 1 or sh == n * sn) and (z == 1 or sz == h * n * sn)
+
+
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """TMA needs a Hopper-class GPU (or the interpreter), row-collapsible tensors, 16-byte
+    aligned bases and row strides, and row counts that fit the descriptor's int32 coordinates."""
+    if q.dtype == torch.float32:
+        return False
+    if not INTERPRETED and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    size = q.element_size()
+    return all(
+        _rows_collapse(t) and t.data_ptr() % 16 == 0 and (t.stride(2) * size) % 16 == 0
+        and t.shape[0] * t.shape[1] * t.shape[2] < 2**31
+        for t in (q, k, v)
+    )
+
+
+def _rows_descriptor(t: torch.Tensor, block_rows: int):
+    z, h, n, d = t.shape
+    return TensorDescriptor(t, shape=[z * h * n, d], strides=[t.stride(2), 1], block_shape=[block_rows, _block_d(d)])
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# Flash-decoding applies when every head's queries fit one tile of at most DECODE_MAX_QUERIES
+# rows and B*H such tiles leave SMs idle; each split then takes at least 4 key blocks. Its launch
+# config is fixed (not tuned): the work is bound by reading K and V once.
+DECODE_MAX_QUERIES = 64
+DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
+
+
+def _decode_config() -> LaunchConfig:
+    return INTERPRETER if INTERPRETED else DECODE
+
+
+def _decode_block_m(n_q: int) -> int:
+    return max(16, triton.next_power_of_2(n_q))  # tl.dot needs 16 rows
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if INTERPRETED:
+        return 4  # small, so that the interpreter tests reach the split path with small shapes
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_splits(q: torch.Tensor, k: torch.Tensor, keys: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(number of key splits, keys per split, first key) for flash-decoding; one split means none.
+
+    ``keys``: the range [first, end) that the queries can see at all (a window narrows it);
+    the splits share it out, starting at ``first`` rounded down to a key block."""
+    z, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    block_n = _decode_config().block_n
+    first, end = keys if keys is not None else (0, n_k)
+    first = first // block_n * block_n
+    span = end - first
+    min_keys = 4 * block_n
+    programs = z * h
+    sms = _multiprocessors(q.device)
+    if n_q > DECODE_MAX_QUERIES or programs >= sms or span < 2 * min_keys:
+        return 1, n_k, 0
+    splits = min(triton.cdiv(2 * sms, programs), span // min_keys)  # about two waves of programs
+    keys_per_split = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n  # whole key blocks
+    return triton.cdiv(span, keys_per_split), keys_per_split, first
+
+
+def dot_options(dtype: torch.dtype) -> dict:
+    """Constexprs for ``_dot``: bf16 upcast only in the interpreter; IEEE fp32 dots for float32."""
+    return {
+        "UPCAST": INTERPRETED and dtype == torch.bfloat16,
+        "PRECISION": "ieee" if dtype == torch.float32 else None,  # None: the dtype's own MMA
+    }
+
+
+# -- variants: checked arguments, in the kernels' terms --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one call asks beyond plain attention, as the kernels take it (built by ``_variant``).
+
+    The mask is exactly one of plain, ``causal`` (the CAUSAL path: keys up to the diagonal) or
+    ``window`` (WINDOW: ``(left, right)``, an unbounded side given as UNBOUNDED). Packed
+    sequences (VARLEN) carry their int32 offsets and longest lengths (the grid's extent)."""
+
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0  # > 0: SOFTCAP
+    alibi_slopes: torch.Tensor | None = None  # float32 (H,) or (B, H): ALIBI
+    cu_seqlens_q: torch.Tensor | None = None  # VARLEN: (B + 1,) int32
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def tuning(self, n_q: int, n_k: int) -> dict:
+        """How :func:`choose` tells these calls apart from plain ones of the same shape."""
+        flags = (("window", self.window is not None), ("softcap", self.softcap > 0),
+                 ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen))
+        return {"variants": "+".join(name for name, on in flags if on), "lengths": (n_q, n_k)}
+
+    def kernel_args(self, sm_scale: float) -> dict:
+        """The runtime arguments and constexprs every kernel here takes for the variants."""
+        slopes = self.alibi_slopes
+        left, right = self.window if self.window is not None else (0, 0)  # read only under WINDOW
+        return {
+            # with a softcap the tanh needs natural units: log2 e comes in after it, via softcap2
+            "qk_scale": sm_scale / self.softcap if self.softcap else sm_scale * LOG2E,
+            "softcap2": self.softcap * LOG2E,
+            "ALIBI_SLOPES": slopes,
+            "stride_az": slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,  # (H,): one row for all
+            "stride_ah": slopes.stride(-1) if slopes is not None else 0,
+            "win_left": left,
+            "win_right": right,
+            "CU_SEQLENS_Q": self.cu_seqlens_q,
+            "CU_SEQLENS_K": self.cu_seqlens_k,
+            "CAUSAL": self.causal,
+            "WINDOW": self.window is not None,
+            "SOFTCAP": self.softcap > 0,
+            "ALIBI": slopes is not None,
+            "VARLEN": self.varlen,
+        }
+
+    def key_span(self, n_q: int, n_k: int) -> tuple[int, int]:
+        """Keys [first, n_k) that some of queries 0..n_q-1 may see (the last query faces the last
+        key, so only a window's left side narrows it)."""
+        if self.window is None:
+            return 0, n_k
+        return max(n_k - n_q - self.window[0], 0), n_k  # query 0 faces key n_k - n_q
+
+    def with_sequences(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                       max_seqlen_q: int, max_seqlen_k: int) -> Variant:
+        return replace(self, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def _window_arg(window) -> tuple[int, int]:
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ArgumentError(f"window must be a pair of ints >= -1, (left, right), got {window!r}",
+                            hint="-1 leaves a side unbounded: (-1, -1) is full attention, (W, 0) a causal "
+                                 "sliding window of W keys before the diagonal")
+    return int(window[0]), int(window[1])
+
+
+def _softcap_arg(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise ArgumentError(f"softcap must be a finite number >= 0, got {softcap!r}",
+                            hint="0 turns it off; Gemma-2 caps attention logits at 50.0")
+    return float(softcap)
+
+
+def _alibi_arg(slopes, q: torch.Tensor, batch: int) -> torch.Tensor | None:
+    heads = q.shape[1]  # (B, H, N, D) and packed (total, H, D) alike
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise ArgumentError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}",
+                            hint="flashrun.kernels.alibi_slopes(num_heads) gives the standard ones")
+    if slopes.dtype != torch.float32:
+        raise ArgumentError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.device != q.device:
+        raise ArgumentError(f"alibi_slopes is on {slopes.device}, q on {q.device}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ArgumentError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (heads, or batch x "
+                            f"heads), got {tuple(slopes.shape)}")
+    return slopes
+
+
+def _cu_seqlens_arg(cu, name: str, rows: int, tensor: str, device: torch.device) -> list[int]:
+    """Check one cu_seqlens; returns its offsets (the check reads them on the host, one sync)."""
+    if not isinstance(cu, torch.Tensor):
+        raise ArgumentError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ArgumentError(f"{name} must be int32, got {cu.dtype}", hint=f"pass {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ArgumentError(f"{name} must be 1-D, (batch + 1,) with batch >= 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ArgumentError(f"{name} is on {cu.device}, q on {device}")
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ArgumentError(f"{name} must start at 0, got {offsets[0]}")
+    for b in range(len(offsets) - 1):
+        if offsets[b + 1] < offsets[b]:
+            raise ArgumentError(f"{name} must be non-decreasing: entry {b + 1} ({offsets[b + 1]}) < entry {b} "
+                                f"({offsets[b]})")
+    if offsets[-1] != rows:
+        raise ArgumentError(f"{name} must end at {tensor}'s number of rows, {rows}, got {offsets[-1]}")
+    return offsets
+
+
+def _max_seqlen_arg(max_seqlen, name: str, longest: int) -> int:
+    if max_seqlen is None:
+        return longest
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < longest:
+        raise ArgumentError(f"{name} must be None or an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+    return int(max_seqlen)
+
+
+def _variant(q: torch.Tensor, batch: int, n_k: int, causal, window, softcap, alibi_slopes) -> Variant:
+    """Check FlashAttention-2's arguments and fold them into one mask: ``causal`` is right = 0,
+    and a side that is -1 or at least ``n_k`` keys wide is unbounded (n_k: the longest key sequence)."""
+    left, right = _window_arg(window)
+    if causal:
+        right = 0
+    left = -1 if left >= n_k else left
+    right = -1 if right >= n_k else right
+    if left < 0 and right < 0:
+        mask = {}
+    elif left < 0 and right == 0:
+        mask = {"causal": True}
+    else:
+        mask = {"window": (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)}
+    return Variant(**mask, softcap=_softcap_arg(softcap), alibi_slopes=_alibi_arg(alibi_slopes, q, batch))
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al.), float32 (num_heads,): for n a power of two,
+    2^(-8h/n) for h = 1..n; otherwise those of the largest power of two p < n, then every other
+    slope of 2p heads' for the remaining n - p heads."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads < 1:
+        raise ArgumentError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def powers_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    p = 1 << (int(num_heads).bit_length() - 1)  # largest power of two <= num_heads
+    slopes = powers_of_two(p) + powers_of_two(2 * p)[0::2][: num_heads - p]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+

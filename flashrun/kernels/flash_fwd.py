@@ -1,0 +1,196 @@
+"""The flash forward kernels: one query tile streams K/V (``_attn_fwd``), and flash-decoding's
+split and combine. The maths is in :mod:`flashrun.kernels.flash`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashrun.kernels.flash_jit import (
+    LOG2E_C,
+    _alibi_slope2,
+    _attn_fwd_inner,
+    _key_range,
+    _load_rows,
+    _sequence,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Forward kernel
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qz, stride_qh, stride_qm, stride_qk,
+              stride_kz, stride_kh, stride_kn, stride_kk,
+              stride_vz, stride_vh, stride_vn, stride_vk,
+              stride_oz, stride_oh, stride_om, stride_ok,
+              stride_lz, stride_lh,
+              H, N_Q, N_K,
+              qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right, CU_SEQLENS_Q, CU_SEQLENS_K,
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows.
+    VARLEN: sequence z is rows [CU_SEQLENS_Q[z], CU_SEQLENS_Q[z + 1]) of the packed tensors, and
+    N_Q/N_K (the grid's) are the longest lengths; each program reads its sequence's own."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
+    tl.static_assert(not (TMA and VARLEN))  # a packed head's rows are not one block of rows
+    pid_m = tl.program_id(0)
+    if CAUSAL or WINDOW:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)  # int64: batch offsets can pass 2**31 elements
+    off_h = off_hz % H
+    off_hkv = off_h // GROUP  # GQA: GROUP query heads share one k/v head
+    off_zq, off_zk, N_Q, N_K, win_right = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right,
+                                                    VARLEN, WINDOW)
+    if VARLEN:  # (a constexpr: dense kernels compile no check)
+        if start_m >= N_Q:  # a tile past this (shorter) sequence's end
+            return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # q stays in registers/SRAM for the whole loop over K/V
+    if TMA:
+        # rows past N_Q are the next head's: computed, never stored
+        q = Q.load([off_hz * N_Q + start_m, 0])
+        k_src = K
+        v_src = V
+        kv_row = ((off_hz // H) * (H // GROUP) + off_hkv) * N_K
+    else:
+        q_ptrs = Q + off_zq * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        k_src = K + off_zk * stride_kz + off_hkv * stride_kh
+        v_src = V + off_zk * stride_vz + off_hkv * stride_vh
+        kv_row = 0
+    slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
+
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if WINDOW:  # stage 0: the window's left edge - masked
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk,
+                                        stride_vn, stride_vk, offs_m, offs_d, lo, mid_lo, N_Q, N_K,
+                                        qk_scale, softcap2, slope2, win_left, win_right,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                        UPCAST, PRECISION, TMA, False)
+    # stage 1: key blocks every row of the tile sees in full - no mask
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2,
+                                    win_left, win_right, BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW,
+                                    SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, WS)
+    # stage 2: the causal diagonal or the window's right edge, and the ragged end of the sequence - masked
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2,
+                                    win_left, win_right, BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
+                                    SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, False)
+
+    # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf --
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E_C, float("-inf"))
+    row_ok = offs_m < N_Q
+    tl.store(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, lse, mask=row_ok)
+    o_ptrs = O + off_zq * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
+                    stride_qz, stride_qh, stride_qm, stride_qk,
+                    stride_kz, stride_kh, stride_kn, stride_kk,
+                    stride_vz, stride_vh, stride_vn, stride_vk,
+                    H, N_Q, N_K, FIRST_KEY, KEYS_PER_SPLIT,
+                    qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+                    CU_SEQLENS_Q, CU_SEQLENS_K,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Flash-decoding: when a few query rows face many keys, B*H programs cannot fill the GPU,
+    so program (split, batch*head) attends the head's (<= BLOCK_M) queries to one key range
+    [FIRST_KEY + split * KEYS_PER_SPLIT, ...) only. It writes that range's normalized output
+    (float32) and its log2-sum-exp2; :func:`_attn_fwd_combine` merges the splits. Windows, the
+    softcap and ALiBi apply as in :func:`_attn_fwd`; a window's keys start at FIRST_KEY. Packed
+    sequences (VARLEN) do not come here: each has its own length, the launcher one split plan."""
+    tl.static_assert(not (CAUSAL and WINDOW))
+    tl.static_assert(not VARLEN)
+    split = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = off_hz % H
+    off_hkv = off_h // GROUP
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh, 0, 0, stride_qm, stride_qk, N_Q, offs_d,
+                   BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
+    k_src = K + off_z * stride_kz + off_hkv * stride_kh
+    v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # the masked/unmasked split of the whole key range, each part clipped to this split's keys
+    lo, mid_lo, mid_hi, hi = _key_range(0, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    k_lo = FIRST_KEY + split * KEYS_PER_SPLIT  # a multiple of BLOCK_N, as the ranges' bounds are
+    k_hi = k_lo + KEYS_PER_SPLIT
+    if WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
+                                        offs_m, offs_d, tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), N_Q, N_K,
+                                        qk_scale, softcap2, slope2, win_left, win_right,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                        UPCAST, PRECISION, False, False)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), N_Q, N_K,
+                                    qk_scale, softcap2, slope2, win_left, win_right,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                    UPCAST, PRECISION, False, False)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
+                                    offs_m, offs_d, tl.maximum(k_lo, mid_hi), tl.minimum(k_hi, hi), N_Q, N_K,
+                                    qk_scale, softcap2, slope2, win_left, win_right,
+                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                    UPCAST, PRECISION, False, False)
+    # rows that saw no key of this split: output 0, log-sum -inf (weight 0 in the combine)
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    splits = tl.num_programs(0)
+    row = (off_hz.to(tl.int64) * N_Q + offs_m) * splits + split  # O_PART: (B*H, N_Q, splits, BLOCK_D)
+    row_ok = offs_m < N_Q
+    tl.store(LSE_PART + row, lse2, mask=row_ok)
+    tl.store(O_PART + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _attn_fwd_combine(O_PART, LSE_PART, O, LSE,
+                      stride_oz, stride_oh, stride_om, stride_ok,
+                      H, N_Q, SPLITS,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per (query row, batch*head): O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s."""
+    m = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (off_hz.to(tl.int64) * N_Q + m) * SPLITS
+    lse_s = tl.load(LSE_PART + row + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
+    top = tl.max(lse_s, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights all 0
+    w = tl.math.exp2(lse_s - top)
+    total = tl.sum(w, 0)
+    o_s = tl.load(O_PART + (row + offs_s[:, None]) * BLOCK_D + offs_d[None, :], mask=offs_s[:, None] < SPLITS,
+                  other=0.0)
+    o = tl.sum(w[:, None] * o_s, 0) / tl.where(total > 0.0, total, 1.0)
+    lse = tl.where(total > 0.0, (top + tl.math.log2(tl.where(total > 0.0, total, 1.0))) / LOG2E_C, float("-inf"))
+    tl.store(LSE + off_hz.to(tl.int64) * N_Q + m, lse)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = off_hz % H
+    tl.store(O + off_z * stride_oz + off_h * stride_oh + m * stride_om + offs_d * stride_ok,
+             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+

@@ -1,0 +1,244 @@
+"""Shared pieces of the flash kernels: constants and ``@triton.jit`` helpers (masks, scores,
+loads, loop bounds). The maths is in :mod:`flashrun.kernels.flash`."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
+LOG2E_C = tl.constexpr(LOG2E)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# An unbounded side of a window, as the kernels see it: wider than any key or query range, and
+# small enough that i + off ± UNBOUNDED stays inside int32.
+UNBOUNDED = 2**30
+UNBOUNDED_C = tl.constexpr(UNBOUNDED)
+
+
+# ---------------------------------------------------------------------------------------------
+# @triton.jit helpers
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # Triton's CPU interpreter computes bfloat16 tl.dot wrongly (seen with triton 3.9): there,
+    # and only there, bf16 operands go through float32 - exact for bf16 values, like an MMA.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _key_range(start_m, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys for query rows [start_m, start_m + BLOCK_M) as block-aligned ranges: [lo, mid_lo) and
+    [mid_hi, hi) need a mask, [mid_lo, mid_hi) none; keys outside [lo, hi) are never visited."""
+    full = (N_K // BLOCK_N) * BLOCK_N  # blocks entirely inside the sequence
+    shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
+    if WINDOW:
+        # row i sees keys [i + shift - left, i + shift + right]; rows past N_Q widen nothing
+        end_m = tl.minimum(start_m + BLOCK_M, N_Q)
+        lo = (tl.maximum(start_m + shift - left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(tl.maximum(end_m + shift + right, 0), N_K), lo)
+        # whole blocks that every row sees: from the last row's first key to the first row's last
+        mid_lo = tl.cdiv(tl.maximum(end_m - 1 + shift - left, 0), BLOCK_N) * BLOCK_N
+        mid_hi = tl.minimum((tl.maximum(start_m + shift + right + 1, 0) // BLOCK_N) * BLOCK_N, full)
+        # clamped into [lo, hi]; where a clamp cuts a boundary off its block grid, every range
+        # after it is empty, so the loops still step over whole blocks
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    elif CAUSAL:
+        lo = 0
+        mid_lo = 0
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), N_K)
+        # the tile's first row sees keys <= start_m + shift: whole blocks below that are unmasked
+        mid_hi = tl.minimum((tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N, full)
+        mid_hi = tl.minimum(mid_hi, hi)
+    else:
+        lo = 0
+        mid_lo = 0
+        mid_hi = full
+        hi = N_K
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, N_Q, N_K, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Query rows that see keys [start_n, start_n + BLOCK_N), as :func:`_key_range` gives keys:
+    [lo, mid_lo) and [mid_hi, hi) need a mask, [mid_lo, mid_hi) none, other rows see no key here.
+    Keys of the block past N_K need no mask (their dK/dV are never stored), nor rows past N_Q
+    (they load as zeros)."""
+    shift = N_K - N_Q
+    if WINDOW:
+        # query i sees key j iff j - shift - right <= i <= j - shift + left
+        end_n = tl.minimum(start_n + BLOCK_N, N_K)
+        lo = (tl.maximum(start_n - shift - right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(tl.maximum(end_n - shift + left, 0), N_Q), lo)
+        # whole blocks of rows that see every key: from the row that sees the last key to the
+        # last row that sees the first (or to N_Q when every row up to the end does)
+        mid_lo = tl.cdiv(tl.maximum(end_n - 1 - shift - right, 0), BLOCK_M) * BLOCK_M
+        mid_hi = (tl.maximum(start_n - shift + left + 1, 0) // BLOCK_M) * BLOCK_M
+        mid_hi = tl.where(start_n - shift + left + 1 >= N_Q, N_Q, mid_hi)
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    elif CAUSAL:
+        # queries that see some key of this block start at start_n - shift; all of it, at
+        # start_n + BLOCK_N - 1 - shift
+        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+        mid_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
+        mid_lo = tl.maximum(tl.minimum(mid_lo, N_Q), lo)
+        mid_hi = N_Q
+        hi = N_Q
+    else:
+        lo = 0
+        mid_lo = 0
+        mid_hi = N_Q
+        hi = N_Q
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _in_window(rows, cols, shift, left, right, CAUSAL: tl.constexpr):
+    """Whether query ``rows`` may see key ``cols`` (broadcast against each other): query i faces
+    key i + shift (bottom-right alignment) and sees keys [i + shift - left, i + shift + right]."""
+    diag = rows + shift
+    if CAUSAL:
+        keep = cols <= diag
+    else:
+        keep = (cols >= diag - left) & (cols <= diag + right)
+    return keep
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2 (the interpreter has no libdevice; one code path for CPU and GPU): the odd
+    # Taylor series below 0.4, where (1 - e)/(1 + e) would lose digits to cancellation (both are
+    # within about 1e-7 relative there), that formula above
+    a = tl.abs(x)
+    e = tl.math.exp2(a * (-2.0 * LOG2E_C))  # exp(-2|x|) in (0, 1]: cannot overflow
+    far = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    near = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * (
+            -0.008863235529902197 + x2 * 0.003592128036572481)))))
+    return tl.where(a < 0.4, near, tl.where(x < 0.0, -far, far))
+
+
+@triton.jit
+def _scores(qk, rows, cols, shift, qk_scale, softcap2, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Base-2 scores s · log2 e from the dot products ``qk`` (``rows``/``cols`` broadcast to its
+    shape), and t = tanh(s / softcap) for the softcap backward (``qk`` when SOFTCAP is off: unused)."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
+        s = t * softcap2  # softcap · log2 e: base 2 only after the tanh
+    else:
+        t = qk
+        s = qk * qk_scale  # qk_scale = sm_scale · log2 e
+    if ALIBI:
+        s = s - slope2 * tl.abs(rows + shift - cols).to(tl.float32)  # slope2 = slope · log2 e
+    return s, t
+
+
+@triton.jit
+def _load_rows(src, head_row, start, stride_row, stride_d, N, offs_d,
+               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) x [0, BLOCK_D) of one head's (seq, head_dim) matrix.
+
+    TMA: ``src`` is a tensor descriptor over all (batch*heads*seq, head_dim) rows and the head
+    starts at row ``head_row``; the copy engine zero-fills past the tensor and past head_dim, but
+    rows past N belong to the next head, so MASKED tiles zero them (a NaN there must not leak).
+    Pointers: ``src`` points at the head; only MASKED tiles (and padded head dims) pay for masks.
+    """
+    rows = start + tl.arange(0, BLOCK)
+    if TMA:
+        x = src.load([head_row + start, 0])
+        if MASKED:
+            x = tl.where(rows[:, None] < N, x, 0.0)
+    else:
+        ptrs = src + rows[:, None] * stride_row + offs_d[None, :] * stride_d
+        if MASKED:
+            x = tl.load(ptrs, mask=(rows[:, None] < N) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
+                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    TMA: tl.constexpr, WS: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    # WS: let the compiler split the loop into producer (TMA) and consumer warps (Hopper+)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        cols = start_n + offs_n
+        k = _load_rows(k_src, kv_row, start_n, stride_kn, stride_kk, N_K, offs_d, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, TMA)
+        v = _load_rows(v_src, kv_row, start_n, stride_vn, stride_vk, N_K, offs_d, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, TMA)
+        qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
+        # -- update m_i and l_i --
+        if MASKED:
+            qk, _ = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+            keep = cols[None, :] < N_K
+            if CAUSAL or WINDOW:
+                keep = keep & _in_window(offs_m[:, None], cols[None, :], N_K - N_Q, left, right, CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # a row that has seen no key yet keeps m = -inf (a window's row may see its first key
+            # in a later block); subtracting 0 instead keeps exp2 below at 0, not NaN
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        elif SOFTCAP or ALIBI:
+            qk, _ = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_ij
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale
+            m_sub = m_ij
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- update the output accumulator --
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, UPCAST, PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right, VARLEN: tl.constexpr, WINDOW: tl.constexpr):
+    """Where sequence ``off_z`` is: (off_zq, off_zk, N_Q, N_K, right). Tensors are addressed as
+    ``off_zq * stride_qz`` (and k's likewise): dense ones by batch index, packed ones (VARLEN)
+    by their first row, the launcher passing a row's stride as the batch stride."""
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_z)
+        k_start = tl.load(CU_SEQLENS_K + off_z)
+        N_Q = tl.load(CU_SEQLENS_Q + off_z + 1) - q_start
+        N_K = tl.load(CU_SEQLENS_K + off_z + 1) - k_start
+        off_zq = q_start.to(tl.int64)
+        off_zk = k_start.to(tl.int64)
+        if WINDOW:  # a right side as wide as this sequence's keys is unbounded (dense: the launcher did it)
+            win_right = tl.where(N_K <= win_right, UNBOUNDED_C, win_right)
+    else:
+        off_zq = off_z
+        off_zk = off_z
+    return off_zq, off_zk, N_Q, N_K, win_right
+
+
+@triton.jit
+def _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI: tl.constexpr):
+    """This (batch, head)'s ALiBi slope times log2 e (slopes (H,) come with stride_az = 0)."""
+    if ALIBI:
+        slope2 = tl.load(ALIBI_SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E_C
+    else:
+        slope2 = 0.0
+    return slope2
+
+
