@@ -9,6 +9,7 @@ triton.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -53,6 +54,20 @@ def select(requested: str = "auto") -> Device:
         return Device("cpu", True, notice)
     use_compiler()
     return Device("cuda", False)
+
+
+def where(kind: str) -> str:
+    """This process's node and device, as results name them: ``node7:gpu3 (NVIDIA H200)`` (the
+    physical index: under Ray, CUDA_VISIBLE_DEVICES maps it to cuda:0) or ``node7:cpu``."""
+    host = socket.gethostname()
+    if kind != "cuda":
+        return f"{host}:cpu"
+    import torch
+
+    index = torch.cuda.current_device()
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    physical = visible[index] if index < len(visible) else str(index)
+    return f"{host}:gpu{physical} ({torch.cuda.get_device_name(index)})"
 
 
 def _kernels_imported() -> bool:

@@ -51,13 +51,14 @@ class CaseResult:
     logits: tuple[float, float] | None = None
     notes: list[str] = field(default_factory=list)
     index: int = 0
+    where: str = ""  # the node and device that ran it (device.where); "" when it never ran
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
             "message": self.message, "first_call_s": _round(self.first_call_s), "ms": _round(self.ms),
             "notes": self.notes, "logit_range": list(self.logits) if self.logits else None,
-            "checks": [c.to_json() for c in self.checks],
+            "checks": [c.to_json() for c in self.checks], "where": self.where,
         }
 
 
@@ -97,9 +98,11 @@ def run_job(job: Job) -> CaseResult:
     try:
         kernel = load_kernel(job.kernel, job.launch)
     except KernelError as exc:
-        return CaseResult(job.kernel, job.case, "error", message=exc.message, index=job.index)
-    result = check_case(kernel, job, dev.torch_device)
+        result = CaseResult(job.kernel, job.case, "error", message=exc.message)
+    else:
+        result = check_case(kernel, job, dev.torch_device)
     result.index = job.index
+    result.where = device_mod.where(dev.kind)
     return result
 
 
