@@ -44,6 +44,7 @@ import re
 import site
 import socket
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -252,18 +253,47 @@ def _check_reachable(address: str) -> None:
 def _init(ray: Any, **kwargs: Any) -> None:
     address = kwargs.get("address")
     try:
-        ray.init(include_dashboard=False if address is None else None, log_to_driver=False,
-                 logging_level=logging.ERROR, **kwargs)
+        with _stderr_to_log() if address is not None else _nothing():
+            ray.init(include_dashboard=False if address is None else None, log_to_driver=False,
+                     logging_level=logging.ERROR, **kwargs)
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError, ...
         cause = exc.__cause__ or exc
-        text = _first_line(cause)
         if address is None:
-            raise ClusterError(f"could not start a local Ray cluster: {text}",
+            raise ClusterError(f"could not start a local Ray cluster: {_first_line(cause)}",
                                hint="`flashrun verify -v` shows Ray's log; --workers 1 runs without Ray") from None
-        hint = ("the cluster uses token authentication: export RAY_AUTH_MODE=token, with the cluster's token in "
-                "~/.ray/auth_token or RAY_AUTH_TOKEN" if "auth" in text.lower() else
-                "check the address; `ray status` on the head shows whether the cluster is up")
-        raise ClusterError(f"cannot connect to the Ray cluster at {address}: {text}", hint=hint) from None
+        if "InvalidAuthToken" in str(cause) or "AuthenticationError" in str(cause):
+            raise ClusterError(f"the Ray cluster at {address} refused this process's authentication token",
+                               hint="the cluster uses token authentication: export RAY_AUTH_MODE=token, with the "
+                                    "cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from None
+        raise ClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(cause)}",
+                           hint="check the address; `ray status` on the head shows whether the cluster is up") from None
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _stderr_to_log() -> Iterator[None]:
+    """Ray's C++ core writes its connection retries straight to file descriptor 2 (a line a
+    second for as long as it retries): keep them in the debug log instead."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor 2 (an embedding host): leave it alone
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode("utf-8", "replace").splitlines():
+                log.debug("ray: %s", line)
 
 
 def _accelerator_types(ray: Any) -> list[str]:
