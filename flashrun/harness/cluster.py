@@ -46,7 +46,7 @@ import socket
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TypeVar
@@ -127,8 +127,8 @@ class Pool:
             for ref in pending:  # Ctrl-C, or the caller stopped early: what has not finished goes
                 try:
                     self.ray.cancel(ref, force=True)
-                except Exception:  # noqa: BLE001 - already finished or gone: nothing to cancel
-                    pass
+                except Exception as exc:  # noqa: BLE001 - already finished or gone: nothing to cancel
+                    log.debug("cancelling a task: %s", exc)
 
     def _outcome(self, ref: Any, label: str) -> Any:
         exceptions = self.ray.exceptions
@@ -253,7 +253,7 @@ def _check_reachable(address: str) -> None:
 def _init(ray: Any, **kwargs: Any) -> None:
     address = kwargs.get("address")
     try:
-        with _stderr_to_log() if address is not None else _nothing():
+        with _stderr_to_log() if address is not None else nullcontext():
             ray.init(include_dashboard=False if address is None else None, log_to_driver=False,
                      logging_level=logging.ERROR, **kwargs)
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError, ...
@@ -267,11 +267,6 @@ def _init(ray: Any, **kwargs: Any) -> None:
                                     "cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from None
         raise ClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(cause)}",
                            hint="check the address; `ray status` on the head shows whether the cluster is up") from None
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextmanager
