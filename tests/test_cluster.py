@@ -120,6 +120,17 @@ def test_per_gpu_type_needs_a_cluster(isolated: Path) -> None:
     assert result.exit_code == 2 and "--per-gpu-type" in result.stderr and "--cluster" in result.stderr
 
 
+def test_cluster_address_joins_a_running_cluster_and_ships_flashrun(ray_cluster, isolated: Path) -> None:
+    """Another process joins the shared cluster by its address. That cluster's workers were not
+    started with this checkout on their PYTHONPATH: they import the flashrun the job ships."""
+    run = _flashrun("verify", "--cluster", ray_cluster.address, "--set", "verify.seq_len=[1,17]",
+                    "--set", "experiment.head_dim=16", "--json")
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["verdict"] == "4 passed, 0 failed"
+    assert f"running on the Ray cluster at {ray_cluster.address}: 2 CPUs at once" in data["notices"]
+
+
 # -- faults ---------------------------------------------------------------------------------------------
 def test_a_kernel_that_kills_its_worker_is_that_case_error_after_one_retry(ray_cluster, isolated: Path) -> None:
     attempts = isolated / "attempts"
