@@ -424,7 +424,9 @@ class _Sweep:
 
         try:
             with _progress(console, self.cells) as advance:
-                tasks = pool.map(run_shape, self.jobs, label=lambda job: f"shape-{job.index}", resources=resources)
+                # the biggest shapes first: the run then ends on small ones, not on one big one
+                jobs = sorted(self.jobs, key=lambda job: -flops(job.shape, "fwd"))
+                tasks = pool.map(run_shape, jobs, label=lambda job: f"shape-{job.index}", resources=resources)
                 for job, outcome in tasks:
                     if isinstance(outcome, Fault):
                         outcome = ShapeRows(job.index, _fault_rows(job, outcome), None, "", job.gpu_type)

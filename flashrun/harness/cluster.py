@@ -17,8 +17,9 @@ ARCHITECTURE
   through :func:`~flashrun.harness.check.run_job` (verify), a shape through
   :func:`~flashrun.harness.bench.run_shape` (bench) - with one GPU per task on GPUs
   (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES``) or one CPU per task otherwise, at most
-  ``slots`` at once, and yields each outcome as it finishes. The callers sort by index, so the
-  table, files and run record are those of a serial run.
+  ``slots`` at once, and yields each outcome as it finishes. The callers submit the longest
+  work first (so the run does not end waiting on one long task) and sort the results by index,
+  so the table, files and run record are those of a serial run.
 
   Faults: a task whose worker process dies (a segfault, ``os._exit``, the OOM killer) runs once
   more on a fresh worker (``max_retries=1``); a worker whose CUDA context a kernel broke (a
@@ -30,6 +31,9 @@ ARCHITECTURE
   (``log_to_driver=False``), Ray logs only errors, and the raylet's notes about dead workers
   (printed to *stdout* by Ray, where they would corrupt ``--json``) go to flashrun's debug log
   (``-v``), which is also where the reason a worker gave for ending itself is read back.
+  Two of these hooks are Ray internals (``ray._private.worker.print_to_stdstream``,
+  ``ray._raylet.raise_sys_exit_with_custom_error_message``, Ray 2.60): without them the notes
+  reach the terminal and a fault's reason is generic, nothing else changes.
 
 This module imports Ray only inside :func:`connect`; the workers import it to run
 :func:`_execute`.

@@ -189,6 +189,8 @@ def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | Non
     report = Report([], kind + (" (Triton interpreter)" if interpreter else ""), notices,
                     planned=len(jobs), interpreter=interpreter)
     execute = _serial if pool is None else partial(cluster.checks, pool)
+    if pool is not None:  # longest first: the run then ends on short checks, not on one long one
+        todo.sort(key=lambda job: -(job.estimate_s or 0.0))  # stable: plan order on a GPU
     with _Reporter(console, len(jobs)) as reporter:
         for result in results:
             reporter.finished(result)
