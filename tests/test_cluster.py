@@ -66,13 +66,13 @@ def _last_record(folder: Path) -> dict:
 
 # -- the same results as a serial run -------------------------------------------------------------------
 def test_two_workers_give_the_serial_results_in_the_serial_order(ray_cluster, isolated: Path) -> None:
-    args = ["verify", "-k", "flash", "-k", f"{BAD}:no_scale", "--set", "verify.seq_len=[1,17,40]",
+    args = ["verify", "-k", "flash", "-k", f"{BAD}:no_scale", "--set", "verify.seq_len=[1,40]",
             "--set", "verify.causal=[false,true]", "--set", "experiment.head_dim=16", "--grad", "--json"]
     serial = invoke(*args)
     spread = invoke(*args, "--workers", "2")
     assert serial.exit_code == spread.exit_code == 1  # no_scale fails
     one, two = json.loads(serial.stdout), json.loads(spread.stdout)
-    assert two["verdict"] == one["verdict"] and one["passed"] >= 6 and one["failed"] >= 3
+    assert two["verdict"] == one["verdict"] and one["passed"] >= 4 and one["failed"] >= 2
     assert any("on the Ray this process already runs: 2 CPUs at once" in n for n in two["notices"])
     key = ("kernel", "label", "status")
     assert [[r[k] for k in key] for r in two["results"]] == [[r[k] for k in key] for r in one["results"]]
