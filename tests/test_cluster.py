@@ -115,6 +115,17 @@ def test_per_gpu_type_runs_the_sweep_on_each_type(ray_cluster, isolated: Path) -
     assert "TFLOP/s on each GPU type" in table.stdout and all(t in table.stdout for t in types)
 
 
+def test_bench_on_local_workers_without_a_gpu_refuses_before_starting_ray(isolated: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    started = time.monotonic()
+    result = invoke("bench", "--workers", "2", "--seq-lens", "16")
+    assert result.exit_code == 2 and "no GPU" in result.stderr and "--device cpu" in result.stderr
+    assert time.monotonic() - started < 2  # no Ray cluster was started for nothing
+
+
 def test_per_gpu_type_needs_a_cluster(isolated: Path) -> None:
     result = invoke(*TINY_BENCH, "--seq-lens", "16", "--per-gpu-type")
     assert result.exit_code == 2 and "--per-gpu-type" in result.stderr and "--cluster" in result.stderr

@@ -115,6 +115,8 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
     inputs = (names, shapes, earlier, plot, compare, argv, console, per_gpu_type)
     if not cluster.wanted(cfg.cluster):
         return _run(cfg, *inputs, pool=None)
+    if cfg.cluster.address is None:
+        _device(cfg.experiment.device)  # a local cluster has this machine's GPUs: refuse before starting it
     with cluster.connect(cfg.cluster, cfg.experiment.device, cap=cfg.is_set("cluster.workers")) as pool:
         return _run(cfg, *inputs, pool=pool)
 
