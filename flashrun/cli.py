@@ -58,6 +58,17 @@ DeviceOpt = Annotated[
     Optional[str],
     typer.Option("--device", help="auto | cuda | cpu (cpu runs Triton's interpreter).", show_default=False),
 ]
+WorkersOpt = Annotated[
+    Optional[int],
+    typer.Option("--workers", "-w", help="Run this many checks (verify) or shapes (bench) at once on Ray workers: "
+                 "a local Ray cluster started for the command, one GPU (or CPU) each; with --cluster, a cap "
+                 "(default \\[cluster].workers = 1: in this process, no Ray).", show_default=False),
+]
+ClusterOpt = Annotated[
+    Optional[str],
+    typer.Option("--cluster", help="Run on an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
+                 "(default \\[cluster].address).", show_default=False),
+]
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -151,6 +162,8 @@ def verify(
     rerun: Annotated[Optional[str], typer.Option(
         "--rerun", help="Repeat a recorded run exactly (see `flashrun runs`); options that would change its plan "
         "are refused.", show_default=False)] = None,
+    workers: WorkersOpt = None,
+    cluster: ClusterOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -165,12 +178,17 @@ def verify(
       flashrun verify -k experiments/my_attention.py:attention --grad
 
       flashrun verify --set experiment.seq_len=1025 --set experiment.dtype=bfloat16
+
+      flashrun verify --workers 4 --set verify.seq_len=[1,17,97,128,1025]   # 4 at once, on Ray
+
+      flashrun verify --cluster auto --grad                # an existing Ray cluster, every GPU
     """
     from flashrun.harness import verify as verify_mod
     from flashrun.records.runlog import find_record
 
     flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
-             "verify.grad": grad or None, "verify.diagnose": diagnose or None, "verify.budget_s": budget}
+             "verify.grad": grad or None, "verify.diagnose": diagnose or None, "verify.budget_s": budget,
+             "cluster.workers": workers, "cluster.address": cluster}
     with _boundary(verbose):
         if rerun is not None:
             _refuse_rerun_conflicts(rerun, {"--kernel": kernel, "--cases": cases, "--grad": grad or None,
@@ -347,6 +365,10 @@ def bench(
         show_default=False)] = None,
     compare: Annotated[Optional[Path], typer.Option(
         "--compare", help="Print ratios against an earlier results file (.csv or .json).", show_default=False)] = None,
+    workers: WorkersOpt = None,
+    cluster: ClusterOpt = None,
+    per_gpu_type: Annotated[bool, typer.Option(
+        "--per-gpu-type", help="On Ray: run the sweep once on each GPU type of the cluster, side by side.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -369,6 +391,10 @@ def bench(
       flashrun bench -k experiments/my_attention.py:attention --compare logs/bench/earlier.json
 
       flashrun bench --device cpu -p torch-naive,sdpa --seq-lens 128 --set bench.tokens=256
+
+      flashrun bench --workers 8                 # a shape per GPU, 8 GPUs at once (Ray)
+
+      flashrun bench --cluster auto --per-gpu-type -k flash -p sdpa-cudnn   # each GPU type of a cluster
     """
     from flashrun.harness import bench as bench_mod
 
@@ -379,10 +405,11 @@ def bench(
             "bench.seq_len": _ints("--seq-lens", seq_lens), "bench.seq_len_k": _ints("--seq-lens-k", seq_lens_k),
             "bench.head_dim": _ints("--head-dims", head_dims), "bench.causal": _causal(causal),
             "bench.out": str(out_dir) if out_dir is not None else None, "experiment.device": device,
+            "cluster.workers": workers, "cluster.address": cluster,
         }
         cfg = _setup(config, settings, sets, verbose, flags)
         report = bench_mod.run(cfg, tuple(_split(kernel)), plot, compare, tuple(sys.argv[1:]),
-                               console=None if json_out else err)
+                               console=None if json_out else err, per_gpu_type=per_gpu_type)
         if json_out:
             out.print_json(data=report.to_json())
         else:

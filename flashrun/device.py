@@ -9,6 +9,7 @@ triton.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -59,6 +60,20 @@ def interpreting() -> bool:
     """Whether Triton runs kernels through its interpreter in this process (TRITON_INTERPRET=1).
     Triton reads the variable when a kernel is defined; so do flashrun's kernels."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def where(kind: str) -> str:
+    """This process's node and device, as results name them: ``node7:gpu3 (NVIDIA H200)`` (the
+    physical index: under Ray, CUDA_VISIBLE_DEVICES maps it to cuda:0) or ``node7:cpu``."""
+    host = socket.gethostname()
+    if kind != "cuda":
+        return f"{host}:cpu"
+    import torch
+
+    index = torch.cuda.current_device()
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    physical = visible[index] if index < len(visible) else str(index)
+    return f"{host}:gpu{physical} ({torch.cuda.get_device_name(index)})"
 
 
 def _kernels_imported() -> bool:

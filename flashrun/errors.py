@@ -39,6 +39,10 @@ class DeviceError(FlashrunError):
     """The requested device cannot be used (no GPU, Triton already imported in another mode)."""
 
 
+class ClusterError(FlashrunError):
+    """Ray is not installed, or the Ray cluster cannot be started or reached."""
+
+
 class GatewayError(FlashrunError):
     """The LLM gateway could not be reached or answered with an error."""
 

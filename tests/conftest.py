@@ -12,6 +12,7 @@ import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
@@ -46,6 +47,25 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.chdir(tmp_path)
     yield tmp_path
     logging.getLogger("flashrun").handlers.clear()  # the CLI bound them to a now-closed stream
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session, in this process: two CPUs and two made-up
+    GPU types (``accelerator_type:*`` resources, for --per-gpu-type's scheduling without GPUs),
+    listening on 127.0.0.1 only. Starting Ray costs seconds, and a command in this process uses
+    the Ray already initialized (its workers stay warm from test to test). Yields ``.address``
+    (for ``--cluster`` from another process) and ``.gpu_types``."""
+    # Ray's switch for "this machine only": read when ray is imported, inherited by subprocesses
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray = pytest.importorskip("ray", reason="needs Ray: pip install 'flashrun[ray]'")
+
+    gpu_types = ("TEST-A", "TEST-B")
+    ray.init(num_cpus=2, resources={f"accelerator_type:{name}": 1 for name in gpu_types},
+             include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+             object_store_memory=256 << 20)
+    yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, gpu_types=gpu_types)
+    ray.shutdown()
 
 
 @pytest.fixture

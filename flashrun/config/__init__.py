@@ -13,6 +13,7 @@ from flashrun.config.schema import (
     DEFAULT_CONFIG,
     SECTIONS,
     BenchConfig,
+    ClusterConfig,
     Config,
     Dtype,
     ExperimentConfig,
@@ -20,6 +21,6 @@ from flashrun.config.schema import (
     PositiveInt,
 )
 
-__all__ = ["DEFAULT_CONFIG", "SECTIONS", "BenchConfig", "Config", "Dtype", "ExperimentConfig", "HeadDim",
+__all__ = ["DEFAULT_CONFIG", "SECTIONS", "BenchConfig", "ClusterConfig", "Config", "Dtype", "ExperimentConfig", "HeadDim",
            "PositiveInt", "base_url_root", "find_config", "key_variable", "load_config", "parse_set",
            "resolve_api_key"]

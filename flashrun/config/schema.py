@@ -169,6 +169,22 @@ class BenchConfig(_Section):
     _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", mode="before")(_as_list)
 
 
+class ClusterConfig(_Section):
+    """Scale-out over Ray (flashrun[ray]); 1 worker and no address: in this process, no Ray."""
+
+    # Checks (verify) or shapes (bench) run at once: 1 runs them here, one after the other;
+    # N > 1 starts a local Ray cluster for the command; with an address, caps what it uses.
+    workers: PositiveInt = 1
+    address: str | None = None  # an existing Ray cluster: "auto", "HOST:PORT" or "ray://HOST:PORT"
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError('expected "auto", "HOST:PORT" or "ray://HOST:PORT"')
+        return None if value is None else value.strip()
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "api": ApiConfig,
     "request": RequestConfig,
@@ -178,6 +194,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "verify": VerifyConfig,
     "cases": CasesConfig,
     "bench": BenchConfig,
+    "cluster": ClusterConfig,
 }
 
 
@@ -190,6 +207,7 @@ class Config(_Section):
     verify: VerifyConfig = VerifyConfig()
     cases: CasesConfig = CasesConfig()
     bench: BenchConfig = BenchConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     # Where the values came from (for messages and run records) and warnings to show the user.
     _files: list[str] = PrivateAttr(default_factory=list)

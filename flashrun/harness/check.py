@@ -56,13 +56,14 @@ class CaseResult:
     notes: list[str] = field(default_factory=list)
     traceback: str | None = None  # the full traceback when the kernel raised (shown with -v)
     index: int = 0
+    where: str = ""  # the node and device that ran it (device.where); "" when it never ran
 
     def to_json(self) -> dict[str, Any]:
         data = {
             "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
             "message": self.message, "first_call_s": _round(self.first_call_s), "ms": _round(self.ms),
             "notes": self.notes, "logit_range": list(self.logits) if self.logits else None,
-            "checks": [c.to_json() for c in self.checks],
+            "checks": [c.to_json() for c in self.checks], "where": self.where,
         }
         if self.traceback is not None:
             data["traceback"] = self.traceback
@@ -105,9 +106,11 @@ def run_job(job: Job) -> CaseResult:
     try:
         kernel = load_kernel(job.kernel, job.launch)
     except KernelError as exc:
-        return CaseResult(job.kernel, job.case, "error", message=exc.message, index=job.index)
-    result = check_case(kernel, job, dev.torch_device)
+        result = CaseResult(job.kernel, job.case, "error", message=exc.message)
+    else:
+        result = check_case(kernel, job, dev.torch_device)
     result.index = job.index
+    result.where = device_mod.where(dev.kind)
     return result
 
 

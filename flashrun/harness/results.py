@@ -22,7 +22,8 @@ from flashrun.records.redact import redact, redact_data
 
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
-EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp")
+EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
+                 "where")  # new columns go at the end: scripts read these files by position too
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim")
 
@@ -47,7 +48,7 @@ class Row:
     speedup: float | None  # baseline ms / this ms, same case and mode
     correct: bool | None  # None: never checked (n/a, OOM before the check)
     seq_len_k: int
-    status: str  # ok | wrong | n/a | OOM
+    status: str  # ok | wrong | n/a | OOM | error (its worker died twice: a Ray run)
     max_err: float | None
     note: str
     setup_s: float | None  # prepare + first checked call (compile, autotune), once per provider and shape
@@ -55,6 +56,7 @@ class Row:
     torch: str | None
     triton: str | None
     timestamp: str
+    where: str = ""  # the node and device that measured it (flashrun.device.where)
 
     @property
     def valid(self) -> bool:

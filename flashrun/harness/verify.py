@@ -3,9 +3,12 @@
 :func:`make_plan` turns the config (or a cases file) into a :class:`Plan`: kernels x shapes.
 :func:`run` turns the plan into one :class:`~flashrun.harness.check.Job` per (case, kernel),
 skips up front what the interpreter cannot finish in the budget, runs the rest
-(:func:`~flashrun.harness.check.run_job`), reports each result as it finishes - a progress
-bar on a terminal, one line per case anywhere else - and writes the run record, also when
-Ctrl-C ends the run early (the record says ``interrupted``). :func:`render` prints the table.
+(:func:`~flashrun.harness.check.run_job`) in this process (:func:`_serial`) or, with
+``[cluster]``, as Ray tasks (:func:`flashrun.harness.cluster.checks`, the same contract),
+reports each result as it finishes - a progress bar on a terminal, one line per case anywhere
+else - and writes the run record, also when Ctrl-C ends the run early (the record says
+``interrupted``). Results are sorted by job index, so a run on many workers reads, and is
+recorded, like a serial one. :func:`render` prints the table.
 """
 
 from __future__ import annotations
@@ -117,12 +120,14 @@ class Report:
 
 
 def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None = None) -> Report:
-    """Run every (case, kernel) check; write a run record. ``console`` None: no progress output."""
+    """Run every (case, kernel) check; write a run record. ``console`` None: no progress output.
+    With ``[cluster]`` workers > 1 or an address, the checks run as Ray tasks
+    (:mod:`~flashrun.harness.cluster`); otherwise here, one after the other, without Ray."""
     from flashrun import device as device_mod
-    from flashrun.harness.check import interpreter_bf16_dot_ok, load_kernel, run_job
+    from flashrun.harness import cluster
+    from flashrun.harness.check import load_kernel
 
     dev = device_mod.select(plan.device)
-    notices = [dev.notice] if dev.notice else []
 
     from flashrun import kernels
 
@@ -134,19 +139,41 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
     for spec in plan.kernels:
         load_kernel(spec, launch)  # a bad kernel spec is an input error: exit 2, before any case runs
 
+    if not cluster.wanted(cfg.cluster):
+        return _run(cfg, plan, console, argv, dev, launch, None)
+    with cluster.connect(cfg.cluster, plan.device, cap=cfg.is_set("cluster.workers")) as pool:
+        return _run(cfg, plan, console, argv, dev, launch, pool)
+
+
+def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None, dev: Any, launch: Any,
+         pool: Any) -> Report:
+    """The checks of ``plan``, in this process (``pool`` None) or on a Ray pool."""
+    from functools import partial
+
+    from flashrun.harness import cluster
+    from flashrun.harness.check import interpreter_bf16_dot_ok, run_job
+
+    # The workers' device decides, not this process's: a CPU driver may steer a GPU cluster.
+    kind = dev.kind if pool is None else pool.kind
+    interpreter = dev.interpreter if pool is None else not pool.gpus
+    notices = [dev.notice] if dev.notice and (pool is None or interpreter) else []
+    if pool is not None:
+        notices += [f"running on {pool.description}", *pool.notices]
+
     bf16_ok = True
-    if dev.interpreter and any(c.dtype == "bfloat16" for c in plan.cases):
+    if interpreter and dev.interpreter and any(c.dtype == "bfloat16" for c in plan.cases):
         bf16_ok = interpreter_bf16_dot_ok()
         if not bf16_ok:
             notices.append("this Triton's interpreter computes bfloat16 tl.dot wrongly (probe failed): flash and "
                            "minimal upcast those dots to float32 there; your own kernels' bfloat16 cases are skipped")
-    if dev.interpreter:
+    if interpreter:
         notices.append("through the interpreter, `first s` is its wall time and `ms` is not measured: "
                        "interpreter timings say nothing about a GPU")
 
-    jobs = [Job(index, spec, case, plan.seed + index // len(plan.kernels), plan.grad, plan.diagnose, plan.device,
-                launch, bf16_ok or not dev.interpreter,
-                interpreter_seconds(case, plan.grad) if dev.interpreter else None)
+    job_device = plan.device if pool is None else pool.kind  # "cpu" keeps a worker off a GPU it was not given
+    jobs = [Job(index, spec, case, plan.seed + index // len(plan.kernels), plan.grad, plan.diagnose, job_device,
+                launch, bf16_ok or not interpreter,
+                interpreter_seconds(case, plan.grad) if interpreter else None)
             for index, (case, spec) in enumerate((c, s) for c in plan.cases for s in plan.kernels)]
     # every kernel sees the same inputs per case: the seed is seed + case number
     over = [job for job in jobs if job.estimate_s is not None and 0 < plan.budget_s < job.estimate_s]
@@ -159,13 +186,16 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
         for notice in notices:
             console.print(f"[yellow]note:[/] {escape(notice)}")
 
-    report = Report([], dev.kind + (" (Triton interpreter)" if dev.interpreter else ""), notices,
-                    planned=len(jobs), interpreter=dev.interpreter)
+    report = Report([], kind + (" (Triton interpreter)" if interpreter else ""), notices,
+                    planned=len(jobs), interpreter=interpreter)
+    execute = _serial if pool is None else partial(cluster.checks, pool)
+    if pool is not None:  # longest first: the run then ends on short checks, not on one long one
+        todo.sort(key=lambda job: -(job.estimate_s or 0.0))  # stable: plan order on a GPU
     with _Reporter(console, len(jobs)) as reporter:
         for result in results:
             reporter.finished(result)
         try:
-            for result in _serial(todo, reporter, run_job):
+            for result in execute(todo, reporter, run_job):
                 results.append(result)
         except KeyboardInterrupt:
             report.interrupted = True
