@@ -150,13 +150,19 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, sm_scale: float, variant: Variant,
-                   launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, sm_scale: float, variant: Variant, launch: Launch = None,
+                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
+    (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
+    dQ kernel (7 matmuls, bitwise repeatable)."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     group = H // H_KV
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
+    # atomic: every query row's partials land in a zeroed float32 buffer, so rows that no key
+    # block visits (no key to see) come out as zeros too
+    dq = (torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic
+          else torch.zeros(q.shape, dtype=torch.float32, device=q.device))
     delta = torch.empty_like(lse)
     common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **variant.kernel_args(sm_scale), **dot_options(q.dtype))
 
@@ -169,11 +175,16 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         _attn_bwd_preprocess[(triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H)](
             o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
 
-    def run_dkdv(cfg: LaunchConfig) -> None:
+    def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
         launch_kernel(_attn_bwd_dkdv, (triton.cdiv(N_K, cfg.block_n), Z * H_KV),
-            q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dk), *_lse_strides(lse), H, H_KV, N_Q, N_K, sm_scale, GROUP=group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            q, k, v, do, lse, delta, dk, dv, dq if atomic_dq else None, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(do), *_strides(dk), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
+            H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+
+    def run_fused(cfg: LaunchConfig) -> None:
+        dq.zero_()  # the tuner times this more than once: each run must start from zeros
+        run_dkdv(cfg, atomic_dq=True)
 
     def run_dq(cfg: LaunchConfig) -> None:
         launch_kernel(_attn_bwd_dq, (triton.cdiv(N_Q, cfg.block_m), Z * H),
@@ -181,26 +192,31 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, sm_scale, GROUP=group,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
-    if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
-        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **variant.tuning(N_Q, N_K)))
+    tuning = variant.tuning(N_Q, N_K)
+    if not deterministic:
+        if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
+            run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
+        return dq.to(q.dtype), dk, dv  # float32: the buffer itself
+    if N_K:
+        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **tuning))
     if N_Q:
-        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **variant.tuning(N_Q, N_K)))
+        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
 
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, variant, launch):
+    def forward(ctx, q, k, v, sm_scale, variant, launch, deterministic):
         o, lse = _attn_forward(q, k, v, sm_scale, variant, launch)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.sm_scale, ctx.variant, ctx.launch = sm_scale, variant, launch
+        ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic = sm_scale, variant, launch, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch)
-        return dq, dk, dv, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
+        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
 
 
 def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
@@ -220,15 +236,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     sm_scale: float | None = None, launch: Launch = None, *,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False) -> torch.Tensor:
     """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D).
 
     FlashAttention-2's variants (see the module docstring): ``window=(left, right)`` (-1
     unbounded), ``softcap`` (> 0 caps the scores at ±softcap through a tanh), ``alibi_slopes``
-    (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient)."""
+    (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient).
+    ``deterministic``: a bitwise-repeatable backward (two kernels, 7 matmuls per tile pair)
+    instead of the faster one that sums dQ with float32 atomics in whatever order they land."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
-    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
 
 
 def _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
@@ -266,12 +284,13 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen_k: int | None = None, causal: bool = False,
                            sm_scale: float | None = None, *, window: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                           launch: Launch = None) -> torch.Tensor:
+                           launch: Launch = None, deterministic: bool = False) -> torch.Tensor:
     """Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k, v (total_k, H_kv, D);
     sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, (B + 1,), a length may be 0) and
     attends on its own (bottom-right alignment per sequence). Returns (total_q, H, D),
     differentiable. ``max_seqlen_*``: the longest lengths if known (else read from cu_seqlens,
-    which are checked on the host either way); ``alibi_slopes``: (H,) or (B, H)."""
+    which are checked on the host either way); ``alibi_slopes``: (H,) or (B, H);
+    ``deterministic`` as in :func:`flash_attention`."""
     variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                               softcap, alibi_slopes)
-    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
