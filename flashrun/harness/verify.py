@@ -132,7 +132,7 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
     pinned = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
     launch = pinned if any(v is not None for v in vars(pinned).values()) else "default"
     for spec in plan.kernels:
-        load_kernel(spec, launch)  # a bad kernel spec is an input error: exit 2, before any case runs
+        load_kernel(spec, launch, cfg.experiment.deterministic)  # a bad kernel spec is an input error: exit 2, before any case runs
 
     bf16_ok = True
     if dev.interpreter and any(c.dtype == "bfloat16" for c in plan.cases):
@@ -145,7 +145,7 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
                        "interpreter timings say nothing about a GPU")
 
     jobs = [Job(index, spec, case, plan.seed + index // len(plan.kernels), plan.grad, plan.diagnose, plan.device,
-                launch, bf16_ok or not dev.interpreter,
+                launch, cfg.experiment.deterministic, bf16_ok or not dev.interpreter,
                 interpreter_seconds(case, plan.grad) if dev.interpreter else None)
             for index, (case, spec) in enumerate((c, s) for c in plan.cases for s in plan.kernels)]
     # every kernel sees the same inputs per case: the seed is seed + case number
