@@ -8,8 +8,19 @@ running row max ``m_i``, running sum ``l_i`` and the unnormalized output ``acc``
 with ``sm_scale · log2 e`` folded into one multiplier ``qk_scale``.
 Backward: ``delta_i = Σ_d dO_id O_id`` (a preprocess kernel), P is recomputed from LSE, then
     dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  dQ = dS K · sm_scale,  dK = dSᵀ Q · sm_scale
-in two kernels without atomics (so results are deterministic): dK/dV per key block (looping over
-query blocks, and over the query heads of a GQA group), and dQ per query block.
+Per (query tile, key tile) pair that is 5 matmuls: S = Q Kᵀ, dV += Pᵀ dO, dP = dO Vᵀ, dK += dSᵀ Q,
+dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program order serves both:
+  * default (FlashAttention-2/3, cuDNN): one program per key block keeps K, V, dK, dV on chip,
+    loops over the query blocks (and over the query heads of a GQA group, summing dK/dV in
+    order), and adds each pair's dQ partial dS K · sm_scale into a zeroed float32 buffer with
+    atomics (``ATOMIC_DQ``); one cast to the output dtype follows. 5 matmuls. Float addition is
+    not associative and the atomics from different key blocks land in whatever order the
+    programs reach them, so dQ may differ in its last bits from run to run (dK, dV do not);
+  * ``deterministic=True``: the same dK/dV kernel without the atomics, then a dQ kernel per query
+    block looping over key blocks in a fixed order - bitwise repeatable, but it recomputes
+    Q Kᵀ and dO Vᵀ: 7 matmuls per pair, about 7/5 of the time.
+Keys past N_K in a key block load as zeros, and their dS is zeroed before it reaches dQ: against
+a very negative LSE their recomputed P would be exp2(0 − lse2) = inf, and inf · 0 is NaN.
 
 Conventions (shared with ``flashrun.harness.reference``, which this module never imports):
   * layout (batch, heads, seq, head_dim), any strides; k/v may have fewer heads than q (GQA/MQA);
@@ -37,7 +48,7 @@ compile as they did without them. With ``off = Nk - Nq``:
   * skipping  a window bounds the keys each query tile sees on both sides: blocks outside are
     never visited (loop bounds), blocks inside that every row of the tile sees whole run
     unmasked, and only the blocks on the window's two edges pay for the mask. The backward
-    bounds its query loops (dK/dV) and key loops (dQ) the same way;
+    bounds its query loops (dK/dV, and the atomic dQ with them) and key loops (dQ) the same way;
   * paths   TMA loads support every variant as they are (masks and scores do not depend on how
     a tile was loaded); flash-decoding too, its splits sharing out only the keys a window
     leaves visible.
