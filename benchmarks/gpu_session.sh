@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh suite       # tests/test_gpu.py (~6 min with 14 workers)
 #   bash benchmarks/gpu_session.sh providers   # every provider once, head_dim 256, decode (~3 min)
 #   bash benchmarks/gpu_session.sh sweep       # the recorded default sweep, fwd+bwd, fp16+bf16 (~5 min)
+#   bash benchmarks/gpu_session.sh bwd         # backward only: flash (atomic dQ) vs flash-deterministic vs cuDNN
 # Run them back to back on one machine: the suite leaves Triton's kernel cache warm for the rest.
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README);
 # the suite's -n needs pytest-xdist.
@@ -33,5 +34,9 @@ case "${1:-}" in
     FLASHRUN_CACHE_DIR="$OUT/tune" bench -k flash -p sdpa-flash,sdpa-cudnn --baseline sdpa-cudnn \
       --mode fwd --mode bwd --dtype float16,bfloat16 --set bench.rep_ms=60 --set bench.warmup_ms=15 \
       --out "$OUT/results" --plot "$OUT/results/h200-default-sweep.png" ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh suite|providers|sweep" >&2; exit 2 ;;
+  bwd)
+    FLASHRUN_CACHE_DIR="$OUT/tune" bench -k flash -p flash-deterministic,sdpa-cudnn --baseline sdpa-cudnn \
+      --mode bwd --dtype float16,bfloat16 --set bench.rep_ms=60 --set bench.warmup_ms=15 \
+      --out "$OUT/bwd" --plot "$OUT/bwd/h200-bwd.png" ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh suite|providers|sweep|bwd" >&2; exit 2 ;;
 esac

@@ -37,8 +37,10 @@ def main() -> None:
     for i, (dtype, d, causal, n) in enumerate(shapes):
         heads, batch = max(1, HIDDEN // d), max(1, TOKENS // n)
         q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-        out = flash_attention(q, k, v, causal=causal)
-        out.backward(torch.randn_like(out))
+        do = torch.randn_like(q)
+        for deterministic in (False, True):  # bwd_fused, then bwd_dkdv and bwd_dq
+            out = flash_attention(q, k, v, causal=causal, deterministic=deterministic)
+            out.backward(do)
         print(f"[{i + 1}/{len(shapes)}] {dtype} D={d} {'causal' if causal else 'full'} N={n}: "
               f"{time.perf_counter() - start:.0f} s", flush=True)
         del q, k, v, out

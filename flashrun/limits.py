@@ -6,3 +6,6 @@ DTYPES = ("float16", "bfloat16", "float32")
 # The short names flashrun prints in labels, accepted wherever a dtype is read.
 SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
+# flashrun's own kernels, by name (anything else is a user's PATH.py:FUNCTION);
+# flash-deterministic is flash with its atomic-free, bitwise-repeatable backward.
+BUILTIN_KERNELS = ("flash", "flash-deterministic", "minimal")

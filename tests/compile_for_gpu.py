@@ -51,7 +51,7 @@ class CompileOnly:
             start = time.perf_counter()
             triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
                            options={"num_warps": num_warps, "num_stages": num_stages})
-            flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS")
+            flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ")
                              if constants.get(f))
             print(f"  {self.fn.__name__} {flags}: {time.perf_counter() - start:.1f}s", flush=True)
         return launch
@@ -64,8 +64,9 @@ def dense(shape, dtype, causal=False, backward=True, launch="default", **variant
     variant = flash._variant(q, z, n_k, causal, variants.get("window", (-1, -1)), variants.get("softcap", 0.0),
                              variants.get("alibi_slopes"))
     o, lse = flash._attn_forward(q, k, k, 0.125, variant, launch)
-    if backward:
+    if backward:  # the default (atomic dQ) and the deterministic backward
         flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default")
+        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default", deterministic=True)
 
 
 def packed(lengths_q, lengths_k, h, h_kv, d, dtype, causal=False, **variants):

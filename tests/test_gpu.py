@@ -64,12 +64,12 @@ def _inputs(z, h, h_kv, n_q, n_k, d, dtype, seed=0, q_scale=1.0):
     return q, k, v, do
 
 
-def _check(q, k, v, do, causal, launch=None, **variants):
-    """flash against the reference (float32 on the GPU), forward and backward; ``variants``:
-    window, softcap, alibi_slopes. Fresh allocations are poisoned, so an element never written
-    cannot pass."""
+def _check(q, k, v, do, causal, launch=None, deterministic=False, **variants):
+    """flash against the reference (float32 on the GPU), forward and backward (``deterministic``:
+    the atomic-free backward); ``variants``: window, softcap, alibi_slopes. Fresh allocations are
+    poisoned, so an element never written cannot pass."""
     with _poisoned_allocations():
-        out = flash_attention(q, k, v, causal=causal, launch=launch, **variants)
+        out = flash_attention(q, k, v, causal=causal, launch=launch, deterministic=deterministic, **variants)
         grads = torch.autograd.grad(out, (q, k, v), do)
     _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=True, **variants), out, grads)
 
@@ -83,13 +83,48 @@ def _judge(reference, out, grads):
 def _defaults(head_dim, dtype):
     """Pin each kernel to its default config: the shapes are checked here, the tuner's whole
     space in test_every_tunable_config_is_correct (tuning every case would only add compiles)."""
-    return {kind: default(kind, head_dim, dtype) for kind in ("fwd", "bwd_dkdv", "bwd_dq")}
+    return {kind: default(kind, head_dim, dtype) for kind in KINDS}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-def test_flash_on_gpu(case):
+KINDS = ("fwd", "bwd_fused", "bwd_dkdv", "bwd_dq")
+DETERMINISTIC_KINDS = ("bwd_dkdv", "bwd_dq")  # the kernels only deterministic=True runs
+
+
+def _case_id(case):
+    return "-".join(str(x).replace("torch.", "") for x in case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_flash_on_gpu(case):  # the default backward: dK/dV with atomic dQ
     *shape, dtype, causal = case
     _check(*_inputs(*shape, dtype), causal, launch=_defaults(shape[-1], dtype))
+
+
+# The deterministic backward on the shapes that stress it most: GQA 8:1 at 16384, rows with no
+# key, head_dim 256, a padded head_dim, float32.
+@pytest.mark.parametrize("case", [CASES[i] for i in (4, 6, 9, 16, 21)], ids=_case_id)
+def test_deterministic_on_gpu(case):
+    *shape, dtype, causal = case
+    _check(*_inputs(*shape, dtype), causal, launch=_defaults(shape[-1], dtype), deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_bitwise_repeatable_on_gpu(causal):
+    # on the GPU the atomic backward's dQ may change in its last bits from run to run (atomics
+    # land in any order); the deterministic one must not, over many runs: GQA 8:1, 32 key blocks
+    q, k, v, do = _inputs(2, 8, 1, 4096, 4096, 128, BF16)
+    launch = _defaults(128, BF16)
+
+    def grads(deterministic):
+        out = flash_attention(q, k, v, causal=causal, launch=launch, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    first = grads(True)
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(first, grads(True)))
+    # the two backwards sum in other orders (and tiles): equal to rounding, not bitwise
+    for a, b in zip(grads(False), first):
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -98,7 +133,7 @@ def test_autotuned_path(causal):
 
 
 def _space():
-    for kind in ("fwd", "bwd_dkdv", "bwd_dq"):
+    for kind in KINDS:
         for head_dim in (64, 128, 256):
             for cfg in candidates(kind, head_dim, FP16):
                 yield kind, head_dim, cfg
@@ -119,7 +154,7 @@ VARIANTS = [(FP16, False, "ragged"), (FP16, True, "aligned"), (BF16, False, "ali
 def test_every_tunable_config_is_correct(kind, head_dim, cfg, dtype, causal, shape):
     pins = {**_defaults(head_dim, dtype), kind: cfg}
     try:
-        _check(*_inputs(*SHAPES[shape](head_dim), dtype), causal, launch=pins)
+        _check(*_inputs(*SHAPES[shape](head_dim), dtype), causal, launch=pins, deterministic=kind in DETERMINISTIC_KINDS)
     except Exception as exc:  # a config that cannot launch on this GPU is skipped by the tuner too
         if "out of resource" in str(exc).lower() or "OutOfResources" in type(exc).__name__:
             pytest.skip(f"{cfg} does not fit this GPU: {exc}")
@@ -128,8 +163,9 @@ def test_every_tunable_config_is_correct(kind, head_dim, cfg, dtype, causal, sha
 
 def test_float32_configs():
     for cfg in candidates("fwd", 64, FP32):
-        pins = {kind: cfg for kind in ("fwd", "bwd_dkdv", "bwd_dq")}
-        _check(*_inputs(1, 2, 2, 300, 333, 64, FP32), True, launch=pins)
+        pins = {kind: cfg for kind in KINDS}
+        for deterministic in (False, True):
+            _check(*_inputs(1, 2, 2, 300, 333, 64, FP32), True, launch=pins, deterministic=deterministic)
 
 
 def test_pinned_partial_override_from_config():
@@ -202,7 +238,8 @@ def test_every_tunable_config_with_variants(kind, head_dim, cfg):
     q, k, v, do, variants = _variant_inputs((2, 4, 2, 1000, 1037, head_dim), BF16,
                                             {"window": (300, 17), "softcap": 30.0, "alibi_slopes": "BH"}, 30)
     try:
-        _check(q, k, v, do, False, launch={**_defaults(head_dim, BF16), kind: cfg}, **variants)
+        _check(q, k, v, do, False, launch={**_defaults(head_dim, BF16), kind: cfg},
+               deterministic=kind in DETERMINISTIC_KINDS, **variants)
     except Exception as exc:  # a config that cannot launch on this GPU is skipped by the tuner too
         if "out of resource" in str(exc).lower() or "OutOfResources" in type(exc).__name__:
             pytest.skip(f"{cfg} does not fit this GPU: {exc}")
@@ -233,13 +270,14 @@ VARLEN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("name,h,h_kv,d,dtype,causal,variants,q_scale", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
-def test_varlen_on_gpu(name, h, h_kv, d, dtype, causal, variants, q_scale):
+def test_varlen_on_gpu(name, h, h_kv, d, dtype, causal, variants, q_scale, deterministic):
     q, k, v, do, cu_q, cu_k = _packed(LENGTHS_Q, LENGTHS_K, h, h_kv, d, dtype, q_scale)
     if isinstance(variants.get("alibi_slopes"), str):
         variants = {**variants, "alibi_slopes": _slopes(variants["alibi_slopes"], len(LENGTHS_Q), h)}
     with _poisoned_allocations():
-        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, **variants)
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, deterministic=deterministic, **variants)
         grads = torch.autograd.grad(out, (q, k, v), do)
     _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                      **variants), out, grads)

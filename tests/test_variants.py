@@ -78,10 +78,16 @@ def _case_inputs(shape, dtype, variants, q_scale):
     return q, k, v, do, variants
 
 
-@pytest.mark.parametrize("name,shape,dtype,causal,variants,q_scale", CASES, ids=[c[0] for c in CASES])
-def test_variants_match_reference(name, shape, dtype, causal, variants, q_scale):
+# Every case with the default backward (atomic dQ); these also with the deterministic one.
+DETERMINISTIC = {"window35-nq>nk-gqa", "sliding-causal-mqa", "softcap-causal-gqa", "all", "all-causal-nq>nk"}
+
+
+@pytest.mark.parametrize("name,shape,dtype,causal,variants,q_scale,deterministic",
+                         [(*c, False) for c in CASES] + [(*c, True) for c in CASES if c[0] in DETERMINISTIC],
+                         ids=[c[0] for c in CASES] + [f"{c[0]}-deterministic" for c in CASES if c[0] in DETERMINISTIC])
+def test_variants_match_reference(name, shape, dtype, causal, variants, q_scale, deterministic):
     q, k, v, do, variants = _case_inputs(shape, dtype, variants, q_scale)
-    _check_fwd_bwd(q, k, v, do, causal, **variants)
+    _check_fwd_bwd(q, k, v, do, causal, deterministic=deterministic, **variants)
 
 
 # Small and uneven tiles: more block edges per sequence, and windows narrower than a block.
@@ -110,8 +116,9 @@ def test_flash_decoding_with_variants(variants):
 
 
 # -- rows with no allowed key: zeros, LSE -inf, zero gradients, never NaN ------------------------
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("window,blind", [((0, 0), 32), ((-1, 2), 30)], ids=["diagonal", "right-only"])
-def test_rows_with_no_allowed_key(window, blind):
+def test_rows_with_no_allowed_key(window, blind, deterministic):
     # Nq = 40 > Nk = 8: query i faces key i - 32, so with (0, 0) rows 0..31 see nothing, with
     # (-1, 2) rows 0..29 (they see keys up to i - 30)
     q, k, v, do = _inputs((1, 2, 2, 40, 8, 16), FP32)
@@ -120,7 +127,7 @@ def test_rows_with_no_allowed_key(window, blind):
     assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
     assert torch.isinf(lse[:, :, :blind]).all() and (lse[:, :, :blind] < 0).all()
     assert torch.isfinite(lse[:, :, blind:]).all()
-    out = flash_attention(q, k, v, window=window, softcap=5.0, alibi_slopes=slopes)
+    out = flash_attention(q, k, v, window=window, softcap=5.0, alibi_slopes=slopes, deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     assert torch.equal(dq[:, :, :blind], torch.zeros_like(dq[:, :, :blind]))
@@ -172,10 +179,10 @@ def _packed(lengths_q, lengths_k, h, h_kv, d, dtype, seed=0):
     return q, k, v, do, cu_q, cu_k
 
 
-def _check_varlen(q, k, v, do, cu_q, cu_k, causal=False, **variants):
+def _check_varlen(q, k, v, do, cu_q, cu_k, causal=False, deterministic=False, **variants):
     """As _check_fwd_bwd, for packed sequences: every output and gradient row must be written."""
     with _poisoned_allocations():
-        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, **variants)
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, deterministic=deterministic, **variants)
         grads = torch.autograd.grad(out, (q, k, v), do)
     _judge(out, grads, q, k, v, do, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **variants)
 
@@ -195,13 +202,19 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,lengths_q,lengths_k,h,h_kv,d,dtype,causal,variants", VARLEN_CASES,
-                         ids=[c[0] for c in VARLEN_CASES])
-def test_varlen_matches_reference(name, lengths_q, lengths_k, h, h_kv, d, dtype, causal, variants):
+VARLEN_DETERMINISTIC = {"causal-gqa", "window-softcap-alibi-mqa"}
+
+
+@pytest.mark.parametrize("name,lengths_q,lengths_k,h,h_kv,d,dtype,causal,variants,deterministic",
+                         [(*c, False) for c in VARLEN_CASES]
+                         + [(*c, True) for c in VARLEN_CASES if c[0] in VARLEN_DETERMINISTIC],
+                         ids=[c[0] for c in VARLEN_CASES]
+                         + [f"{c[0]}-deterministic" for c in VARLEN_CASES if c[0] in VARLEN_DETERMINISTIC])
+def test_varlen_matches_reference(name, lengths_q, lengths_k, h, h_kv, d, dtype, causal, variants, deterministic):
     q, k, v, do, cu_q, cu_k = _packed(lengths_q, lengths_k, h, h_kv, d, dtype)
     if isinstance(variants.get("alibi_slopes"), str):
         variants = {**variants, "alibi_slopes": _slopes(variants["alibi_slopes"], len(lengths_q), h)}
-    _check_varlen(q, k, v, do, cu_q, cu_k, causal, **variants)
+    _check_varlen(q, k, v, do, cu_q, cu_k, causal, deterministic=deterministic, **variants)
 
 
 def test_varlen_rows_with_no_key_and_empty_batches():

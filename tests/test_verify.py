@@ -134,6 +134,26 @@ def test_correct_user_kernel_passes_with_grad(workdir):
     assert len(data["results"][0]["checks"]) == 4
 
 
+def test_deterministic_reaches_the_backward_verify_checks(workdir, monkeypatch):
+    # experiment.deterministic picks flash's atomic-free backward; flash-deterministic always runs it
+    from flashrun.kernels import flash
+
+    seen = []
+    real = flash._attn_backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic", args[9] if len(args) > 9 else False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash, "_attn_backward", spy)
+    for args, expected in ((["--set", "experiment.deterministic=true"], [True]), ([], [False]),
+                           (["--kernel", "flash-deterministic"], [True])):
+        seen.clear()
+        code, data = verify_json("--grad", "--set", "verify.seq_len=[17]", *args)
+        assert code == 0, data
+        assert seen == expected, args
+
+
 def test_sweep_expands_cartesian_product(workdir):
     code, data = verify_json("--set", "verify.seq_len=[1,17]", "--set", "verify.causal=[false,true]",
                              "--set", "verify.num_kv_heads=[1,2]")

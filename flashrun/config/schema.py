@@ -89,6 +89,8 @@ class ExperimentConfig(_Section):
     causal: bool = False
     seed: int = 0
     kernel: list[str] = ["flash"]
+    # flash's backward without atomics (bitwise repeatable, slower); the kernel flash-deterministic always is
+    deterministic: bool = False
 
     _kernel_list = field_validator("kernel", mode="before")(_as_list)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from flashrun.errors import KernelError, is_oom
 from flashrun.harness.shapes import Shape
+from flashrun.limits import BUILTIN_KERNELS as BUILTIN
 
 POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
 TIMED_MS = 25  # GPU time spent timing each checked kernel (median of the repeats)
@@ -39,6 +40,7 @@ class Job:
     diagnose: bool
     device: str  # what the plan asked for: auto | cuda | cpu
     launch: Any = "default"  # flash's launch config: "default" or a pinned LaunchConfig
+    deterministic: bool = False  # flash's atomic-free backward ([experiment] deterministic)
     bf16_dots_ok: bool = True  # False: this interpreter's bf16 tl.dot is wrong (users' kernels skip)
     estimate_s: float | None = None  # expected interpreter seconds (None on a GPU)
 
@@ -85,16 +87,16 @@ def interpreter_seconds(case: Shape, grad: bool) -> float:
     return 0.05 + tiles * per_tile * (0.6 if case.causal else 1.0) * (5.0 if grad else 1.0)
 
 
-_kernels: dict[tuple[str, str], Any] = {}  # (spec, launch) -> Kernel, loaded once per process
+_kernels: dict[tuple[str, str, bool], Any] = {}  # (spec, launch, deterministic) -> Kernel, once per process
 
 
-def load_kernel(spec: str, launch: Any):
+def load_kernel(spec: str, launch: Any, deterministic: bool = False):
     """``flashrun.kernels.get`` once per process (after the device is selected)."""
     from flashrun import kernels
 
-    key = (spec, repr(launch))
+    key = (spec, repr(launch), deterministic)
     if key not in _kernels:
-        _kernels[key] = kernels.get(spec, launch)
+        _kernels[key] = kernels.get(spec, launch, deterministic)
     return _kernels[key]
 
 
@@ -104,7 +106,7 @@ def run_job(job: Job) -> CaseResult:
 
     dev = device_mod.select(job.device)
     try:
-        kernel = load_kernel(job.kernel, job.launch)
+        kernel = load_kernel(job.kernel, job.launch, job.deterministic)
     except KernelError as exc:
         result = CaseResult(job.kernel, job.case, "error", message=exc.message)
     else:
@@ -124,7 +126,7 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
 
     case = job.case
     result = CaseResult(kernel.name, case, "pass")
-    if case.dtype == "bfloat16" and not job.bf16_dots_ok and kernel.name not in ("flash", "minimal"):
+    if case.dtype == "bfloat16" and not job.bf16_dots_ok and kernel.name not in BUILTIN:
         result.status = "skipped"
         result.message = "bfloat16 on this Triton's interpreter: its tl.dot is wrong for bf16; run on a GPU"
         return result
@@ -202,7 +204,7 @@ def _kernel_frame(exc: BaseException, kernel: Any) -> str | None:
     """``path:line in function`` of the innermost frame in the user's kernel file, looking through
     the exceptions it was raised from (Triton's interpreter re-raises a jitted function's error as
     its own): where the user should look. None for flashrun's own kernels or when no frame is there."""
-    if kernel.name in ("flash", "minimal"):
+    if kernel.name in BUILTIN:
         return None
     try:
         source = Path(inspect.getsourcefile(kernel.fn) or "").resolve()

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from flashrun.errors import InputError, KernelError
 from flashrun.harness.reference import causal_mask, expand_kv
 from flashrun.harness.shapes import Shape
+from flashrun.limits import BUILTIN_KERNELS
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-KERNELS = ("flash", "minimal")
+KERNELS = BUILTIN_KERNELS  # flash-deterministic: flash with the atomic-free backward
 # SDPA providers and the backend each one forces (None: PyTorch's own dispatch).
 SDPA = {
     "sdpa": None,

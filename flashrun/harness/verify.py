@@ -137,7 +137,7 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
     pinned = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
     launch = pinned if any(v is not None for v in vars(pinned).values()) else "default"
     for spec in plan.kernels:
-        load_kernel(spec, launch)  # a bad kernel spec is an input error: exit 2, before any case runs
+        load_kernel(spec, launch, cfg.experiment.deterministic)  # a bad kernel spec is an input error: exit 2, before any case runs
 
     if not cluster.wanted(cfg.cluster):
         return _run(cfg, plan, console, argv, dev, launch, None)
@@ -172,7 +172,7 @@ def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | Non
 
     job_device = plan.device if pool is None else pool.kind  # "cpu" keeps a worker off a GPU it was not given
     jobs = [Job(index, spec, case, plan.seed + index // len(plan.kernels), plan.grad, plan.diagnose, job_device,
-                launch, bf16_ok or not interpreter,
+                launch, cfg.experiment.deterministic, bf16_ok or not interpreter,
                 interpreter_seconds(case, plan.grad) if interpreter else None)
             for index, (case, spec) in enumerate((c, s) for c in plan.cases for s in plan.kernels)]
     # every kernel sees the same inputs per case: the seed is seed + case number

@@ -1,6 +1,7 @@
 """Attention kernels and their registry.
 
-``get("flash")``, ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
+``get("flash")``, ``get("flash-deterministic")`` (flash with its atomic-free, bitwise-repeatable
+backward), ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
 :class:`Kernel` called as ``kernel(q, k, v, causal=False, sm_scale=None) -> o``.
 
 A user's function may take ``(q, k, v)`` - the article's signature, accepted as is; it is then
@@ -33,11 +34,12 @@ from flashrun.kernels.flash import (
 from flashrun.kernels.flash_args import alibi_slopes
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
+from flashrun.limits import BUILTIN_KERNELS
 
 __all__ = ["Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
            "flash_attention_varlen", "get", "minimal_attention"]
 
-BUILTIN = ("flash", "minimal")
+BUILTIN = BUILTIN_KERNELS
 
 
 @dataclass(frozen=True)
@@ -54,12 +56,16 @@ class Kernel:
         return self.fn(q, k, v)
 
 
-def get(spec: str, launch: Launch = None) -> Kernel:
-    """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config."""
-    if spec == "flash":
+def get(spec: str, launch: Launch = None, deterministic: bool = False) -> Kernel:
+    """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config;
+    ``deterministic``: flash's atomic-free backward (what ``flash-deterministic`` always runs)."""
+    if spec in ("flash", "flash-deterministic"):
+        deterministic = deterministic or spec == "flash-deterministic"
+
         def flash(q, k, v, causal=False, sm_scale=None):
-            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch)
-        return Kernel("flash", flash, supports_backward=True)
+            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch,
+                                   deterministic=deterministic)
+        return Kernel(spec, flash, supports_backward=True)
     if spec == "minimal":
         return Kernel("minimal", minimal_attention, supports_backward=False)
     path, sep, func = spec.rpartition(":")

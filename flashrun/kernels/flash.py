@@ -8,8 +8,19 @@ running row max ``m_i``, running sum ``l_i`` and the unnormalized output ``acc``
 with ``sm_scale · log2 e`` folded into one multiplier ``qk_scale``.
 Backward: ``delta_i = Σ_d dO_id O_id`` (a preprocess kernel), P is recomputed from LSE, then
     dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  dQ = dS K · sm_scale,  dK = dSᵀ Q · sm_scale
-in two kernels without atomics (so results are deterministic): dK/dV per key block (looping over
-query blocks, and over the query heads of a GQA group), and dQ per query block.
+Per (query tile, key tile) pair that is 5 matmuls: S = Q Kᵀ, dV += Pᵀ dO, dP = dO Vᵀ, dK += dSᵀ Q,
+dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program order serves both:
+  * default (FlashAttention-2/3, cuDNN): one program per key block keeps K, V, dK, dV on chip,
+    loops over the query blocks (and over the query heads of a GQA group, summing dK/dV in
+    order), and adds each pair's dQ partial dS K · sm_scale into a zeroed float32 buffer with
+    atomics (``ATOMIC_DQ``); one cast to the output dtype follows. 5 matmuls. Float addition is
+    not associative and the atomics from different key blocks land in whatever order the
+    programs reach them, so dQ may differ in its last bits from run to run (dK, dV do not);
+  * ``deterministic=True``: the same dK/dV kernel without the atomics, then a dQ kernel per query
+    block looping over key blocks in a fixed order - bitwise repeatable, but it recomputes
+    Q Kᵀ and dO Vᵀ: 7 matmuls per pair, about 7/5 of the time.
+Keys past N_K in a key block load as zeros, and their dS is zeroed before it reaches dQ: against
+a very negative LSE their recomputed P would be exp2(0 − lse2) = inf, and inf · 0 is NaN.
 
 Conventions (shared with ``flashrun.harness.reference``, which this module never imports):
   * layout (batch, heads, seq, head_dim), any strides; k/v may have fewer heads than q (GQA/MQA);
@@ -37,7 +48,7 @@ compile as they did without them. With ``off = Nk - Nq``:
   * skipping  a window bounds the keys each query tile sees on both sides: blocks outside are
     never visited (loop bounds), blocks inside that every row of the tile sees whole run
     unmasked, and only the blocks on the window's two edges pay for the mask. The backward
-    bounds its query loops (dK/dV) and key loops (dQ) the same way;
+    bounds its query loops (dK/dV, and the atomic dQ with them) and key loops (dQ) the same way;
   * paths   TMA loads support every variant as they are (masks and scores do not depend on how
     a tile was loaded); flash-decoding too, its splits sharing out only the keys a window
     leaves visible.
@@ -150,13 +161,19 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, sm_scale: float, variant: Variant,
-                   launch: Launch = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, sm_scale: float, variant: Variant, launch: Launch = None,
+                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
+    (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
+    dQ kernel (7 matmuls, bitwise repeatable)."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     group = H // H_KV
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
+    # atomic: every query row's partials land in a zeroed float32 buffer, so rows that no key
+    # block visits (no key to see) come out as zeros too
+    dq = (torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic
+          else torch.zeros(q.shape, dtype=torch.float32, device=q.device))
     delta = torch.empty_like(lse)
     common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **variant.kernel_args(sm_scale), **dot_options(q.dtype))
 
@@ -169,11 +186,16 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         _attn_bwd_preprocess[(triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H)](
             o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
 
-    def run_dkdv(cfg: LaunchConfig) -> None:
+    def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
         launch_kernel(_attn_bwd_dkdv, (triton.cdiv(N_K, cfg.block_n), Z * H_KV),
-            q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dk), *_lse_strides(lse), H, H_KV, N_Q, N_K, sm_scale, GROUP=group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            q, k, v, do, lse, delta, dk, dv, dq if atomic_dq else None, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(do), *_strides(dk), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
+            H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+
+    def run_fused(cfg: LaunchConfig) -> None:
+        dq.zero_()  # the tuner times this more than once: each run must start from zeros
+        run_dkdv(cfg, atomic_dq=True)
 
     def run_dq(cfg: LaunchConfig) -> None:
         launch_kernel(_attn_bwd_dq, (triton.cdiv(N_Q, cfg.block_m), Z * H),
@@ -181,26 +203,31 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, sm_scale, GROUP=group,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
-    if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
-        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **variant.tuning(N_Q, N_K)))
+    tuning = variant.tuning(N_Q, N_K)
+    if not deterministic:
+        if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
+            run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
+        return dq.to(q.dtype), dk, dv  # float32: the buffer itself
+    if N_K:
+        run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **tuning))
     if N_Q:
-        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **variant.tuning(N_Q, N_K)))
+        run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
 
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, variant, launch):
+    def forward(ctx, q, k, v, sm_scale, variant, launch, deterministic):
         o, lse = _attn_forward(q, k, v, sm_scale, variant, launch)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.sm_scale, ctx.variant, ctx.launch = sm_scale, variant, launch
+        ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic = sm_scale, variant, launch, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch)
-        return dq, dk, dv, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
+        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
 
 
 def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
@@ -220,15 +247,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     sm_scale: float | None = None, launch: Launch = None, *,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False) -> torch.Tensor:
     """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D).
 
     FlashAttention-2's variants (see the module docstring): ``window=(left, right)`` (-1
     unbounded), ``softcap`` (> 0 caps the scores at ±softcap through a tanh), ``alibi_slopes``
-    (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient)."""
+    (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient).
+    ``deterministic``: a bitwise-repeatable backward (two kernels, 7 matmuls per tile pair)
+    instead of the faster one that sums dQ with float32 atomics in whatever order they land."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
-    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
 
 
 def _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
@@ -266,12 +295,13 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen_k: int | None = None, causal: bool = False,
                            sm_scale: float | None = None, *, window: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                           launch: Launch = None) -> torch.Tensor:
+                           launch: Launch = None, deterministic: bool = False) -> torch.Tensor:
     """Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k, v (total_k, H_kv, D);
     sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, (B + 1,), a length may be 0) and
     attends on its own (bottom-right alignment per sequence). Returns (total_q, H, D),
     differentiable. ``max_seqlen_*``: the longest lengths if known (else read from cu_seqlens,
-    which are checked on the host either way); ``alibi_slopes``: (H,) or (B, H)."""
+    which are checked on the host either way); ``alibi_slopes``: (H,) or (B, H);
+    ``deterministic`` as in :func:`flash_attention`."""
     variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                               softcap, alibi_slopes)
-    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch)
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))

@@ -1,5 +1,7 @@
-"""The flash backward kernels: delta = rowsum(dO·O), then dK/dV per key block and dQ per query
-block, without atomics. The maths is in :mod:`flashrun.kernels.flash`."""
+"""The flash backward kernels: delta = rowsum(dO·O), then dK/dV per key block, which with
+``ATOMIC_DQ`` also adds each tile's dQ partial into a float32 buffer with atomics (5 matmuls per
+tile pair, the default); without it, dQ per query block in a second kernel (7 matmuls, no
+atomics: deterministic). The maths is in :mod:`flashrun.kernels.flash`."""
 
 from __future__ import annotations
 
@@ -42,13 +44,15 @@ def _attn_bwd_preprocess(O, DO, Delta,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                         stride_qm, stride_qk, stride_dom, stride_dok,
-                         offs_n, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                         stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                         offs_n, offs_d, lo, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, left, right,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
+    key_ok = offs_n < N_K
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
@@ -71,17 +75,27 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 - tanh²
             dsT = dsT * (1.0 - tT * tT)
-        dk = _dot(dsT.to(q.dtype), q, dk, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
+        if ATOMIC_DQ:
+            # keys past N_K load as zeros, but against a very negative LSE their P = exp2(0 - lse2)
+            # may be inf, and inf · 0 would put NaN into dQ: their dS must be exactly 0
+            dsT = tl.where(key_ok[:, None], dsT, 0.0)
+        dsT = dsT.to(q.dtype)
+        dk = _dot(dsT, q, dk, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
+        if ATOMIC_DQ:  # dQ[rows] += dS K · sm_scale, summed over key blocks in whatever order they land
+            dq = _dot(tl.trans(dsT), k, None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_D)
+            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk, dq * sm_scale,
+                          mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    stride_qz, stride_qh, stride_qm, stride_qk,
                    stride_kz, stride_kh, stride_kn, stride_kk,
                    stride_vz, stride_vh, stride_vn, stride_vk,
                    stride_doz, stride_doh, stride_dom, stride_dok,
                    stride_dkz, stride_dkh, stride_dkn, stride_dkk,
+                   stride_dqz, stride_dqh, stride_dqm, stride_dqk,
                    stride_lz, stride_lh,
                    H, H_KV, N_Q, N_K, sm_scale,
                    qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
@@ -89,9 +103,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """dK, dV for one block of keys of one k/v head. LSE and Delta: (batch, heads, Nq) or, packed,
-    (heads, total_q), addressed through stride_lz/stride_lh like the tensors (see _sequence)."""
+                   ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV for one block of keys of one k/v head; with ATOMIC_DQ also the dQ partials of every
+    query block it visits, added into DQ (float32, zeroed by the launcher, any strides; scaled by
+    sm_scale here). LSE and Delta: (batch, heads, Nq) or, packed, (heads, total_q), addressed
+    through stride_lz/stride_lh like the tensors (see _sequence)."""
     tl.static_assert(not (CAUSAL and WINDOW))
     start_n = tl.program_id(0) * BLOCK_N
     off_zh = tl.program_id(1)
@@ -115,30 +131,34 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
 
     lo, mid_lo, mid_hi, hi = _query_range(start_n, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # GQA: dK/dV of a shared k/v head sum over its query heads - here, in order, without atomics
+    # (each query head's dQ rows are its own: the group adds nothing to dQ's contention)
     for g in range(GROUP):
         off_h = off_hkv * GROUP + g
         q_base = Q + off_zq * stride_qz + off_h * stride_qh
         do_base = DO + off_zq * stride_doz + off_h * stride_doh
         lse_base = LSE + off_zq * stride_lz + off_h * stride_lh
         delta_base = Delta + off_zq * stride_lz + off_h * stride_lh  # Delta is laid out as LSE
+        dq_base = DQ  # None unless ATOMIC_DQ
+        if ATOMIC_DQ:
+            dq_base = DQ + off_zq * stride_dqz + off_h * stride_dqh
         slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
         if CAUSAL or WINDOW:  # the causal diagonal or the window's first edge - masked
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                          stride_qm, stride_qk, stride_dom, stride_dok,
-                                          offs_n, offs_d, lo, mid_lo, N_Q, N_K, qk_scale, softcap2, slope2,
-                                          win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
-                                          SOFTCAP, ALIBI, UPCAST, PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                      stride_qm, stride_qk, stride_dom, stride_dok,
-                                      offs_n, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2,
-                                      win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW,
-                                      SOFTCAP, ALIBI, UPCAST, PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                                          stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                                          offs_n, offs_d, lo, mid_lo, N_Q, N_K, sm_scale, qk_scale, softcap2,
+                                          slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL,
+                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, UPCAST, PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                                      stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                                      offs_n, offs_d, mid_lo, mid_hi, N_Q, N_K, sm_scale, qk_scale, softcap2,
+                                      slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, False, CAUSAL,
+                                      WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, UPCAST, PRECISION)
         if WINDOW:  # the window's other edge - masked
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                          stride_qm, stride_qk, stride_dom, stride_dok,
-                                          offs_n, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2,
-                                          win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
-                                          SOFTCAP, ALIBI, UPCAST, PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                                          stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                                          offs_n, offs_d, mid_hi, hi, N_Q, N_K, sm_scale, qk_scale, softcap2,
+                                          slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL,
+                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, UPCAST, PRECISION)
     dk *= sm_scale
     out = off_zk * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)

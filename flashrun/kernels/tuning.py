@@ -59,7 +59,7 @@ class LaunchConfig:
 C = LaunchConfig
 # The launch-config space's version: bump it whenever a candidate list or the meaning of a config
 # field changes, so tuned tables (shipped or cached) made for another space are not used.
-SPACE_VERSION = 1
+SPACE_VERSION = 2  # 2: "bwd_fused" (the atomic-dQ backward) added
 # Tuned tables shipped with flashrun, one per GPU and Triton minor version
 # (benchmarks/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
 SHIPPED = Path(__file__).parent / "tuned"
@@ -71,7 +71,9 @@ Launch = LaunchConfig | dict[str, LaunchConfig] | str | None
 INTERPRETER = C(32, 32, 4, 1, False)
 
 # Pruned candidate spaces, per kernel and head_dim class. Kernels: "fwd" (block_m = query tile),
-# "bwd_dkdv" (block_m = query tile streamed past a block_n key tile it owns), "bwd_dq".
+# "bwd_fused" (the default backward: dK/dV plus atomic dQ; block_m = query tile streamed past a
+# block_n key tile it owns), and the deterministic backward's "bwd_dkdv" (the same tiles, no dQ)
+# and "bwd_dq".
 _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
     ("fwd", "small"): [C(128, 64, 4, 3, False), C(64, 64, 4, 3, False), C(128, 128, 8, 3, False),
                        C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(64, 64, 4, 3, True)],
@@ -80,6 +82,12 @@ _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
                        C(128, 128, 8, 3, True, ws=True)],
     ("fwd", "huge"): [C(64, 64, 4, 2, False), C(128, 64, 8, 2, False), C(64, 32, 4, 2, False),
                       C(64, 64, 4, 2, True), C(128, 64, 8, 2, True)],
+    # dQ's atomics per tile pair are block_m x head_dim against block_m x block_n x head_dim of
+    # matmul work, so wide key tiles (block_n 128) amortize them best; the fifth matmul and its
+    # (block_m, head_dim) float32 partial add registers, hence the 8-warp candidates.
+    ("bwd_fused", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(32, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
+    ("bwd_fused", "large"): [C(64, 128, 8, 3), C(32, 128, 8, 3), C(32, 128, 4, 3), C(64, 64, 4, 3), C(32, 64, 4, 2)],
+    ("bwd_fused", "huge"): [C(32, 64, 4, 2), C(64, 64, 8, 2), C(16, 64, 4, 2), C(32, 128, 8, 2)],
     ("bwd_dkdv", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
     ("bwd_dkdv", "large"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 2)],
     ("bwd_dkdv", "huge"): [C(32, 64, 4, 2), C(64, 64, 8, 2), C(16, 64, 4, 2)],
