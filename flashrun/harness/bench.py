@@ -256,7 +256,8 @@ class _Sweep:
             speedup=baseline_ms / ms if ms and baseline_ms else None,
             correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
             note=cell.note, setup_s=cell.setup_s, gpu=self.env["measured_on"], torch=self.env.get("torch"),
-            triton=self.env.get("triton"), timestamp=now_iso(),
+            triton=self.env.get("triton"), timestamp=now_iso(), window=shape.window, softcap=shape.softcap,
+            alibi=shape.alibi, seqlens=shape.seqlens, seqlens_k=shape.seqlens_k,
         )
 
 
