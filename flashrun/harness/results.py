@@ -226,7 +226,9 @@ def plot(rows: list[Row], path: Path) -> Path:
             for r in rows:
                 if (r.valid and r.tflops is not None and r.mode == mode and r.head_dim == head_dim
                         and r.causal == causal and (not dtype or r.dtype == dtype)):
-                    label = r.provider + (f" ({other_label}={getattr(r, other_name)})" if split else "")
+                    variant = r.shape.variant_label  # one line per provider and variant
+                    label = (r.provider + (f" [{variant}]" if variant else "")
+                             + (f" ({other_label}={getattr(r, other_name)})" if split else ""))
                     series.setdefault(label, []).append(r)
             for label, points in sorted(series.items()):
                 points.sort(key=lambda r: getattr(r, x_name))
