@@ -41,7 +41,7 @@ HeadDim = Annotated[int, Field(ge=MIN_HEAD_DIM, le=MAX_HEAD_DIM)]
 
 
 def _pair(value: Any) -> Any:
-    """A window from TOML/JSON is a list ``[left, right]``; it is kept as a tuple."""
+    """A window (or packed lengths) from TOML/JSON is a list; it is kept as a tuple."""
     return tuple(value) if isinstance(value, list) else value
 
 
@@ -54,7 +54,8 @@ def _window_sides(value: tuple[int, int]) -> tuple[int, int]:
 # (left, right): query i sees keys i + off - left .. i + off + right (off = Nk - Nq); -1 unbounded
 Window = Annotated[tuple[int, int], BeforeValidator(_pair), AfterValidator(_window_sides)]
 Softcap = Annotated[float, Field(ge=0)]  # 0: none
-SeqLens = Annotated[list[NonNegativeInt], Field(min_length=1)]  # packed sequences' lengths, 0 allowed
+# packed sequences' lengths, 0 allowed; a tuple, so that shapes and cases holding them hash
+SeqLens = Annotated[tuple[NonNegativeInt, ...], BeforeValidator(_pair), Field(min_length=1)]
 
 
 def _power_of_two(value: int | None, name: str) -> int | None:

@@ -377,7 +377,8 @@ def _render_compare(report: BenchReport, console: Console) -> None:
     for ratio in report.ratios:
         r = ratio.row
         table.add_row(r.provider, r.mode, r.dtype, "yes" if r.causal else "no",
-                      f"{r.batch}, {r.heads}, {r.seq_len}, {r.seq_len_k}, {r.head_dim}",
+                      f"{r.batch}, {r.heads}, {r.seq_len}, {r.seq_len_k}, {r.head_dim}"
+                      + (f" {r.shape.variant_label}" if r.shape.variant_label else ""),
                       _fmt(ratio.before_ms, 3), _fmt(r.ms, 3),
                       f"{ratio.ratio:.2f}x" if ratio.ratio is not None else "n/a")
     console.print(table)
