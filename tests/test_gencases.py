@@ -32,7 +32,7 @@ from flashrun.errors import InputError
 from flashrun.gateway import gencases
 from flashrun.gateway.client import check_online
 from flashrun.gateway.replies import extract_items, validate
-from flashrun.harness.cases import HEAD_DIMS, load_cases, offline_cases
+from flashrun.harness.cases import HEAD_DIMS, load_cases, offline_cases, variant_cases
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_VAR = "FLASHRUN_TEST_KEY"
@@ -459,7 +459,8 @@ def test_offline_needs_no_gateway_and_feeds_verify(isolated: Path, monkeypatch: 
 def test_offline_count_caps_the_set(isolated: Path) -> None:
     result = gen(write_config(isolated, "http://127.0.0.1:9/v1"), "--offline", "--count", "5", "--json")
     assert result.exit_code == 0
-    assert json.loads(result.stdout)["n_cases"] == 5
+    # the count caps the length cases; the variants' few small edge cases always come after them
+    assert json.loads(result.stdout)["n_cases"] == 5 + len(variant_cases(16384))
 
 
 @pytest.mark.parametrize("max_seq_len", [1, 2, 64, 100, 16384])

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -39,6 +40,24 @@ HeadDim = Annotated[int, Field(ge=MIN_HEAD_DIM, le=MAX_HEAD_DIM)]
 
 
 
+def _pair(value: Any) -> Any:
+    """A window (or packed lengths) from TOML/JSON is a list; it is kept as a tuple."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _window_sides(value: tuple[int, int]) -> tuple[int, int]:
+    if any(side < -1 for side in value):
+        raise ValueError(f"window sides are key counts >= 0, or -1 for unbounded, got {list(value)}")
+    return value
+
+
+# (left, right): query i sees keys i + off - left .. i + off + right (off = Nk - Nq); -1 unbounded
+Window = Annotated[tuple[int, int], BeforeValidator(_pair), AfterValidator(_window_sides)]
+Softcap = Annotated[float, Field(ge=0)]  # 0: none
+# packed sequences' lengths, 0 allowed; a tuple, so that shapes and cases holding them hash
+SeqLens = Annotated[tuple[NonNegativeInt, ...], BeforeValidator(_pair), Field(min_length=1)]
+
+
 def _power_of_two(value: int | None, name: str) -> int | None:
     if value is not None and (value <= 0 or value & (value - 1)):
         raise ValueError(f"expected a power of two for {name}")
@@ -48,6 +67,15 @@ def _power_of_two(value: int | None, name: str) -> int | None:
 def _as_list(value: Any) -> Any:
     """Sweep keys accept a scalar or a list; a scalar is a one-element sweep."""
     return value if isinstance(value, list) or value is None else [value]
+
+
+def _as_list_of_lists(value: Any) -> Any:
+    """Sweep keys whose values are lists themselves (windows, packed lengths): one list of
+    numbers is a one-element sweep, a list of lists the sweep."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+            and value:
+        return [list(value)]
+    return value
 
 
 class _Section(BaseModel):
@@ -87,6 +115,11 @@ class ExperimentConfig(_Section):
     num_kv_heads: PositiveInt | None = None  # GQA/MQA; defaults to num_heads
     head_dim: HeadDim = 64
     causal: bool = False
+    window: Window = (-1, -1)  # sliding window (left, right); -1 unbounded
+    softcap: Softcap = 0.0  # > 0: scores become softcap·tanh(s / softcap)
+    alibi: bool = False  # ALiBi with the standard slopes of num_heads
+    seqlens: SeqLens | None = None  # packed sequences' query lengths (batch_size, seq_len follow)
+    seqlens_k: SeqLens | None = None  # their key lengths; defaults to seqlens
     seed: int = 0
     kernel: list[str] = ["flash"]
     # flash's backward without atomics (bitwise repeatable, slower); the kernel flash-deterministic always is
@@ -99,6 +132,18 @@ class ExperimentConfig(_Section):
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})")
+        return self
+
+    @model_validator(mode="after")
+    def _packed_lengths(self) -> ExperimentConfig:
+        if self.seqlens_k is not None and self.seqlens is None:
+            raise ValueError("seqlens_k needs seqlens (the query lengths of the packed sequences)")
+        if self.seqlens is not None:
+            if self.seqlens_k is not None and len(self.seqlens_k) != len(self.seqlens):
+                raise ValueError(f"seqlens_k must give as many lengths as seqlens ({len(self.seqlens)}), "
+                                 f"got {len(self.seqlens_k)}")
+            if not any(self.seqlens) or not any(self.seqlens_k or self.seqlens):
+                raise ValueError("packed sequences need at least one non-empty sequence")
         return self
 
 
@@ -134,6 +179,10 @@ class VerifyConfig(_Section):
     head_dim: list[HeadDim] | None = None
     dtype: list[Dtype] | None = None
     causal: list[bool] | None = None
+    window: list[Window] | None = None
+    softcap: list[Softcap] | None = None
+    alibi: list[bool] | None = None
+    seqlens: list[list[NonNegativeInt]] | None = None  # [] in the list: not packed
     grad: bool = False
     diagnose: bool = False
     # Through the interpreter, a case expected to take longer than this many seconds is skipped
@@ -142,8 +191,9 @@ class VerifyConfig(_Section):
 
     _lists = field_validator(
         "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",
-        mode="before",
+        "softcap", "alibi", mode="before",
     )(_as_list)
+    _pairs = field_validator("window", "seqlens", mode="before")(_as_list_of_lists)
 
 
 class CasesConfig(_Section):
@@ -164,11 +214,18 @@ class BenchConfig(_Section):
     hidden: PositiveInt = 2048  # heads = hidden // head_dim (the FlashAttention benchmark convention)
     tokens: PositiveInt = 32768  # batch = tokens // seq_len
     num_kv_heads: PositiveInt | None = None
+    # variants: each list multiplies the sweep; varlen batches (lists of lengths) add packed shapes
+    window: list[Window] = [(-1, -1)]
+    softcap: list[Softcap] = [0.0]
+    alibi: list[bool] = [False]
+    varlen: list[SeqLens] | None = None
     warmup_ms: PositiveInt = 25
     rep_ms: PositiveInt = 100
     out: PathField | None = None  # default <log_dir>/bench
 
-    _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", mode="before")(_as_list)
+    _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", "softcap", "alibi",
+                             mode="before")(_as_list)
+    _pairs = field_validator("window", "varlen", mode="before")(_as_list_of_lists)
 
 
 class ClusterConfig(_Section):

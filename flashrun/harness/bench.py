@@ -362,7 +362,8 @@ def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, cei
         speedup=baseline_ms / ms if ms and baseline_ms else None,
         correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
         note=cell.note, setup_s=cell.setup_s, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
-        timestamp=now_iso(), where=env["where"],
+        timestamp=now_iso(), where=env["where"], window=shape.window, softcap=shape.softcap, alibi=shape.alibi,
+        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k,
     )
 
 
@@ -589,7 +590,8 @@ def _render_compare(report: BenchReport, console: Console) -> None:
     for ratio in report.ratios:
         r = ratio.row
         table.add_row(r.provider, r.mode, r.dtype, "yes" if r.causal else "no",
-                      f"{r.batch}, {r.heads}, {r.seq_len}, {r.seq_len_k}, {r.head_dim}",
+                      f"{r.batch}, {r.heads}, {r.seq_len}, {r.seq_len_k}, {r.head_dim}"
+                      + (f" {r.shape.variant_label}" if r.shape.variant_label else ""),
                       _fmt(ratio.before_ms, 3), _fmt(r.ms, 3),
                       f"{ratio.ratio:.2f}x" if ratio.ratio is not None else "n/a")
     console.print(table)

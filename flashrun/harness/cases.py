@@ -16,6 +16,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashrun.config import Dtype, HeadDim, PositiveInt
+from flashrun.config.schema import SeqLens, Softcap, Window
 from flashrun.errors import InputError
 from flashrun.records.files import atomic_write_json
 from flashrun.records.redact import redact_data
@@ -40,7 +41,35 @@ def _is_prime(n: int) -> bool:
 def offline_cases(max_seq_len: int, count: int | None = None) -> list[CaseSpec]:
     """Deterministic edge cases: 1, block sizes +-1, powers of two from 256 with the largest
     prime below each, and ``max_seq_len`` itself; head_dims cycle so every class appears.
-    Sorted by seq_len, so capping at ``count`` drops the most expensive ones."""
+    Sorted by seq_len, so capping at ``count`` drops the most expensive ones. Then the variants'
+    edge cases (:func:`variant_cases`), never capped: they are few and small."""
+    return _length_cases(max_seq_len, count) + variant_cases(max_seq_len)
+
+
+def variant_cases(max_seq_len: int) -> list[CaseSpec]:
+    """Edge cases of FlashAttention-2's variants, each one a known bug class: a window of 0 (each
+    query sees one key), a window wider than the sequence (unbounded), windows with Nq != Nk
+    both ways (bottom-right alignment, rows that see no key), softcap and ALiBi with a window,
+    and packed batches with an empty and a length-1 sequence. Lengths above ``max_seq_len``
+    are left out."""
+    cases = [
+        CaseSpec(seq_len=97, head_dim=64, window=(0, 0)),
+        CaseSpec(seq_len=17, head_dim=32, window=(0, 0), causal=True),
+        CaseSpec(seq_len=33, head_dim=64, window=(64, 100)),  # wider than the sequence both ways
+        CaseSpec(seq_len=17, seq_len_k=97, head_dim=40, window=(8, 0)),  # Nq < Nk
+        CaseSpec(seq_len=97, seq_len_k=17, head_dim=40, window=(3, 5)),  # Nq > Nk: the first rows see nothing
+        CaseSpec(seq_len=65, head_dim=64, window=(16, 0), softcap=2.0, alibi=True),
+        CaseSpec(seq_len=17, head_dim=64, seqlens=[0, 1, 17, 5]),
+        CaseSpec(seq_len=33, head_dim=32, seqlens=[17, 0, 1, 33], seqlens_k=[5, 9, 1, 40], causal=True,
+                 window=(4, 0)),
+    ]
+    def longest(c: CaseSpec) -> int:
+        return max([c.seq_len or 0, c.seq_len_k or 0, *(c.seqlens or []), *(c.seqlens_k or [])])
+
+    return [c for c in cases if longest(c) <= max_seq_len]
+
+
+def _length_cases(max_seq_len: int, count: int | None) -> list[CaseSpec]:
     lengths = {1, max_seq_len}
     lengths.update(b + delta for b in BLOCK_SIZES for delta in (-1, 0, 1))
     power = 256
@@ -77,6 +106,11 @@ class CaseSpec(BaseModel):
     num_kv_heads: Optional[PositiveInt] = None
     dtype: Optional[Dtype] = None
     causal: Optional[bool] = None
+    window: Optional[Window] = None
+    softcap: Optional[Softcap] = None
+    alibi: Optional[bool] = None
+    seqlens: Optional[SeqLens] = None  # packed: batch_size and seq_len follow from these
+    seqlens_k: Optional[SeqLens] = None
 
 
 # Tags that the writer puts on a case and that are not part of its shape.

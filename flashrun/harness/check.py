@@ -137,9 +137,19 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
             raise
         return _oom(result, device, "the inputs alone")
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.dout
+    variant = inputs.variant_args()  # window, softcap, alibi_slopes, cu_seqlens...: what the case needs
+    missing = kernel.missing(variant)
+    if missing:  # not the kernel's fault that it was not written for this variant: not run, not failed
+        result.status = "unsupported" if kernel.name in ("flash", "minimal") else "skipped"
+        result.message = (f"{kernel.name} does not take {', '.join(missing)}, which this case needs"
+                          + ("" if kernel.name in ("flash", "minimal") else
+                             " (add them as keyword arguments with defaults to run such cases)"))
+        return result
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     if job.diagnose:  # the range is always shown: "in range" is an answer too
-        result.logits = logit_range(q, k, sm_scale)
+        # packed (total, H, D) -> (1, H, total, D): the range over every pair, across sequences too
+        result.logits = logit_range(*((t.transpose(0, 1)[None] for t in (q, k)) if case.varlen else (q, k)),
+                                    sm_scale)
         low, high = result.logits
         saturates = max(abs(low), abs(high)) > 10
         result.notes.append(f"logits q·kᵀ·scale span [{low:.2f}, {high:.2f}]"
@@ -152,7 +162,7 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     start = time.perf_counter()
     try:
         with _poisoned_allocations():
-            out = kernel(kq, kk, kv, causal=case.causal, sm_scale=sm_scale)
+            out = kernel(kq, kk, kv, causal=case.causal, sm_scale=sm_scale, **variant)
             _sync(device)
         _check_output_shape(out, q)
         grads = None
@@ -196,7 +206,7 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         result.status = "fail"
         result.message = "; ".join(c.reason() for c in failing)
     if device == "cuda":
-        result.ms = _time_forward(kernel, kq.detach(), kk.detach(), kv.detach(), case.causal, sm_scale)
+        result.ms = _time_forward(kernel, kq.detach(), kk.detach(), kv.detach(), case.causal, sm_scale, variant)
     return result
 
 
@@ -244,12 +254,14 @@ def _oom(result: CaseResult, device: str, what: str) -> CaseResult:
     return result
 
 
-def _time_forward(kernel: Any, q: Any, k: Any, v: Any, causal: bool, sm_scale: float) -> float | None:
+def _time_forward(kernel: Any, q: Any, k: Any, v: Any, causal: bool, sm_scale: float,
+                  variant: dict[str, Any]) -> float | None:
     """Median ms of the compiled forward (the first call already compiled it)."""
     from triton.testing import do_bench
 
     try:
-        return float(do_bench(lambda: kernel(q, k, v, causal=causal, sm_scale=sm_scale), warmup=5, rep=TIMED_MS,
+        return float(do_bench(lambda: kernel(q, k, v, causal=causal, sm_scale=sm_scale, **variant), warmup=5,
+                              rep=TIMED_MS,
                               return_mode="median"))
     except Exception:  # noqa: BLE001 - timing is extra information; the verdict stands without it
         return None

@@ -145,7 +145,8 @@ class Reference:
 
     @classmethod
     def for_shape(cls, inputs: Inputs, shape: Shape, grads: bool, edges: bool = False) -> Reference:
-        return cls(inputs, causal=shape.causal, grads=grads, edges=edges)
+        """The reference for ``inputs`` drawn for ``shape``: its mask and variants (packed too)."""
+        return cls(inputs, causal=shape.causal, grads=grads, edges=edges, **inputs.reference_args())
 
     def slice_q(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H, Nq, D) or (total_q, H, D) -> the checked (sequence, query head) pairs."""

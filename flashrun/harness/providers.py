@@ -12,6 +12,21 @@ bench turns both into an ``n/a`` cell with the reason (see :func:`failure_reason
 
 Semantics shared with the reference: ``sm_scale = 1/sqrt(head_dim)``; causal with Nq != Nk
 is bottom-right aligned (query i sees keys j <= i + Nk - Nq).
+
+Variant shapes (window, softcap, ALiBi, packed sequences; see :mod:`~flashrun.harness.shapes`)
+get the same inputs as verify: packed ones ``(total, heads, head_dim)``. Who runs what:
+
+  * ``flash``, ``flash-attn`` and ``flex``: every variant (flash and flash-attn natively, flex
+    through ``score_mod`` for softcap/ALiBi and a ``block_mask`` for the window, the causal mask
+    and, packed, the sequences as documents of one long sequence);
+  * ``torch-naive``: every variant (the scores are materialized anyway);
+  * ``sdpa``, ``sdpa-math``, ``sdpa-efficient``: window, ALiBi and packing as one explicit
+    float mask (-inf outside, the ALiBi bias inside; packed: block-diagonal over the packed
+    sequence); not softcap, which transforms the scores and no additive mask can express;
+  * ``sdpa-flash``, ``sdpa-cudnn``: no variant (these backends refuse an explicit mask);
+  * a user's kernel: the variants its signature takes (:meth:`flashrun.kernels.Kernel.missing`).
+
+What a provider cannot run is ``n/a`` with the reason.
 """
 
 from __future__ import annotations
@@ -30,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from flashrun.errors import InputError, KernelError
-from flashrun.harness.reference import causal_mask, expand_kv
+from flashrun.harness.inputs import cu_seqlens, slopes
+from flashrun.harness.reference import alibi_bias, allowed, causal_mask, expand_kv
 from flashrun.harness.shapes import Shape
 from flashrun.limits import BUILTIN_KERNELS
 
@@ -130,31 +146,114 @@ def _kernel(spec: str) -> Provider:
     kernel = kernels.get(spec)
 
     def prepare(shape: Shape, device: torch.device) -> Attention:
-        return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal))
+        args = variant_args(shape, device)
+        missing = kernel.missing(args)
+        if missing:
+            raise KernelError(f"{kernel.name} does not take {', '.join(missing)}, which this shape needs")
+        return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal, **args))
 
     return Provider(spec, prepare, backward=kernel.supports_backward, is_kernel=True)
 
 
 # -- torch-naive: scores materialized -------------------------------------------------------------
+def _score_elements(shape: Shape) -> int:
+    """Elements of the materialized (B, H, Nq, Nk) scores; packed: (1, H, total_q, total_k)."""
+    if shape.seqlens is not None:
+        return shape.num_heads * sum(shape.seqlens) * sum(shape.key_lengths)
+    return shape.batch_size * shape.num_heads * shape.seq_len * shape.seq_len_k
+
+
 def _check_cpu_scores(shape: Shape, device: torch.device, itemsize: int) -> None:
-    size = shape.batch_size * shape.num_heads * shape.seq_len * shape.seq_len_k * itemsize
+    size = _score_elements(shape) * itemsize
     if device.type == "cpu" and size > CPU_SCORES_LIMIT_BYTES:
         raise KernelError(f"the scores would take {size / 2**30:.1f} GiB: too large for a CPU run")
+
+
+# -- the variants as tensors --------------------------------------------------------------------------
+def variant_args(shape: Shape, device: torch.device) -> dict:
+    """FlashAttention-2's keyword arguments for ``shape`` (only those it needs), as verify passes them."""
+    args: dict = {}
+    if shape.window != (-1, -1):
+        args["window"] = shape.window
+    if shape.softcap:
+        args["softcap"] = shape.softcap
+    if shape.alibi:
+        args["alibi_slopes"] = slopes(shape, device)
+    if shape.seqlens is not None:
+        args.update(cu_seqlens_q=cu_seqlens(shape.seqlens, device), cu_seqlens_k=cu_seqlens(shape.key_lengths, device),
+                    max_seqlen_q=shape.seq_len, max_seqlen_k=shape.seq_len_k)
+    return args
+
+
+def _sequences(shape: Shape) -> list[tuple[int, int, int, int]]:
+    """(q start, q length, k start, k length) of each sequence: the packed ones, or the one (1, Nq, Nk)."""
+    if shape.seqlens is None:
+        return [(0, shape.seq_len, 0, shape.seq_len_k)]
+    out, q0, k0 = [], 0, 0
+    for n_q, n_k in zip(shape.seqlens, shape.key_lengths):
+        out.append((q0, n_q, k0, n_k))
+        q0, k0 = q0 + n_q, k0 + n_k
+    return out
+
+
+def _variant_mask(shape: Shape, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(keep, bias)`` over the (packed) scores, made with the reference's own mask and bias:
+    ``keep`` bool ``(Nq, Nk)`` (block-diagonal when packed; None when every pair is allowed),
+    ``bias`` float32 ``(1, H, Nq, Nk)`` ALiBi (None without ALiBi)."""
+    total_q = sum(n for _, n, _, _ in _sequences(shape))
+    total_k = sum(n for _, _, _, n in _sequences(shape))
+    masked = shape.causal or shape.window != (-1, -1) or shape.seqlens is not None
+    keep = torch.zeros(total_q, total_k, dtype=torch.bool, device=device) if masked else None
+    bias = torch.zeros(1, shape.num_heads, total_q, total_k, device=device) if shape.alibi else None
+    alibi = slopes(shape, device)
+    for q0, n_q, k0, n_k in _sequences(shape):
+        if not n_q or not n_k:
+            continue
+        if keep is not None:
+            keep[q0:q0 + n_q, k0:k0 + n_k] = allowed(n_q, n_k, device, shape.causal, shape.window)
+        if bias is not None:
+            bias[:, :, q0:q0 + n_q, k0:k0 + n_k] = alibi_bias(alibi, n_q, n_k)
+    return keep, bias
+
+
+def _unpacked(fn: AttnFn, shape: Shape) -> AttnFn:
+    """Packed (total, H, D) inputs as one (1, H, total, D) batch for ``fn``, and back."""
+    if shape.seqlens is None:
+        return fn
+
+    def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = fn(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # (1, H, total, D)
+        return out[0].transpose(0, 1)  # (total, H, D)
+
+    return packed
 
 
 def _naive(shape: Shape, device: torch.device) -> Attention:
     _check_cpu_scores(shape, device, getattr(torch, shape.dtype).itemsize)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    hidden = ~causal_mask(shape.seq_len, shape.seq_len_k, device) if shape.causal else None  # once per shape
+    if shape.plain:
+        hidden = ~causal_mask(shape.seq_len, shape.seq_len_k, device) if shape.causal else None  # once per shape
+        bias = None
+    else:
+        keep, bias = _variant_mask(shape, device)
+        hidden = None if keep is None else ~keep
+        bias = None if bias is None else bias.to(getattr(torch, shape.dtype))
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
-        if hidden is not None:
+        if shape.softcap:
+            scores = shape.softcap * torch.tanh(scores / shape.softcap)
+        if bias is not None:
+            scores = scores + bias
+        if hidden is not None:  # masked_fill, not an added -inf: no gradient reaches a hidden score
             scores = scores.masked_fill(hidden, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), v)
+        probs = torch.softmax(scores, dim=-1)
+        if not shape.plain:  # a window or packing can leave a query no key: its row is 0, not NaN
+            probs = torch.nan_to_num(probs, nan=0.0)
+        return torch.matmul(probs, v)
 
-    return Attention(fn)
+    return Attention(_unpacked(fn, shape))
 
 
 # -- PyTorch SDPA, one backend forced -------------------------------------------------------------
@@ -195,7 +294,22 @@ def _sdpa(name: str, shape: Shape, device: torch.device) -> Attention:
     if backend_name is not None and not hasattr(SDPBackend, backend_name):
         needs = "; cuDNN attention needs torch>=2.5 with cuDNN 9 on sm80+" if name == "sdpa-cudnn" else ""
         raise KernelError(f"this torch ({torch.__version__}) has no SDPA {backend_name} backend{needs}")
-    is_causal, mask, note = _sdpa_causal(shape)
+    if shape.softcap:
+        raise KernelError("SDPA has no softcap: it transforms the scores (c·tanh(s/c)), which no additive mask "
+                          "can express")
+    if not shape.plain and name in ("sdpa-flash", "sdpa-cudnn"):
+        raise KernelError(f"the SDPA {_SDPA_LABEL[name]} backend refuses an explicit mask, which this shape's "
+                          f"{shape.variant_label} needs")
+    if shape.plain:
+        is_causal, mask, note = _sdpa_causal(shape)
+    else:  # window, ALiBi, packing: one float mask, materialized once per shape
+        _check_mask_size(shape, device)
+        keep, bias = _variant_mask(shape, device)
+        mask = torch.zeros(1, 1, *keep.shape, device=device) if bias is None else bias
+        if keep is not None:
+            mask = mask.masked_fill(~keep, float("-inf"))
+        is_causal, mask = False, mask.to(getattr(torch, shape.dtype))
+        note = "the window, ALiBi and packing as one explicit float mask"
     gqa = shape.num_kv_heads != shape.num_heads
     native_gqa = gqa and _sdpa_has_gqa()
     kwargs = {"enable_gqa": True} if native_gqa else {}
@@ -207,10 +321,21 @@ def _sdpa(name: str, shape: Shape, device: torch.device) -> Attention:
             k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **kwargs)
 
+    fn = _unpacked(fn, shape)
     if backend_name is None:
         return Attention(fn, note=note)
     backend = getattr(SDPBackend, backend_name)
     return Attention(fn, scope=lambda: sdpa_kernel([backend]), note=note)
+
+
+MASK_LIMIT_BYTES = 4 << 30  # an explicit mask beyond this is refused (n/a), on any device
+
+
+def _check_mask_size(shape: Shape, device: torch.device) -> None:
+    heads = shape.num_heads if shape.alibi else 1
+    size = _score_elements(shape) // shape.num_heads * heads * getattr(torch, shape.dtype).itemsize
+    if size > MASK_LIMIT_BYTES or (device.type == "cpu" and size > CPU_SCORES_LIMIT_BYTES):
+        raise KernelError(f"the explicit mask for {shape.variant_label} would take {size / 2**30:.1f} GiB")
 
 
 # -- FlexAttention ----------------------------------------------------------------------------------
@@ -235,14 +360,7 @@ def _flex_preparer() -> Callable[[Shape, torch.device], Attention]:
         if not compiled:
             compiled.append(torch.compile(flex_attention, dynamic=False))
         flex = compiled[0]
-        block_mask = None
-        if shape.causal:
-            offset = shape.seq_len_k - shape.seq_len  # bottom-right alignment
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return kv_idx <= q_idx + offset
-
-            block_mask = create_block_mask(mask_mod, None, None, shape.seq_len, shape.seq_len_k, device=device)
+        block_mask, score_mod = _flex_mods(shape, device, create_block_mask)
         gqa = shape.num_kv_heads != shape.num_heads
         native_gqa = gqa and "enable_gqa" in inspect.signature(flex_attention).parameters
         kwargs = {"enable_gqa": True} if native_gqa else {}
@@ -250,11 +368,57 @@ def _flex_preparer() -> Callable[[Shape, torch.device], Attention]:
         def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if gqa and not native_gqa:
                 k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
-            return flex(q, k, v, block_mask=block_mask, **kwargs)
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
 
-        return Attention(fn, note="" if native_gqa or not gqa else "k/v expanded for GQA")
+        return Attention(_unpacked(fn, shape), note="" if native_gqa or not gqa else "k/v expanded for GQA")
 
     return prepare
+
+
+def _flex_mods(shape: Shape, device: torch.device, create_block_mask: Callable) -> tuple[object, Callable | None]:
+    """``(block_mask, score_mod)`` for ``shape``, the reference's semantics in FlexAttention's terms.
+
+    Positions are per sequence: a packed batch is one long sequence of documents, and each
+    query/key index is mapped to its document and its position in it (attention-gym's document
+    mask), so the bottom-right offset, the window and the ALiBi distance are the sequence's own.
+    A window side at least as wide as the sequence's keys is unbounded, as in the reference."""
+    spans = _sequences(shape)
+    unbounded = 1 << 30
+    doc_q = torch.tensor([b for b, (_, n, _, _) in enumerate(spans) for _ in range(n)], device=device)
+    doc_k = torch.tensor([b for b, (_, _, _, n) in enumerate(spans) for _ in range(n)], device=device)
+    start_q = torch.tensor([s[0] for s in spans], device=device)
+    start_k = torch.tensor([s[2] for s in spans], device=device)
+    offset = torch.tensor([n_k - n_q for _, n_q, _, n_k in spans], device=device)  # bottom-right, per sequence
+    left, right = shape.window
+    lefts = torch.tensor([unbounded if left < 0 or left >= n_k else left for *_, n_k in spans], device=device)
+    rights = torch.tensor([0 if shape.causal else unbounded if right < 0 or right >= n_k else right
+                           for *_, n_k in spans], device=device)
+    alibi = slopes(shape, device)
+    packed = shape.seqlens is not None
+
+    def where(q_idx, kv_idx):  # (the query's document, its row + offset, the key's position)
+        b = doc_q[q_idx] if packed else 0
+        row = q_idx - (start_q[b] if packed else 0) + offset[b]
+        col = kv_idx - (start_k[doc_k[kv_idx]] if packed else 0)
+        return b, row, col
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        b, row, col = where(q_idx, kv_idx)
+        keep = (col >= row - lefts[b]) & (col <= row + rights[b])
+        return keep & (doc_k[kv_idx] == b) if packed else keep
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        if shape.softcap:
+            score = shape.softcap * torch.tanh(score / shape.softcap)
+        if alibi is not None:
+            _, row, col = where(q_idx, kv_idx)
+            score = score - alibi[head] * (row - col).abs()
+        return score
+
+    masked = shape.causal or shape.window != (-1, -1) or packed
+    total_q, total_k = int(doc_q.numel()), int(doc_k.numel())
+    block_mask = create_block_mask(mask_mod, None, None, total_q, total_k, device=device) if masked else None
+    return block_mask, score_mod if shape.softcap or alibi is not None else None
 
 
 def compile_settings(n_shapes: int) -> ContextManager:
@@ -286,21 +450,35 @@ def compile_settings(n_shapes: int) -> ContextManager:
 # -- flash-attn (Tri Dao's package) ---------------------------------------------------------------
 def _flash_attn(shape: Shape, device: torch.device) -> Attention:
     try:
-        from flash_attn import flash_attn_func
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError as exc:
         if exc.name == "flash_attn":
             raise KernelError("flash-attn not installed (pip install flash-attn)") from None
         raise KernelError(f"flash-attn could not be loaded: {exc}") from None
     except OSError as exc:  # a compiled extension built for another torch or CUDA
         raise KernelError(f"flash-attn could not be loaded: {exc}") from None
+    args = variant_args(shape, device)
+    # its own names: window_size; softcap needs flash-attn >= 2.6, alibi_slopes >= 2.4, window >= 2.3
+    kwargs = {"window_size" if name == "window" else name: value for name, value in args.items()
+              if name in ("window", "softcap", "alibi_slopes")}
+    func = flash_attn_varlen_func if shape.seqlens is not None else flash_attn_func
+    params = inspect.signature(func).parameters
+    lacking = [name for name in kwargs if name not in params]
+    if lacking:
+        raise KernelError(f"this flash-attn has no {', '.join(lacking)} (upgrade flash-attn)")
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # flash-attn wants (B, N, H, D); transposed views cost nothing (it needs only the last
-        # dimension contiguous). It takes GQA and bottom-right causal natively.
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal)
+        # dimension contiguous). It takes GQA, bottom-right causal and the variants natively.
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal, **kwargs)
         return out.transpose(1, 2)
 
-    return Attention(fn)
+    def fn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # packed (total, H, D) is flash-attn's own varlen layout
+        return flash_attn_varlen_func(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], args["max_seqlen_q"],
+                                      args["max_seqlen_k"], causal=shape.causal, **kwargs)
+
+    return Attention(fn_varlen if shape.seqlens is not None else fn)
 
 
 # -- why a call failed -------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Bench results: rows, the CSV/JSON files, ``--compare`` and ``--plot``. No torch here.
 
-CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS`. The JSON file holds
+CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS` (the variant columns
+``window, softcap, alibi, seqlens, seqlens_k`` last: files written before them keep their
+columns; lists are written as JSON, ``[128, 0]``, empty for plain attention). The JSON file holds
 the same rows plus the environment fingerprint, the command and the settings of the run. Both
 are rewritten atomically after every provider, so an interrupted run leaves the rows measured
 so far (its JSON says ``"complete": false``).
@@ -23,9 +25,10 @@ from flashrun.records.redact import redact, redact_data
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
-                 "where")  # new columns go at the end: scripts read these files by position too
+                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
-KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim")
+KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
+       "window", "softcap", "alibi", "seqlens", "seqlens_k")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class Row:
     torch: str | None
     triton: str | None
     timestamp: str
+    window: tuple[int, int] = (-1, -1)  # the variants (shapes.Shape's fields)
+    softcap: float = 0.0
+    alibi: bool = False
+    seqlens: tuple[int, ...] | None = None
+    seqlens_k: tuple[int, ...] | None = None
     where: str = ""  # the node and device that measured it (flashrun.device.where)
 
     @property
@@ -66,7 +74,7 @@ class Row:
     @property
     def shape(self) -> Shape:
         return Shape(self.batch, self.heads, self.kv_heads, self.seq_len, self.seq_len_k, self.head_dim,
-                     self.dtype, self.causal)
+                     self.dtype, self.causal, self.window, self.softcap, self.alibi, self.seqlens, self.seqlens_k)
 
     def key(self) -> tuple:
         return tuple(getattr(self, name) for name in KEY)
@@ -82,6 +90,8 @@ def _csv_value(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return json.dumps(list(value))
     if isinstance(value, float):
         return f"{value:.6g}"  # beyond the timer's precision; the JSON keeps every digit
     return str(value)
@@ -138,7 +148,23 @@ def _typed(raw: dict[str, Any]) -> dict[str, Any]:
         "seq_len": integer("seq_len"), "seq_len_k": int(raw.get("seq_len_k") or raw["seq_len"]),
         "head_dim": integer("head_dim"),
         "ms": float(ms) if ms not in (None, "") and status == "ok" else None,
+        # the variants; files written before them are plain attention
+        "window": tuple(_listed(raw.get("window")) or (-1, -1)), "softcap": float(raw.get("softcap") or 0.0),
+        "alibi": str(raw.get("alibi")).strip().lower() == "true",
+        "seqlens": _tuple_or_none(raw.get("seqlens")), "seqlens_k": _tuple_or_none(raw.get("seqlens_k")),
     }
+
+
+def _listed(value: Any) -> list | None:
+    """A list column: JSON gives a list, CSV its JSON text, an old file nothing."""
+    if value in (None, ""):
+        return None
+    return list(json.loads(value) if isinstance(value, str) else value)
+
+
+def _tuple_or_none(value: Any) -> tuple | None:
+    listed = _listed(value)
+    return None if listed is None else tuple(listed)
 
 
 @dataclass(frozen=True)
@@ -201,7 +227,9 @@ def plot(rows: list[Row], path: Path) -> Path:
             for r in rows:
                 if (r.valid and r.tflops is not None and r.mode == mode and r.head_dim == head_dim
                         and r.causal == causal and (not dtype or r.dtype == dtype)):
-                    label = r.provider + (f" ({other_label}={getattr(r, other_name)})" if split else "")
+                    variant = r.shape.variant_label  # one line per provider and variant
+                    label = (r.provider + (f" [{variant}]" if variant else "")
+                             + (f" ({other_label}={getattr(r, other_name)})" if split else ""))
                     series.setdefault(label, []).append(r)
             for label, points in sorted(series.items()):
                 points.sort(key=lambda r: getattr(r, x_name))

@@ -32,7 +32,7 @@ from rich.table import Table
 from flashrun.config import Config
 from flashrun.errors import InputError
 from flashrun.harness.check import CaseResult, Job, interpreter_seconds
-from flashrun.harness.shapes import FIELDS, Shape, verify_shapes
+from flashrun.harness.shapes import FIELDS, PLAIN, VARIANT_FIELDS, Shape, verify_shapes
 
 SLOW_CASE_S = 30.0  # say so before an interpreter case expected to take longer than this
 
@@ -261,9 +261,18 @@ def reproduce_command(kernel: str, shape: Shape, seed: int, grad: bool) -> str:
     """The ``flashrun verify`` command that checks ``kernel`` on ``shape`` with the inputs that
     ``seed`` draws (bench and verify share one input generator)."""
     values = shape.to_json()
-    sets = " ".join(f"--set experiment.{key}={str(values[key]).lower() if isinstance(values[key], bool) else values[key]}"
-                    for key in FIELDS)
+    keys = [*FIELDS, *(key for key in VARIANT_FIELDS if values[key] != PLAIN[key])]  # variants when present
+    sets = " ".join(f"--set experiment.{key}={_toml(values[key])}" for key in keys)
     return f"flashrun verify -k {kernel} --seed {seed}{' --grad' if grad else ''} {sets}"
+
+
+def _toml(value: Any) -> str:
+    """A value as ``--set`` parses it back (TOML, no spaces)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
 
 
 def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> str:

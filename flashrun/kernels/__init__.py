@@ -8,6 +8,13 @@ A user's function may take ``(q, k, v)`` - the article's signature, accepted as 
 judged against the case's causal flag and the default ``1/sqrt(head_dim)`` scale - or
 ``(q, k, v, causal, sm_scale)`` (positional or keyword).
 
+FlashAttention-2's variant arguments (:data:`VARIANT_ARGS`: ``window``, ``softcap``,
+``alibi_slopes``, and for packed sequences ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k``) reach a kernel as keyword arguments, and only those its function accepts
+(:attr:`Kernel.accepts`, read off the signature; ``**kwargs`` accepts all). A case that needs an
+argument the kernel does not accept is not run (:meth:`Kernel.missing`). ``flash`` takes them
+all and routes packed inputs to :func:`flash_attention_varlen`; ``minimal`` takes none.
+
 Import this package only after :func:`flashrun.device.select`: Triton decides between
 compiling and interpreting when the kernels are defined.
 """
@@ -36,10 +43,14 @@ from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
 from flashrun.limits import BUILTIN_KERNELS
 
-__all__ = ["Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
+__all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
            "flash_attention_varlen", "get", "minimal_attention"]
 
 BUILTIN = BUILTIN_KERNELS
+# Keyword arguments a case may pass beyond (q, k, v, causal, sm_scale), FlashAttention-2's names.
+VARIANT_ARGS = ("window", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+# Of those, the ones a kernel may go without: the longest lengths are read off cu_seqlens otherwise.
+OPTIONAL_ARGS = ("max_seqlen_q", "max_seqlen_k")
 
 
 @dataclass(frozen=True)
@@ -48,12 +59,18 @@ class Kernel:
     fn: Callable[..., torch.Tensor] = field(repr=False)
     supports_backward: bool  # False: forward only (users' kernels: decided by trying autograd)
     takes_causal: bool = True  # False for the (q, k, v) signature
+    accepts: frozenset[str] = frozenset()  # the VARIANT_ARGS its function takes
+
+    def missing(self, variant_args: dict) -> list[str]:
+        """The arguments a case needs (``variant_args``) that this kernel does not take."""
+        return [name for name in variant_args if name not in self.accepts and name not in OPTIONAL_ARGS]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                 sm_scale: float | None = None) -> torch.Tensor:
+                 sm_scale: float | None = None, **variant_args) -> torch.Tensor:
+        passed = {name: value for name, value in variant_args.items() if name in self.accepts}
         if self.takes_causal:
-            return self.fn(q, k, v, causal=causal, sm_scale=sm_scale)
-        return self.fn(q, k, v)
+            return self.fn(q, k, v, causal=causal, sm_scale=sm_scale, **passed)
+        return self.fn(q, k, v, **passed)
 
 
 def get(spec: str, launch: Launch = None, deterministic: bool = False) -> Kernel:
@@ -62,10 +79,15 @@ def get(spec: str, launch: Launch = None, deterministic: bool = False) -> Kernel
     if spec in ("flash", "flash-deterministic"):
         deterministic = deterministic or spec == "flash-deterministic"
 
-        def flash(q, k, v, causal=False, sm_scale=None):
-            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch,
-                                   deterministic=deterministic)
-        return Kernel(spec, flash, supports_backward=True)
+        def flash(q, k, v, causal=False, sm_scale=None, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+            if cu_seqlens_q is not None:  # packed (total, heads, head_dim)
+                return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                              sm_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                              launch=launch, deterministic=deterministic)
+            return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, window=window,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+        return Kernel(spec, flash, supports_backward=True, accepts=frozenset(VARIANT_ARGS))
     if spec == "minimal":
         return Kernel("minimal", minimal_attention, supports_backward=False)
     path, sep, func = spec.rpartition(":")
@@ -101,7 +123,8 @@ def _load_user_kernel(path: Path, func: str, spec: str) -> Kernel:
             f"{path} has no function {func!r}",
             hint=f"functions there: {', '.join(found) or 'none'}",
         )
-    return Kernel(f"{path.name}:{func}", fn, supports_backward=True, takes_causal=_takes_causal(fn, spec))
+    return Kernel(f"{path.name}:{func}", fn, supports_backward=True, takes_causal=_takes_causal(fn, spec),
+                  accepts=_accepts(fn))
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -125,5 +148,14 @@ def _takes_causal(fn: Callable, spec: str) -> bool:
         return False
     raise KernelError(
         f"{spec} has signature {inspect.signature(fn)}",
-        hint="a kernel takes (q, k, v) or (q, k, v, causal, sm_scale)",
+        hint="a kernel takes (q, k, v) or (q, k, v, causal, sm_scale); variant arguments (window, softcap, "
+             "alibi_slopes, cu_seqlens_q, ...) need defaults",
     )
+
+
+def _accepts(fn: Callable) -> frozenset[str]:
+    """The variant arguments ``fn`` takes by name (all of them with ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return frozenset(VARIANT_ARGS)
+    return frozenset(name for name, p in params.items() if name in VARIANT_ARGS and p.kind is not p.POSITIONAL_ONLY)
