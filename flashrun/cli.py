@@ -147,7 +147,7 @@ def verify(
     sets: SetOpt = None,
     kernel: Annotated[
         Optional[list[str]],
-        typer.Option("--kernel", "-k", help="flash | flash-deterministic | minimal | PATH.py:FUNCTION (repeatable).",
+        typer.Option("--kernel", "-k", help="flash | flash-atomic | minimal | PATH.py:FUNCTION (repeatable).",
                      show_default=False),
     ] = None,
     cases: Annotated[
@@ -335,7 +335,7 @@ def bench(
     settings: SettingsOpt = None,
     sets: SetOpt = None,
     kernel: Annotated[ListOpt, typer.Option(
-        "--kernel", "-k", help="Add a kernel: flash | flash-deterministic | minimal | PATH.py:FUNCTION (repeatable).",
+        "--kernel", "-k", help="Add a kernel: flash | flash-atomic | minimal | PATH.py:FUNCTION (repeatable).",
         show_default=False)] = None,
     provider: Annotated[ListOpt, typer.Option(
         "--provider", "-p", help="Providers instead of \\[bench].providers (repeatable or comma-separated).",

@@ -7,5 +7,6 @@ DTYPES = ("float16", "bfloat16", "float32")
 SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
 # flashrun's own kernels, by name (anything else is a user's PATH.py:FUNCTION);
-# flash-deterministic is flash with its atomic-free, bitwise-repeatable backward.
-BUILTIN_KERNELS = ("flash", "flash-deterministic", "minimal")
+# flash-deterministic: flash with its atomic-free, bitwise-repeatable backward (flash's default);
+# flash-atomic: flash with the 5-matmul backward that sums dQ with atomics.
+BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")

@@ -64,8 +64,8 @@ def dense(shape, dtype, causal=False, backward=True, launch="default", **variant
     variant = flash._variant(q, z, n_k, causal, variants.get("window", (-1, -1)), variants.get("softcap", 0.0),
                              variants.get("alibi_slopes"))
     o, lse = flash._attn_forward(q, k, k, 0.125, variant, launch)
-    if backward:  # the default (atomic dQ) and the deterministic backward
-        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default")
+    if backward:  # both backwards: atomic dQ, and the deterministic default
+        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default", deterministic=False)
         flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default", deterministic=True)
 
 

@@ -135,19 +135,20 @@ def test_correct_user_kernel_passes_with_grad(workdir):
 
 
 def test_deterministic_reaches_the_backward_verify_checks(workdir, monkeypatch):
-    # experiment.deterministic picks flash's atomic-free backward; flash-deterministic always runs it
+    # experiment.deterministic (default true) picks flash's atomic-free backward, false the atomic
+    # one; flash-deterministic and flash-atomic fix the choice
     from flashrun.kernels import flash
 
     seen = []
     real = flash._attn_backward
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("deterministic", args[9] if len(args) > 9 else False))
+        seen.append(kwargs.get("deterministic", args[9] if len(args) > 9 else True))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash, "_attn_backward", spy)
-    for args, expected in ((["--set", "experiment.deterministic=true"], [True]), ([], [False]),
-                           (["--kernel", "flash-deterministic"], [True])):
+    for args, expected in ((["--set", "experiment.deterministic=false"], [False]), ([], [True]),
+                           (["--kernel", "flash-deterministic"], [True]), (["--kernel", "flash-atomic"], [False])):
         seen.clear()
         code, data = verify_json("--grad", "--set", "verify.seq_len=[17]", *args)
         assert code == 0, data

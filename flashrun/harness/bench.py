@@ -398,18 +398,9 @@ class _Sweep:
             rows[:] = [row for part in parts for row in part.rows] + shape_rows
             self._write(rows, False)
 
-        complete = False
-        try:
-            with _progress(console, self.cells) as advance:
-                for job in self.jobs:
-                    parts.append(run_shape(job, measured, advance, here))
-            complete = True
-        except BaseException:
-            if console is not None:
-                console.print(f"rows measured so far: {self.paths[0]}")
-            raise
-        finally:
-            self._write(rows, complete)
+        with self._kept(console, lambda: rows), _progress(console, self.cells) as advance:
+            for job in self.jobs:
+                parts.append(run_shape(job, measured, advance, here))
         return parts
 
     def run_on(self, pool: Any, console: Console | None) -> list[ShapeRows]:
@@ -419,32 +410,41 @@ class _Sweep:
         from flashrun.harness.cluster import Fault
 
         done: dict[int, ShapeRows] = {}
-        complete = False
+
+        def finished() -> list[results.Row]:
+            return [row for index in sorted(done) for row in done[index].rows]
+
         resources = None
         if any(job.gpu_type for job in self.jobs):
             def resources(job: ShapeJob) -> dict[str, float]:
                 return {f"accelerator_type:{job.gpu_type}": 0.001}  # Ray's accelerator_type= option
 
+        with self._kept(console, finished), _progress(console, self.cells) as advance:
+            # the biggest shapes first: the run then ends on small ones, not on one big one
+            jobs = sorted(self.jobs, key=lambda job: -flops(job.shape, "fwd"))
+            tasks = pool.map(run_shape, jobs, label=lambda job: f"shape-{job.index}", resources=resources)
+            for job, outcome in tasks:
+                if isinstance(outcome, Fault):
+                    outcome = ShapeRows(job.index, _fault_rows(job, outcome), None, "", job.gpu_type)
+                done[job.index] = outcome
+                where = outcome.rows[0].where if outcome.rows and outcome.rows[0].where else "?"
+                advance(f"{job.shape.label}  on {where}", len(job.providers) * len(job.modes))
+                self._write(finished(), False)
+        return [done[index] for index in sorted(done)]
+
+    @contextmanager
+    def _kept(self, console: Console | None, rows: Callable[[], list[results.Row]]) -> Iterator[None]:
+        """The files get ``rows()`` once more however the sweep ends; ``complete`` only if it did."""
+        complete = False
         try:
-            with _progress(console, self.cells) as advance:
-                # the biggest shapes first: the run then ends on small ones, not on one big one
-                jobs = sorted(self.jobs, key=lambda job: -flops(job.shape, "fwd"))
-                tasks = pool.map(run_shape, jobs, label=lambda job: f"shape-{job.index}", resources=resources)
-                for job, outcome in tasks:
-                    if isinstance(outcome, Fault):
-                        outcome = ShapeRows(job.index, _fault_rows(job, outcome), None, "", job.gpu_type)
-                    done[job.index] = outcome
-                    where = outcome.rows[0].where if outcome.rows and outcome.rows[0].where else "?"
-                    advance(f"{job.shape.label}  on {where}", len(job.providers) * len(job.modes))
-                    self._write([row for index in sorted(done) for row in done[index].rows], False)
+            yield
             complete = True
         except BaseException:
             if console is not None:
                 console.print(f"rows measured so far: {self.paths[0]}")
             raise
         finally:
-            self._write([row for index in sorted(done) for row in done[index].rows], complete)
-        return [done[index] for index in sorted(done)]
+            self._write(rows(), complete)
 
     def _write(self, rows: list[results.Row], complete: bool) -> None:
         results.write(*self.paths, rows, self.header, complete=complete)

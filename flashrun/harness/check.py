@@ -40,7 +40,7 @@ class Job:
     diagnose: bool
     device: str  # what the plan asked for: auto | cuda | cpu
     launch: Any = "default"  # flash's launch config: "default" or a pinned LaunchConfig
-    deterministic: bool = False  # flash's atomic-free backward ([experiment] deterministic)
+    deterministic: bool = True  # flash's atomic-free backward ([experiment] deterministic)
     bf16_dots_ok: bool = True  # False: this interpreter's bf16 tl.dot is wrong (users' kernels skip)
     estimate_s: float | None = None  # expected interpreter seconds (None on a GPU)
 
@@ -90,7 +90,7 @@ def interpreter_seconds(case: Shape, grad: bool) -> float:
 _kernels: dict[tuple[str, str, bool], Any] = {}  # (spec, launch, deterministic) -> Kernel, once per process
 
 
-def load_kernel(spec: str, launch: Any, deterministic: bool = False):
+def load_kernel(spec: str, launch: Any, deterministic: bool = True):
     """``flashrun.kernels.get`` once per process (after the device is selected)."""
     from flashrun import kernels
 

@@ -52,7 +52,7 @@ from flashrun.limits import BUILTIN_KERNELS
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-KERNELS = BUILTIN_KERNELS  # flash-deterministic: flash with the atomic-free backward
+KERNELS = BUILTIN_KERNELS  # flash (= flash-deterministic), flash-atomic: the two backwards
 # SDPA providers and the backend each one forces (None: PyTorch's own dispatch).
 SDPA = {
     "sdpa": None,

@@ -1,7 +1,8 @@
 """Attention kernels and their registry.
 
-``get("flash")``, ``get("flash-deterministic")`` (flash with its atomic-free, bitwise-repeatable
-backward), ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
+``get("flash")`` (its backward deterministic unless ``deterministic=False``),
+``get("flash-deterministic")`` (always), ``get("flash-atomic")`` (the 5-matmul backward that sums
+dQ with atomics), ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
 :class:`Kernel` called as ``kernel(q, k, v, causal=False, sm_scale=None) -> o``.
 
 A user's function may take ``(q, k, v)`` - the article's signature, accepted as is; it is then
@@ -73,11 +74,12 @@ class Kernel:
         return self.fn(q, k, v, **passed)
 
 
-def get(spec: str, launch: Launch = None, deterministic: bool = False) -> Kernel:
+def get(spec: str, launch: Launch = None, deterministic: bool = True) -> Kernel:
     """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config;
-    ``deterministic``: flash's atomic-free backward (what ``flash-deterministic`` always runs)."""
-    if spec in ("flash", "flash-deterministic"):
-        deterministic = deterministic or spec == "flash-deterministic"
+    ``deterministic``: flash's atomic-free backward (``flash-deterministic`` always runs it,
+    ``flash-atomic`` never)."""
+    if spec in ("flash", "flash-deterministic", "flash-atomic"):
+        deterministic = {"flash": deterministic, "flash-deterministic": True, "flash-atomic": False}[spec]
 
         def flash(q, k, v, causal=False, sm_scale=None, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
