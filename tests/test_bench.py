@@ -626,3 +626,25 @@ def test_kernels_are_not_timed_on_the_cpu(isolated: Path) -> None:
         assert rows[name]["status"] == "n/a" and "interpreter" in rows[name]["note"]
     record = json.loads((isolated / "logs" / "runs.jsonl").read_text().splitlines()[-1])
     assert record["kernels"] == ["flash", "mine.py:attention"]
+
+
+def test_the_table_keeps_providers_and_numbers_whole_at_80_columns() -> None:
+    """A GPU run's table (with % peak and MB) printed to a pipe: only the shape label may wrap."""
+    from rich.console import Console
+
+    from flashrun.harness.bench import BenchReport, render
+
+    def row(provider: str, ms: float) -> results.Row:
+        return results.Row(provider=provider, mode="fwd", dtype="bfloat16", causal=True, batch=16, heads=32,
+                           kv_heads=8, seq_len=16384, head_dim=128, ms=ms, ms_p20=ms, ms_p80=ms, tflops=512.25,
+                           pct_peak=64.2, peak_mem_mb=12345.0, speedup=1.0123, correct=True, seq_len_k=16384,
+                           status="ok", max_err=1e-3, note="", setup_s=1.0, gpu="NVIDIA H200", torch="2.11",
+                           triton="3.6", timestamp="now")
+
+    console = Console(width=80, force_terminal=False, record=True)
+    render(BenchReport([row("sdpa", 12.345), row("flash-deterministic", 11.111), row("sdpa-cudnn", 10.5)], {},
+                       "cuda", 798.0), console)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for whole in ("flash-deterministic", "sdpa-cudnn", "12.345", "11.111", "512.2", "12345", "1.01x"):
+        assert whole in text, text

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -494,22 +496,35 @@ def render(report: BenchReport, console: Console) -> None:
     shown = [r for r in rows if r.status != "n/a"]
     optional = {"% peak": any(r.pct_peak is not None for r in rows), "MB": any(r.peak_mem_mb is not None for r in rows)}
     gpus = list(dict.fromkeys(r.gpu for r in rows if r.gpu))  # several on a mixed Ray cluster
-    table = Table(title=f"flashrun bench ({', '.join(gpus) if gpus else report.device})")
-    for column in ("shape", "provider", "mode", "ms", "TFLOP/s", "% peak", "MB", f"vs {report.baseline}", "check"):
-        if optional.get(column, True):
-            table.add_column(column, justify="left" if column in ("shape", "provider", "mode", "check") else "right")
+    # At 80 columns or in a pipe only the shape label wraps: every other cell keeps its full width
+    # (a provider name or a number cut to "sdpa-c…" or "123…" would be another one).
+    table = Table(title=f"flashrun bench ({', '.join(gpus) if gpus else report.device})", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    columns = [c for c in ("shape", "provider", "mode", "ms", "TFLOP/s", "% peak", "MB", "speedup", "check")
+               if optional.get(c, True)]
+    cells = []
     previous = None
     for r in shown:
         shape = r.shape.label
-        if previous is not None and shape != previous:
-            table.add_section()
-        check = {"ok": "[green]ok[/]", "wrong": "[bold red]WRONG[/]", "OOM": "[yellow]OOM[/]",
-                 "error": "[bold red]ERROR[/]"}[r.status]
-        values = {"% peak": _fmt(r.pct_peak, 0), "MB": _fmt(r.peak_mem_mb, 0)}
-        table.add_row(shape if shape != previous else "", r.provider, r.mode, _fmt(r.ms, 3), _tflops(r.tflops),
-                      *[values[c] for c in ("% peak", "MB") if optional[c]],
-                      _fmt(r.speedup, 2) + ("x" if r.speedup is not None else ""), check)
+        values = {"shape": shape if shape != previous else "", "provider": r.provider, "mode": r.mode,
+                  "ms": _fmt(r.ms, 3), "TFLOP/s": _tflops(r.tflops), "% peak": _fmt(r.pct_peak, 0),
+                  "MB": _fmt(r.peak_mem_mb, 0), "speedup": _fmt(r.speedup, 2) + ("x" if r.speedup is not None else ""),
+                  "check": r.status.upper() if r.status != "ok" else "ok"}
+        cells.append((shape != previous and previous is not None, r.status, [values[c] for c in columns]))
         previous = shape
+    for i, column in enumerate(columns):
+        if column == "shape":
+            table.add_column(column, overflow="fold")
+        else:
+            width = max([len(column)] + [len(row[i]) for _, _, row in cells])
+            table.add_column(column, justify="left" if column in ("provider", "mode", "check") else "right",
+                             no_wrap=True, min_width=width)
+    style = {"ok": "green", "wrong": "bold red", "OOM": "yellow", "error": "bold red"}
+    for section, status, row in cells:
+        if section:
+            table.add_section()
+        row[-1] = f"[{style[status]}]{escape(row[-1])}[/]"
+        table.add_row(*[escape(c) for c in row[:-1]], row[-1])
     if report.gpu_types:
         _render_per_type(report, console)
     elif shown:
@@ -530,6 +545,8 @@ def render(report: BenchReport, console: Console) -> None:
     if setup:
         spent = ", ".join(f"{name} {sum(shapes.values()):.1f} s" for name, shapes in setup.items())
         console.print(f"setup (prepare + first checked call, compiling and autotuning included): {spent}")
+    if shown:
+        console.print(f"speedup: against {report.baseline}, same shape and mode")
     if report.ceiling_tflops is not None:
         console.print(f"% peak: of a bf16 8192³ matrix product measured in this run, "
                       f"{report.ceiling_tflops:.0f} TFLOP/s")
