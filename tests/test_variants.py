@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels import TMA, _check_fwd_bwd, _inputs, _judge
+from test_kernels import TMA, _check_fwd_bwd, _inputs, _judge, far_below_zero
 
 from flashrun.errors import KernelError
 from flashrun.harness.check import _poisoned_allocations
@@ -78,13 +78,13 @@ def _case_inputs(shape, dtype, variants, q_scale):
     return q, k, v, do, variants
 
 
-# Every case with the default backward (atomic dQ); these also with the deterministic one.
-DETERMINISTIC = {"window35-nq>nk-gqa", "sliding-causal-mqa", "softcap-causal-gqa", "all", "all-causal-nq>nk"}
+# Every case with the default (deterministic) backward; these also with the atomic one.
+ATOMIC = {"window35-nq>nk-gqa", "sliding-causal-mqa", "softcap-causal-gqa", "all", "all-causal-nq>nk"}
 
 
 @pytest.mark.parametrize("name,shape,dtype,causal,variants,q_scale,deterministic",
-                         [(*c, False) for c in CASES] + [(*c, True) for c in CASES if c[0] in DETERMINISTIC],
-                         ids=[c[0] for c in CASES] + [f"{c[0]}-deterministic" for c in CASES if c[0] in DETERMINISTIC])
+                         [(*c, True) for c in CASES] + [(*c, False) for c in CASES if c[0] in ATOMIC],
+                         ids=[c[0] for c in CASES] + [f"{c[0]}-atomic" for c in CASES if c[0] in ATOMIC])
 def test_variants_match_reference(name, shape, dtype, causal, variants, q_scale, deterministic):
     q, k, v, do, variants = _case_inputs(shape, dtype, variants, q_scale)
     _check_fwd_bwd(q, k, v, do, causal, deterministic=deterministic, **variants)
@@ -137,13 +137,7 @@ def test_scores_far_below_zero_after_an_empty_edge_block():
     # window (8, 8), tiles of 32: rows 40..63 see no key of the left-edge block [0, 32), then only
     # scores near -100 (exp underflows). The running max must stay -inf through the empty block:
     # resetting it to 0 there would make those rows' softmax sum underflow to 0.
-    gen = torch.Generator().manual_seed(3)
-    q = (-(torch.randn(1, 2, 64, 64, generator=gen).abs() + 1) * 5).requires_grad_()
-    k = (torch.randn(1, 2, 64, 64, generator=gen).abs() + 1).requires_grad_()
-    v = torch.randn(1, 2, 64, 64, generator=gen).requires_grad_()
-    do = torch.randn(1, 2, 64, 64, generator=gen)
-    assert (torch.matmul(q, k.transpose(-2, -1)) / 8).max() < -90
-    _check_fwd_bwd(q, k, v, do, False, window=(8, 8))
+    _check_fwd_bwd(*far_below_zero(64, 64), False, window=(8, 8))
 
 
 def test_keys_no_query_sees_get_zero_gradients():
@@ -179,7 +173,7 @@ def _packed(lengths_q, lengths_k, h, h_kv, d, dtype, seed=0):
     return q, k, v, do, cu_q, cu_k
 
 
-def _check_varlen(q, k, v, do, cu_q, cu_k, causal=False, deterministic=False, **variants):
+def _check_varlen(q, k, v, do, cu_q, cu_k, causal=False, deterministic=True, **variants):
     """As _check_fwd_bwd, for packed sequences: every output and gradient row must be written."""
     with _poisoned_allocations():
         out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, deterministic=deterministic, **variants)
@@ -202,14 +196,14 @@ VARLEN_CASES = [
 ]
 
 
-VARLEN_DETERMINISTIC = {"causal-gqa", "window-softcap-alibi-mqa"}
+VARLEN_ATOMIC = {"causal-gqa", "window-softcap-alibi-mqa"}
 
 
 @pytest.mark.parametrize("name,lengths_q,lengths_k,h,h_kv,d,dtype,causal,variants,deterministic",
-                         [(*c, False) for c in VARLEN_CASES]
-                         + [(*c, True) for c in VARLEN_CASES if c[0] in VARLEN_DETERMINISTIC],
+                         [(*c, True) for c in VARLEN_CASES]
+                         + [(*c, False) for c in VARLEN_CASES if c[0] in VARLEN_ATOMIC],
                          ids=[c[0] for c in VARLEN_CASES]
-                         + [f"{c[0]}-deterministic" for c in VARLEN_CASES if c[0] in VARLEN_DETERMINISTIC])
+                         + [f"{c[0]}-atomic" for c in VARLEN_CASES if c[0] in VARLEN_ATOMIC])
 def test_varlen_matches_reference(name, lengths_q, lengths_k, h, h_kv, d, dtype, causal, variants, deterministic):
     q, k, v, do, cu_q, cu_k = _packed(lengths_q, lengths_k, h, h_kv, d, dtype)
     if isinstance(variants.get("alibi_slopes"), str):
