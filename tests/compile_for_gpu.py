@@ -51,7 +51,7 @@ class CompileOnly:
             start = time.perf_counter()
             triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
                            options={"num_warps": num_warps, "num_stages": num_stages})
-            flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ")
+            flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ", "DQ_TMA")
                              if constants.get(f))
             print(f"  {self.fn.__name__} {flags}: {time.perf_counter() - start:.1f}s", flush=True)
         return launch
@@ -96,6 +96,7 @@ def main() -> int:
         setattr(flash, name, CompileOnly(getattr(flash, name)))
     flash_args._multiprocessors = lambda device: 132  # an H100/H200's
     flash._tma_ok = lambda q, k, v: True
+    flash._dq_tma_ok = lambda dq: True
     start = time.perf_counter()
     everything = {"softcap": 30.0, "alibi_slopes": torch.ones(2, 8)}
     print("dense: window, softcap, ALiBi (B, H), GQA; the forward through TMA with warp specialization")

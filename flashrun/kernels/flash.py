@@ -77,6 +77,7 @@ from flashrun.kernels.flash_args import (
     _decode_block_m,
     _decode_config,
     _decode_splits,
+    _dq_tma_ok,
     _max_seqlen_arg,
     _rows_descriptor,
     _tma_ok,
@@ -186,12 +187,16 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         _attn_bwd_preprocess[(triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H)](
             o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
 
+    # Hopper: dQ's partials go out as one TMA reduce-add per tile instead of an atomic per element
+    dq_tma = not deterministic and not variant.varlen and _dq_tma_ok(dq)
+
     def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
+        dq_arg = (_rows_descriptor(dq, cfg.block_m) if dq_tma else dq) if atomic_dq else None
         launch_kernel(_attn_bwd_dkdv, (triton.cdiv(N_K, cfg.block_n), Z * H_KV),
-            q, k, v, do, lse, delta, dk, dv, dq if atomic_dq else None, *_strides(q), *_strides(k), *_strides(v),
+            q, k, v, do, lse, delta, dk, dv, dq_arg, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
             H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            DQ_TMA=atomic_dq and dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     def run_fused(cfg: LaunchConfig) -> None:
         dq.zero_()  # the tuner times this more than once: each run must start from zeros

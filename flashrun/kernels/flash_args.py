@@ -91,6 +91,14 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def _dq_tma_ok(dq: torch.Tensor) -> bool:
+    """The atomic backward's float32 dQ buffer (contiguous, dense) can take TMA reduce-adds: a
+    Hopper-class GPU (the interpreter has no descriptor reductions), 16-byte rows, int32 rows."""
+    if INTERPRETED or torch.cuda.get_device_capability(dq.device)[0] < 9:
+        return False
+    return (dq.stride(2) * dq.element_size()) % 16 == 0 and _rows_collapse(dq) and dq.shape[:3].numel() < 2**31
+
+
 def _rows_descriptor(t: torch.Tensor, block_rows: int):
     z, h, n, d = t.shape
     return TensorDescriptor(t, shape=[z * h * n, d], strides=[t.stride(2), 1], block_shape=[block_rows, _block_d(d)])

@@ -1,7 +1,9 @@
 """The flash backward kernels: delta = rowsum(dO·O), then dK/dV per key block, which with
-``ATOMIC_DQ`` also adds each tile's dQ partial into a float32 buffer with atomics (5 matmuls per
-tile pair, the default); without it, dQ per query block in a second kernel (7 matmuls, no
-atomics: deterministic). The maths is in :mod:`flashrun.kernels.flash`."""
+``ATOMIC_DQ`` also adds each tile's dQ partial into a float32 buffer (5 matmuls per tile pair):
+on Hopper as one TMA reduce-add of the whole tile (``DQ_TMA``: ``cp.reduce.async.bulk``, what
+FlashAttention-3 does), elsewhere as one float32 atomic per element; without it, dQ per query
+block in a second kernel (7 matmuls, no atomics: deterministic). The maths is in
+:mod:`flashrun.kernels.flash`."""
 
 from __future__ import annotations
 
@@ -44,13 +46,13 @@ def _attn_bwd_preprocess(O, DO, Delta,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_row,
                          stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
                          offs_n, offs_d, lo, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, left, right,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                         DQ_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     key_ok = offs_n < N_K
     for start_m in tl.range(lo, hi, BLOCK_M):
@@ -83,8 +85,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq
         dk = _dot(dsT, q, dk, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
         if ATOMIC_DQ:  # dQ[rows] += dS K · sm_scale, summed over key blocks in whatever order they land
             dq = _dot(tl.trans(dsT), k, None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_D)
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk, dq * sm_scale,
-                          mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+            if DQ_TMA:
+                # one bulk reduce-add of the tile through shared memory. Rows past N_Q belong to
+                # the next head: zeroed (dS is 0 there, but 0 · a NaN key is NaN), they add 0.0
+                dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
+                dq_base.atomic_add([dq_row + start_m, 0], dq)
+            else:
+                tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk, dq * sm_scale,
+                              mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -103,10 +111,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
-                   ATOMIC_DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """dK, dV for one block of keys of one k/v head; with ATOMIC_DQ also the dQ partials of every
     query block it visits, added into DQ (float32, zeroed by the launcher, any strides; scaled by
-    sm_scale here). LSE and Delta: (batch, heads, Nq) or, packed, (heads, total_q), addressed
+    sm_scale here) - with DQ_TMA, DQ is a tensor descriptor over its (batch*heads*Nq, head_dim)
+    rows. LSE and Delta: (batch, heads, Nq) or, packed, (heads, total_q), addressed
     through stride_lz/stride_lh like the tensors (see _sequence)."""
     tl.static_assert(not (CAUSAL and WINDOW))
     start_n = tl.program_id(0) * BLOCK_N
@@ -138,27 +148,28 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
         do_base = DO + off_zq * stride_doz + off_h * stride_doh
         lse_base = LSE + off_zq * stride_lz + off_h * stride_lh
         delta_base = Delta + off_zq * stride_lz + off_h * stride_lh  # Delta is laid out as LSE
-        dq_base = DQ  # None unless ATOMIC_DQ
-        if ATOMIC_DQ:
+        dq_base = DQ  # None unless ATOMIC_DQ; the descriptor itself with DQ_TMA
+        dq_row = ((off_z * H + off_h) * N_Q).to(tl.int32)  # DQ_TMA: this head's first row (< 2**31)
+        if ATOMIC_DQ and not DQ_TMA:
             dq_base = DQ + off_zq * stride_dqz + off_h * stride_dqh
         slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
         if CAUSAL or WINDOW:  # the causal diagonal or the window's first edge - masked
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                                          stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                                          dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
                                           offs_n, offs_d, lo, mid_lo, N_Q, N_K, sm_scale, qk_scale, softcap2,
                                           slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL,
-                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, UPCAST, PRECISION)
+                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, UPCAST, PRECISION)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                                      stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                                      dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
                                       offs_n, offs_d, mid_lo, mid_hi, N_Q, N_K, sm_scale, qk_scale, softcap2,
                                       slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, False, CAUSAL,
-                                      WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, UPCAST, PRECISION)
+                                      WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, UPCAST, PRECISION)
         if WINDOW:  # the window's other edge - masked
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                                          stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                                          dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
                                           offs_n, offs_d, mid_hi, hi, N_Q, N_K, sm_scale, qk_scale, softcap2,
                                           slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL,
-                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, UPCAST, PRECISION)
+                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, UPCAST, PRECISION)
     dk *= sm_scale
     out = off_zk * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)
