@@ -127,6 +127,24 @@ def test_deterministic_backward_is_bitwise_repeatable_on_gpu(causal):
         assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_heads_do_not_leak_into_each_other_on_gpu(deterministic):
+    # NaN in every input of head (0, 1) must leave the other heads exact. The atomic backward's dQ
+    # leaves in whole tiles (one TMA reduce-add each on Hopper), and a tile's rows past N_Q = 1000
+    # are the next head's: (0, 1)'s reach (1, 0)
+    q, k, v, do = (t.detach() for t in _inputs(2, 2, 2, 1000, 1000, 128, BF16))
+    for t in (q, k, v, do):
+        t[0, 1] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attention(q, k, v, deterministic=deterministic)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for z, h in [(0, 0), (1, 0), (1, 1)]:
+        def head(t):
+            return t[z:z + 1, h:h + 1].detach()
+        _judge(Reference(Inputs(*(head(t) for t in (q, k, v, do))), causal=False, grads=True), head(out),
+               tuple(head(g) for g in grads))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_autotuned_path(causal):
     _check(*_inputs(2, 8, 2, 2048, 2048, 64, BF16), causal)
