@@ -46,7 +46,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 class HopperConfig:
     block_n: int
     stages: int
-    overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j)
+    overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j); off until measured
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row

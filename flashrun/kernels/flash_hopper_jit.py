@@ -91,6 +91,19 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
 
 
 @gluon.jit
+def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Block i's softmax step: unmasked below ``n_unmasked``, masked from there."""
+    if i < n_unmasked:
+        p, alpha, m_new, l_new = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale,
+                                                False, CAUSAL)
+    else:
+        p, alpha, m_new, l_new = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale,
+                                                True, CAUSAL)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
 def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE,
               stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
               off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
@@ -124,26 +137,55 @@ def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
 
     mbarrier.wait(q_bars.index(C), 0)
-    for i in range(n_blocks):
-        s = i % STAGES
-        phase = (i // STAGES) & 1
-        k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-        v = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-        mbarrier.wait(k_bars.index(s), phase)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_val = warpgroup_mma_wait(0, deps=(s_tok,))
-        if i < n_unmasked:
-            p, alpha, m_i, l_i = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift,
-                                                qk_scale, False, CAUSAL)
-        else:
-            p, alpha, m_i, l_i = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift,
-                                                qk_scale, True, CAUSAL)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(v_bars.index(s), phase)
-        o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        mbarrier.arrive(empty_bars.index(s), count=1)
+    if OVERLAP:
+        # FA3's intra-warpgroup pipelining: S of block i is issued, then P V of block i - 1, and
+        # block i's softmax runs while that P V is on the tensor cores. wgmma groups complete in
+        # issue order, so waiting for all but one in flight waits for S only.
+        if n_blocks > 0:
+            mbarrier.wait(k_bars.index(0), 0)
+            s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            s_val = warpgroup_mma_wait(0, deps=(s_tok,))
+            p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
+                                               BLOCK_N, CAUSAL)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)  # acc is still 0: no rescale
+            for i in range(1, n_blocks):
+                s = i % STAGES
+                prev = (i - 1) % STAGES
+                mbarrier.wait(k_bars.index(s), (i // STAGES) & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                mbarrier.wait(v_bars.index(prev), ((i - 1) // STAGES) & 1)
+                o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                s_val = warpgroup_mma_wait(1, deps=(s_tok,))
+                p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
+                                                   qk_scale, BLOCK_N, CAUSAL)
+                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))  # p_op: live until its wgmma is done
+                mbarrier.arrive(empty_bars.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            last = n_blocks - 1
+            mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(empty_bars.index(last % STAGES), count=1)
+    else:
+        for i in range(n_blocks):
+            s = i % STAGES
+            phase = (i // STAGES) & 1
+            k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+            v = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(k_bars.index(s), phase)
+            s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_val = warpgroup_mma_wait(0, deps=(s_tok,))
+            p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
+                                               BLOCK_N, CAUSAL)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_bars.index(s), phase)
+            o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(empty_bars.index(s), count=1)
 
     # epilogue: normalize; a row that saw no key outputs 0 and LSE = -inf
     seen = l_i > 0.0
@@ -169,6 +211,7 @@ def _fa3_fwd(q_desc, k_desc, v_desc, O, LSE,
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, D]; k_desc, v_desc over k, v
     (B, H_KV, N_K, D), box [1, 1, BLOCK_N, D]. O: (B, H, N_Q, D), last dim contiguous; LSE
     (B, H, N_Q) float32. Launch with num_warps=4 (the default partition, consumer 0)."""
+    gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     pid_m = gl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first
         pid_m = gl.num_programs(0) - 1 - pid_m
