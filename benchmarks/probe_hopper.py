@@ -4,13 +4,13 @@
 
 1. The path's state: Triton/torch versions, the Gluon API check, what flash's first-use check
    decides (forward_path), in a clean process state.
-2. Correctness of the Gluon kernel itself (called directly, every variant): fp16/bf16 x D 64/128 x
+2. Correctness of the Gluon kernel itself (called directly, every variant): fp16/bf16 x D 64/128/256 x
    causal/full x N in (17, 200, 1024, 4096) for the default variant (other variants: N 1024),
    plus GQA and bottom-right causal Nq != Nk cases (default variant), against SDPA's math in float32. Bound, as
    flashrun's judge: 2 x the portable flash forward's max error + atol(dtype) x max(1, max|ref|);
    LSE against float32 logsumexp within 1e-2 absolute. NaN isolation: batch entry 1 (q, k, v) is
    NaN, entry 0 must stay finite and correct.
-3. Timing (triton.testing.do_bench, median): N in (1024, 4096, 16384), hidden 2048 (H = 2048 / D,
+3. Timing (triton.testing.do_bench, median), D in --timing-dims (64, 128): N in (1024, 4096, 16384), hidden 2048 (H = 2048 / D,
    B = 32768 / N): each Gluon variant, the portable flash forward (tuned, as flash runs it) and
    SDPA's cuDNN backend; TFLOP/s = 4 B H N^2 D (x 0.5 causal) / time. Variants are timed in
    fp16; bf16 times the default variant only.
@@ -49,9 +49,12 @@ START = time.perf_counter()
 
 
 def variants(head_dim: int) -> dict[str, flash_hopper.HopperConfig]:
+    """The kernel variants this probe compares, those whose shared memory fits."""
     base = flash_hopper.CONFIGS[head_dim]
-    return {"base": base, "overlap": replace(base, overlap=True),
-            "overlap-s+1": replace(base, overlap=True, stages=base.stages + 1)}
+    every = {"base": base, "overlap": replace(base, overlap=True),
+             "overlap-s+1": replace(base, overlap=True, stages=base.stages + 1)}
+    return {name: cfg for name, cfg in every.items()
+            if flash_hopper.smem_bytes(head_dim, cfg) <= flash_hopper.SMEM_LIMIT - 1024}
 
 
 def save() -> None:
@@ -207,8 +210,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="base,overlap,overlap-s+1")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip cases that would start after this")
+    ap.add_argument("--timing-dims", default="64,128", help="head dims to time (and to check variants at)")
     ns = ap.parse_args()
     names = [n for n in ns.variants.split(",") if n]
+    ns.timing_dims = [int(d) for d in ns.timing_dims.split(",") if d]
     if not torch.cuda.is_available():
         print("no GPU")
         return 2
@@ -218,6 +223,8 @@ def main() -> int:
     for name in names:
         for dtype in (torch.float16, torch.bfloat16):
             for d in flash_hopper.HEAD_DIMS:
+                if name not in variants(d) or (name != "base" and d not in ns.timing_dims):
+                    continue
                 cfg = variants(d)[name]
                 for causal in (False, True):
                     for n in ((17, 200, 1024, 4096) if name == "base" else (1024,)):
@@ -236,7 +243,7 @@ def main() -> int:
 
     print("\n== timing (do_bench median; TFLOP/s; hidden 2048, 32768 tokens) ==", flush=True)
     for dtype in (torch.float16, torch.bfloat16):
-        for d in flash_hopper.HEAD_DIMS:
+        for d in ns.timing_dims:
             for causal in (False, True):
                 for n in (1024, 4096, 16384):
                     if elapsed() > ns.budget_s:

@@ -18,8 +18,7 @@ from flashrun.kernels import flash, flash_hopper
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     flash_hopper.reset()
-    # the check's small cases, smaller still for the interpreter (same shapes' roles: D 64, causal and not)
-    monkeypatch.setattr(flash_hopper, "CHECK_CASES", ((1, 2, 40, 64, False), (1, 2, 40, 64, True)))
+    monkeypatch.setattr(flash_hopper, "CHECK_SHAPE", (1, 2, 40))  # the check's inputs, smaller for the interpreter
     yield
     flash_hopper.reset()
 
@@ -35,7 +34,7 @@ def _inputs(n=40, d=64, h=2, h_kv=2, seed=1):
 def _pretend_hopper(monkeypatch):
     """As on an H200 with Triton 3.6: every in-scope call is eligible (float32 included, the
     interpreter's exact dtype, so that the check's comparison is meaningful here)."""
-    monkeypatch.setattr(flash_hopper, "eligible", lambda q, k, v, variant: flash_hopper._checked.get(q.dtype))
+    monkeypatch.setattr(flash_hopper, "eligible", lambda q, k, v, variant: flash_hopper._checked.get((q.dtype, q.shape[-1])))
     monkeypatch.setitem(flash_hopper.CHECK_ATOL, torch.float32, 1e-4)
 
 
@@ -78,19 +77,23 @@ def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
     monkeypatch.setattr(flash_hopper, "RUN", bad_kernel)
     q, k, v = _inputs()
     expected, expected_lse = flash._attn_forward(q, k, v, 0.125, flash.Variant(causal=True), hopper=False)
-    with caplog.at_level(logging.WARNING, logger="flashrun.hopper"):
-        for _ in range(3):  # the check runs once; every call falls back
-            o, lse = flash.attention_forward(q, k, v, causal=True, sm_scale=0.125)
-            assert flash_hopper.LAST_PATH == "triton"
-            torch.testing.assert_close(o, expected)
-            torch.testing.assert_close(lse, expected_lse)
-        assert flash.forward_path(q, k, v, causal=True) == "triton"
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    for _ in range(3):  # the check runs once; every call falls back
+        o, lse = flash.attention_forward(q, k, v, causal=True, sm_scale=0.125)
+        assert flash_hopper.LAST_PATH == "triton"
+        torch.testing.assert_close(o, expected)
+        torch.testing.assert_close(lse, expected_lse)
+    assert flash.forward_path(q, k, v, causal=True) == "triton"
     warnings = [r for r in caplog.records if r.name == "flashrun.hopper"]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
     assert "portable Triton kernel is used" in message
     assert ("raised RuntimeError" if broken == "raises" else "disagrees") in message
     assert len(calls) == 1  # stopped at the first failing case, never called again
+    # another head_dim is checked (and warned about) on its own
+    q2, k2, v2 = _inputs(n=20, d=128)
+    flash.attention_forward(q2, k2, v2, causal=True)
+    assert len([r for r in caplog.records if r.name == "flashrun.hopper"]) == 2 and len(calls) == 2
 
 
 def test_passed_check_takes_the_path(monkeypatch, caplog):
@@ -108,7 +111,7 @@ def test_passed_check_takes_the_path(monkeypatch, caplog):
         o = flash.flash_attention(q, k, v)
     assert flash_hopper.LAST_PATH == "gluon-sm90"
     assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
-    assert len(used) == len(flash_hopper.CHECK_CASES) + 1  # the check's cases, then the call
+    assert len(used) == 2 + 1  # the check's two cases (causal and not), then the call
     torch.testing.assert_close(o, flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(), hopper=False)[0])
 
 

@@ -127,7 +127,7 @@ def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varia
         return False
     if not variant.varlen and _decode_splits(q, k, variant.key_span(q.shape[2], k.shape[2]))[0] > 1:
         return False  # few queries, many keys: flash-decoding's split fills the GPU better
-    return flash_hopper.ensure_checked(q.device, q.dtype, _portable_check)
+    return flash_hopper.ensure_checked(q.device, q.dtype, q.shape[-1], _portable_check)
 
 
 def _portable_check(q, k, v, sm_scale, causal):

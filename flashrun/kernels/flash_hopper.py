@@ -3,21 +3,25 @@
 
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
-(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 64 or 128, dense
+(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 64, 128 or 256, dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
-aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group; no window,
-softcap, ALiBi, packed sequences or flash-decoding (those, and float32, go to the portable kernel).
+aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and not a
+flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
+(those, and float32, go to the portable kernel).
 
-The first eligible call in a process checks the Gluon kernel against ``_attn_fwd`` on small
-cases (:func:`_self_check`); if it raises or disagrees the path is off for the process and one
-warning says why. ``FLASHRUN_HOPPER=0`` (read at each call) or ``ENABLED = False`` forces the
-portable kernel. :func:`flashrun.kernels.flash.forward_path` says which path a call would take;
-:data:`LAST_PATH` records the last one taken.
+The first eligible call per (dtype, head_dim) in a process checks the Gluon kernel against
+``_attn_fwd`` on small inputs (:func:`_self_check`, causal and not); if it raises or disagrees
+the path is off for that (dtype, head_dim) in this process and one warning says why.
+``FLASHRUN_HOPPER=0`` (read at each call) or ``ENABLED = False`` forces the portable kernel.
+:func:`flashrun.kernels.flash.forward_path` says which path a call would take; :data:`LAST_PATH`
+records the path the last forward took.
 
-Launch (fixed, not tuned): 128-row query tiles (64 per consumer warpgroup), 4 + 4 + 1 warps
-(12 launched), maxnreg 168 so the consumers get 240 registers and the producer 24;
-head_dim 64: BLOCK_N 128, 3 stages; head_dim 128: BLOCK_N 128, 2 stages (shared memory:
-Q 32 KB + 2 x (K + V) 64 KB = 160 KB).
+Launch (fixed, not tuned; :data:`CONFIGS`): 128-row query tiles (64 per consumer warpgroup),
+4 + 4 + 1 warps (12 launched), maxnreg 168 so that setmaxnreg gives the consumers 240 registers
+and the producer 24. Shared memory, Q (2 x 64 rows) + STAGES x (K + V):
+  head_dim  64: BLOCK_N 128, 3 stages: 16 KB + 3 x 32 KB = 112 KB
+  head_dim 128: BLOCK_N 128, 2 stages: 32 KB + 2 x 64 KB = 160 KB
+  head_dim 256: BLOCK_N  64, 2 stages: 64 KB + 2 x 64 KB = 192 KB
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ GLUON_PATH = "gluon-sm90"
 TRITON_PATH = "triton"
 ENABLED = True  # False: always the portable kernel (FLASHRUN_HOPPER=0 does the same per call)
 LAST_PATH: str | None = None  # the path the last forward took (GLUON_PATH or TRITON_PATH)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -52,7 +56,16 @@ class HopperConfig:
     maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row
 
 
-CONFIGS = {64: HopperConfig(block_n=128, stages=3), 128: HopperConfig(block_n=128, stages=2)}
+SMEM_LIMIT = 227 * 1024  # an H100/H200 block's dynamic shared memory
+
+
+def smem_bytes(head_dim: int, cfg: HopperConfig) -> int:
+    """Q's two 64-row halves and STAGES K and V blocks, 2-byte elements (barriers aside)."""
+    return 2 * (2 * 64 * head_dim + cfg.stages * 2 * cfg.block_n * head_dim)
+
+
+CONFIGS = {64: HopperConfig(block_n=128, stages=3), 128: HopperConfig(block_n=128, stages=2),
+           256: HopperConfig(block_n=64, stages=2)}
 OVERRIDE: HopperConfig | None = None  # benchmarks/probe_hopper.py compares variants through this
 
 
@@ -118,7 +131,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str 
         return "window/softcap/ALiBi"
     if not all(_aligned(t) for t in (q, k, v)):
         return "strides or base not 16-byte aligned"
-    return _api_reason() or _checked.get(q.dtype)
+    return _api_reason() or _checked.get((q.dtype, q.shape[-1]))
 
 
 _api_cache: list = []
@@ -187,48 +200,51 @@ def forward(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch
 # -- first use: check against the portable kernel -------------------------------------------------
 
 
-# dtype -> why the path is off after its first-use check in this dtype (None: it passed)
-_checked: dict[torch.dtype, str | None] = {}
+# (dtype, head_dim) -> why the path is off after its first-use check there (None: it passed)
+_checked: dict[tuple[torch.dtype, int], str | None] = {}
 
-
-# Max-abs bounds against the portable kernel on the check's inputs (randn, N <= 200): both
+# Max-abs bounds against the portable kernel on the check's inputs (randn, N = 200): both
 # accumulate in float32 and round P to the input dtype before P·V, in different key orders and
 # block sizes, so they differ by a few units in the last place of O (|O| < ~1): fp16's is 2^-11,
-# bf16's 2^-8. The bounds are ~8 such units; a wrong mask or tile gives errors of order 0.1-1.
+# bf16's 2^-8. The bounds are ~8-16 such units; a wrong mask or tile gives errors of order 0.1-1.
 CHECK_ATOL = {torch.float16: 8e-3, torch.bfloat16: 3e-2}
-CHECK_CASES = ((1, 2, 200, 64, False), (1, 2, 200, 64, True), (1, 2, 200, 128, False), (1, 2, 200, 128, True))
+CHECK_SHAPE = (1, 2, 200)  # (batch, heads, N): two query tiles, a ragged last tile and key block
 
 
-def _self_check(device, dtype, portable) -> str | None:
+def _self_check(device, dtype, head_dim, portable) -> str | None:
     """None when the Gluon kernel agrees with ``portable(q, k, v, sm_scale, causal) -> (o, lse)``
-    on the small cases, else what went wrong."""
+    on small inputs of this dtype and head_dim, causal and not, else what went wrong."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for z, h, n, d, causal in CHECK_CASES:
-        q, k, v = (torch.randn(z, h, n, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-        scale = d ** -0.5
+    z, h, n = CHECK_SHAPE
+    for causal in (False, True):
+        q, k, v = (torch.randn(z, h, n, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+        scale = head_dim ** -0.5
         try:
             o, lse = RUN(q, k, v, scale, causal)
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
-            return f"the Gluon kernel raised {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            return f"the Gluon kernel raised {type(exc).__name__}: {last}"
         o_ref, lse_ref = portable(q, k, v, scale, causal)
         err_o = (o.float() - o_ref.float()).abs().max().item()
         err_l = (lse - lse_ref).abs().max().item()
-        label = f"N={n} D={d} {'causal' if causal else 'full'} {str(dtype).removeprefix('torch.')}"
+        label = f"N={n} D={head_dim} {'causal' if causal else 'full'}"
         if not (err_o <= CHECK_ATOL[dtype] and err_l <= 1e-3):  # NaN fails too
             return f"the Gluon kernel disagrees with the portable one ({label}: max |dO| {err_o:.3g}, max |dLSE| {err_l:.3g})"
     return None
 
 
-def ensure_checked(device, dtype, portable) -> bool:
-    """Run the first-use check once per process and dtype; True when the Gluon path stays on."""
-    if dtype not in _checked:
-        reason = _self_check(device, dtype, portable)
-        _checked[dtype] = f"disabled after its first-use check: {reason}" if reason else None
+def ensure_checked(device, dtype, head_dim, portable) -> bool:
+    """Run the first-use check once per process, dtype and head_dim; True when the path stays on."""
+    key = (dtype, head_dim)
+    if key not in _checked:
+        reason = _self_check(device, dtype, head_dim, portable)
+        _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
         if reason:
-            log.warning("flashrun: the Gluon sm_90 forward is off for %s in this process (%s); the portable "
-                        "Triton kernel is used", str(dtype).removeprefix("torch."), reason)
-    return _checked[dtype] is None
+            log.warning("flashrun: the Gluon sm_90 forward is off for %s, head_dim %d in this process (%s); the "
+                        "portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
+    return _checked[key] is None
 
 
 def reset() -> None:
