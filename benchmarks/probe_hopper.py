@@ -1,6 +1,10 @@
 """One-shot H200 probe of the Gluon sm_90 forward (flashrun/kernels/flash_hopper.py).
 
-    python benchmarks/probe_hopper.py [--variants base,overlap,overlap-s+1] [--budget-s 220]
+    python benchmarks/probe_hopper.py [--variants base,overlap,pingpong,overlap-s+1] [--budget-s 200]
+
+Variants (flash_hopper.HopperConfig): base (the default: no overlap), overlap (FA3's
+intra-warpgroup pipelining), pingpong (overlap + the two consumers taking turns at the tensor
+cores through mbarriers), overlap-s+1 (overlap with one more K/V stage, where it fits).
 
 1. The path's state: Triton/torch versions, the Gluon API check, what flash's first-use check
    decides (forward_path), in a clean process state.
@@ -52,7 +56,8 @@ def variants(head_dim: int) -> dict[str, flash_hopper.HopperConfig]:
     """The kernel variants this probe compares, those whose shared memory fits."""
     base = flash_hopper.CONFIGS[head_dim]
     every = {"base": base, "overlap": replace(base, overlap=True),
-             "overlap-s+1": replace(base, overlap=True, stages=base.stages + 1)}
+             "overlap-s+1": replace(base, overlap=True, stages=base.stages + 1),
+             "pingpong": replace(base, overlap=True, pingpong=True)}
     return {name: cfg for name, cfg in every.items()
             if flash_hopper.smem_bytes(head_dim, cfg) <= flash_hopper.SMEM_LIMIT - 1024}
 
@@ -208,7 +213,7 @@ def path_state() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="base,overlap,overlap-s+1")
+    ap.add_argument("--variants", default="base,overlap,pingpong,overlap-s+1")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip cases that would start after this")
     ap.add_argument("--timing-dims", default="64,128", help="head dims to time (and to check variants at)")
     ns = ap.parse_args()

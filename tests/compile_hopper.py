@@ -74,6 +74,7 @@ def ptxas_info(ptx: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--overlap", action="store_true", help="compile the OVERLAP variant")
+    ap.add_argument("--pingpong", action="store_true", help="compile the OVERLAP + PINGPONG variant")
     ap.add_argument("--ptx", help="write each PTX here")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
@@ -84,7 +85,7 @@ def main() -> int:
     for d in flash_hopper.HEAD_DIMS:
         for dtype in flash_hopper.DTYPES:
             for causal in (False, True):
-                cfg = replace(flash_hopper.CONFIGS[d], overlap=ns.overlap)
+                cfg = replace(flash_hopper.CONFIGS[d], overlap=ns.overlap or ns.pingpong, pingpong=ns.pingpong)
                 label = f"D={d} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
                 start = time.perf_counter()
                 try:

@@ -51,6 +51,7 @@ class HopperConfig:
     block_n: int
     stages: int
     overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j); off until measured
+    pingpong: bool = False  # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers)
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row
@@ -171,7 +172,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
             h, n_q, n_k, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
-                      OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     grid = (triton.cdiv(n_q, BLOCK_M), z * h)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 

@@ -16,6 +16,9 @@ One program owns a 128-row query tile of one (batch, head) and runs three partit
   * ``OVERLAP`` (FA3's intra-warpgroup pipelining): S for block j+1 is issued before block j's
     softmax, so the tensor cores work while this warpgroup does exp2; P V of block j is waited
     for only at the next iteration.
+  * ``PINGPONG`` (with OVERLAP; FA3's inter-warpgroup schedule): the two consumers take turns
+    issuing their round of wgmmas (S of j+1 and P V of j) through a pair of mbarriers, so one
+    warpgroup's softmax runs while the other's matmuls hold the tensor cores.
 
 Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, head_dim]: the copy
 engine zero-fills rows past a head's sequence, so a neighbouring head's rows (NaN included) never
@@ -91,6 +94,18 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
 
 
 @gluon.jit
+def _take_turn(turn_bars, i, C: gl.constexpr):
+    """PINGPONG: wait until warpgroup C may issue its i-th round of wgmmas. The warpgroups take
+    turns (0 first): each arrives on the other's barrier once it has issued a round, so one
+    issues while the other runs its softmax (FA3's ping-pong; Gluon 3.6 has no named barriers).
+    They alternate strictly, so a parity wait never falls two phases behind."""
+    if C == 0:
+        mbarrier.wait(turn_bars.index(0), (i & 1) ^ 1)  # a fresh barrier passes parity 1: round 0 is free
+    else:
+        mbarrier.wait(turn_bars.index(1), i & 1)
+
+
+@gluon.jit
 def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Block i's softmax step: unmasked below ``n_unmasked``, masked from there."""
@@ -104,11 +119,11 @@ def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_s
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE,
+def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, O, LSE,
               stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
               off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
               C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -143,8 +158,12 @@ def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE
         # issue order, so waiting for all but one in flight waits for S only.
         if n_blocks > 0:
             mbarrier.wait(k_bars.index(0), 0)
+            if PINGPONG:
+                _take_turn(turn_bars, 0, C)
             s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bars.index(1 - C), count=1)
             s_val = warpgroup_mma_wait(0, deps=(s_tok,))
             p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
                                                BLOCK_N, CAUSAL)
@@ -153,10 +172,14 @@ def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE
                 s = i % STAGES
                 prev = (i - 1) % STAGES
                 mbarrier.wait(k_bars.index(s), (i // STAGES) & 1)
+                mbarrier.wait(v_bars.index(prev), ((i - 1) // STAGES) & 1)
+                if PINGPONG:
+                    _take_turn(turn_bars, i, C)
                 s_tok = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
-                mbarrier.wait(v_bars.index(prev), ((i - 1) // STAGES) & 1)
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                if PINGPONG:  # the other warpgroup may issue its wgmmas while this one runs its softmax
+                    mbarrier.arrive(turn_bars.index(1 - C), count=1)
                 s_val = warpgroup_mma_wait(1, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
                                                    qk_scale, BLOCK_N, CAUSAL)
@@ -207,12 +230,13 @@ def _fa3_fwd(q_desc, k_desc, v_desc, O, LSE,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
              H, N_Q, N_K, qk_scale,
              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+             CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
              PRODUCER_REGS: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, D]; k_desc, v_desc over k, v
     (B, H_KV, N_K, D), box [1, 1, BLOCK_N, D]. O: (B, H, N_Q, D), last dim contiguous; LSE
     (B, H, N_Q) float32. Launch with num_warps=4 (the default partition, consumer 0)."""
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
+    gl.static_assert(OVERLAP or not PINGPONG)  # the turns are taken in the OVERLAP loop
     pid_m = gl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -235,8 +259,10 @@ def _fa3_fwd(q_desc, k_desc, v_desc, O, LSE,
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG
     for c in gl.static_range(2):
         mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(turn_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
@@ -246,14 +272,14 @@ def _fa3_fwd(q_desc, k_desc, v_desc, O, LSE,
     # the argument tuples are written in the call: a tuple assigned to a variable first would
     # turn its constexprs (C, BLOCK_N, ...) into tensors
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE,
+        (_consumer, (k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, O, LSE,
                      stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                      off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
-        (_consumer, (k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, O, LSE,
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+        (_consumer, (k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, O, LSE,
                      stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                      off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP)),
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
                      off_z, off_h, off_hkv, start_m, n_blocks, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
