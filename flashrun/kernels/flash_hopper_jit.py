@@ -224,8 +224,9 @@ def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_b
     gl.store(o_ptrs, acc.to(dtype), mask=gl.expand_dims(rows_o < N_Q, 1))
 
 
-# lengths and heads are not specialized (divisibility by 16): one compile serves every N
-@gluon.jit(do_not_specialize=["H", "N_Q", "N_K"])
+# lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
+# one compile serves every N
+@gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "stride_lz", "stride_lh"])
 def _fa3_fwd(q_desc, k_desc, v_desc, O, LSE,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
              H, N_Q, N_K, qk_scale,
