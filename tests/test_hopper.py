@@ -137,3 +137,11 @@ def test_compiles_for_hopper(python):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("ok ") == 2 * 2 * len(flash_hopper.HEAD_DIMS)
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
+
+
+def test_tma_alignment():
+    q = torch.empty(2, 4, 40, 64, dtype=torch.float16)
+    assert flash_hopper._aligned(q)
+    assert not flash_hopper._aligned(q.transpose(2, 3))  # head_dim not contiguous
+    assert not flash_hopper._aligned(q[:, :1].expand(2, 4, 40, 64))  # stride 0: no TMA descriptor
+    assert not flash_hopper._aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows

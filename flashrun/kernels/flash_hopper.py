@@ -110,8 +110,9 @@ def _disabled_by_env() -> bool:
 
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
+    # a TMA descriptor's strides must be positive multiples of 16 bytes (an expanded GQA k/v, stride 0, is not)
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all((s * size) % 16 == 0 for s in t.stride()[:3]))
+            and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:3]))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | None:
@@ -180,9 +181,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
 def _run_gluon(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from flashrun.kernels.flash_hopper_jit import _fa3_fwd
 
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if o.stride(3) != 1:
-        o = o.contiguous()
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel's stores assume
     lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
     grid, args, constexprs, options = launch_args(q, k, v, o, lse, sm_scale, causal, _config(q.shape[-1]))
     _fa3_fwd[grid](*args, **constexprs, **options)
