@@ -1,0 +1,254 @@
+"""The Hopper (sm_90) forward path: an FA3-style Gluon kernel (:mod:`flash_hopper_jit`), used by
+:func:`flashrun.kernels.flash._attn_forward` when it can be, the portable ``_attn_fwd`` otherwise.
+
+When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
+(9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
+(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 64, 128 or 256, dense
+(B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
+aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and not a
+flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
+(those, and float32, go to the portable kernel).
+
+The first eligible call per (dtype, head_dim) in a process checks the Gluon kernel against
+``_attn_fwd`` on small inputs (:func:`_self_check`, causal and not); if it raises or disagrees
+the path is off for that (dtype, head_dim) in this process and one warning says why.
+``FLASHRUN_HOPPER=0`` (read at each call) or ``ENABLED = False`` forces the portable kernel.
+:func:`flashrun.kernels.flash.forward_path` says which path a call would take; :data:`LAST_PATH`
+records the path the last forward took.
+
+Launch (fixed, not tuned; :data:`CONFIGS`): 128-row query tiles (64 per consumer warpgroup),
+4 + 4 + 1 warps (12 launched), maxnreg 168 so that setmaxnreg gives the consumers 240 registers
+and the producer 24. Shared memory, Q (2 x 64 rows) + STAGES x (K + V):
+  head_dim  64: BLOCK_N 128, 3 stages: 16 KB + 3 x 32 KB = 112 KB
+  head_dim 128: BLOCK_N 128, 2 stages: 32 KB + 2 x 64 KB = 160 KB
+  head_dim 256: BLOCK_N  64, 2 stages: 64 KB + 2 x 64 KB = 192 KB
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from flashrun.kernels.tuning import INTERPRETED
+
+log = logging.getLogger("flashrun.hopper")
+
+GLUON_PATH = "gluon-sm90"
+TRITON_PATH = "triton"
+ENABLED = True  # False: always the portable kernel (FLASHRUN_HOPPER=0 does the same per call)
+LAST_PATH: str | None = None  # the path the last forward took (GLUON_PATH or TRITON_PATH)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    block_n: int
+    stages: int
+    overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j); off until measured
+    pingpong: bool = False  # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers)
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row
+
+
+SMEM_LIMIT = 227 * 1024  # an H100/H200 block's dynamic shared memory
+
+
+def smem_bytes(head_dim: int, cfg: HopperConfig) -> int:
+    """Q's two 64-row halves and STAGES K and V blocks, 2-byte elements (barriers aside)."""
+    return 2 * (2 * 64 * head_dim + cfg.stages * 2 * cfg.block_n * head_dim)
+
+
+CONFIGS = {64: HopperConfig(block_n=128, stages=3), 128: HopperConfig(block_n=128, stages=2),
+           256: HopperConfig(block_n=64, stages=2)}
+OVERRIDE: HopperConfig | None = None  # benchmarks/probe_hopper.py compares variants through this
+
+
+def gluon_api() -> str | None:
+    """None when this Triton has the Gluon Hopper API the kernel uses, else what is missing."""
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia import hopper
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means no Gluon
+        return f"no Gluon Hopper API ({type(exc).__name__}: {exc})"
+    for owner, names in ((gl, ("warp_specialize", "NVMMADistributedLayout", "DotOperandLayout", "NVMMASharedLayout",
+                               "SliceLayout", "allocate_shared_memory", "convert_layout")),
+                         (hopper, ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "mbarrier", "tma")),
+                         (hopper.mbarrier, ("init", "expect", "wait", "arrive", "MBarrierLayout"))):
+        missing = [n for n in names if not hasattr(owner, n)]
+        if missing:
+            return f"Gluon lacks {', '.join(missing)}"
+    # the kernel loads through tma.async_load (later releases) or 3.6's async_copy_global_to_shared,
+    # which 3.9 keeps only as a stub that raises
+    if not hasattr(hopper.tma, "async_load") and "tensor_desc" not in _params(
+            getattr(hopper.tma, "async_copy_global_to_shared", None)):
+        return "Gluon has no TMA load (tma.async_load / async_copy_global_to_shared)"
+    params = _params(gl.warp_specialize)
+    if params[:3] != ["functions_and_args", "worker_num_warps", "worker_num_regs"]:
+        return f"gl.warp_specialize has another signature ({', '.join(params)})"
+    return None
+
+
+def _params(fn) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get("FLASHRUN_HOPPER", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    # a TMA descriptor's strides must be positive multiples of 16 bytes (an expanded GQA k/v, stride 0, is not)
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:3]))
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | None:
+    """None when this call may take the Gluon path (before the first-use check), else why not."""
+    if not ENABLED or _disabled_by_env():
+        return "turned off (FLASHRUN_HOPPER=0 or flash_hopper.ENABLED = False)"
+    if INTERPRETED:
+        return "Triton's interpreter"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype}"
+    if q.dim() != 4 or variant.varlen:
+        return "packed sequences"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}"
+    if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
+        return "window/softcap/ALiBi"
+    if not all(_aligned(t) for t in (q, k, v)):
+        return "strides or base not 16-byte aligned"
+    return _api_reason() or _checked.get((q.dtype, q.shape[-1]))
+
+
+_api_cache: list = []
+
+
+def _api_reason() -> str | None:
+    if not _api_cache:
+        _api_cache.append(gluon_api())
+    return _api_cache[0]
+
+
+# -- launcher -------------------------------------------------------------------------------------
+
+
+def _config(head_dim: int) -> HopperConfig:
+    return OVERRIDE if OVERRIDE is not None else CONFIGS[head_dim]
+
+
+def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfig):
+    """(grid, positional args, constexprs, options) of one launch; shared by the launcher and
+    tests/compile_hopper.py (which compiles them for sm_90 without a GPU)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashrun.kernels.flash_hopper_jit import BLOCK_M, HALF_M, LOG2E
+
+    z, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    gdtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+
+    def desc(t, rows):
+        block = [1, 1, rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    args = (desc(q, HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), o, lse,
+            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            h, n_q, n_k, sm_scale * LOG2E)
+    constexprs = dict(GROUP=h // h_kv, HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
+                      OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    grid = (triton.cdiv(n_q, BLOCK_M), z * h)
+    return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
+
+
+def _run_gluon(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from flashrun.kernels.flash_hopper_jit import _fa3_fwd
+
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel's stores assume
+    lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
+    grid, args, constexprs, options = launch_args(q, k, v, o, lse, sm_scale, causal, _config(q.shape[-1]))
+    _fa3_fwd[grid](*args, **constexprs, **options)
+    return o, lse
+
+
+RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
+
+
+def forward(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` through the Gluon kernel; call only where :func:`eligible` and
+    :func:`ensure_checked` allow it."""
+    return RUN(q, k, v, sm_scale, causal)
+
+
+# -- first use: check against the portable kernel -------------------------------------------------
+
+
+# (dtype, head_dim) -> why the path is off after its first-use check there (None: it passed)
+_checked: dict[tuple[torch.dtype, int], str | None] = {}
+
+# Max-abs bounds against the portable kernel on the check's inputs (randn, N = 200): both
+# accumulate in float32 and round P to the input dtype before P·V, in different key orders and
+# block sizes, so they differ by a few units in the last place of O (|O| < ~1): fp16's is 2^-11,
+# bf16's 2^-8. The bounds are ~8-16 such units; a wrong mask or tile gives errors of order 0.1-1.
+CHECK_ATOL = {torch.float16: 8e-3, torch.bfloat16: 3e-2}
+CHECK_SHAPE = (1, 2, 200)  # (batch, heads, N): two query tiles, a ragged last tile and key block
+
+
+def _self_check(device, dtype, head_dim, portable) -> str | None:
+    """None when the Gluon kernel agrees with ``portable(q, k, v, sm_scale, causal) -> (o, lse)``
+    on small inputs of this dtype and head_dim, causal and not, else what went wrong."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    z, h, n = CHECK_SHAPE
+    for causal in (False, True):
+        q, k, v = (torch.randn(z, h, n, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+        scale = head_dim ** -0.5
+        try:
+            o, lse = RUN(q, k, v, scale, causal)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any failure turns the path off
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            return f"the Gluon kernel raised {type(exc).__name__}: {last}"
+        o_ref, lse_ref = portable(q, k, v, scale, causal)
+        err_o = (o.float() - o_ref.float()).abs().max().item()
+        err_l = (lse - lse_ref).abs().max().item()
+        label = f"N={n} D={head_dim} {'causal' if causal else 'full'}"
+        if not (err_o <= CHECK_ATOL[dtype] and err_l <= 1e-3):  # NaN fails too
+            return f"the Gluon kernel disagrees with the portable one ({label}: max |dO| {err_o:.3g}, max |dLSE| {err_l:.3g})"
+    return None
+
+
+def ensure_checked(device, dtype, head_dim, portable) -> bool:
+    """Run the first-use check once per process, dtype and head_dim; True when the path stays on."""
+    key = (dtype, head_dim)
+    if key not in _checked:
+        reason = _self_check(device, dtype, head_dim, portable)
+        _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
+        if reason:
+            log.warning("flashrun: the Gluon sm_90 forward is off for %s, head_dim %d in this process (%s); the "
+                        "portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
+    return _checked[key] is None
+
+
+def reset() -> None:
+    """Forget the first-use checks and the last path (tests)."""
+    global LAST_PATH
+    _checked.clear()
+    LAST_PATH = None

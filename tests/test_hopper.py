@@ -1,0 +1,147 @@
+"""The Gluon sm_90 forward's gate and first-use check (flashrun.kernels.flash_hopper).
+
+No GPU here: the gate must be off (interpreter, CPU), and its fallback logic is tested by
+pretending the gate is on and injecting a failing or wrong kernel function as flash_hopper.RUN;
+the "portable" side of the check and the fallback are the real interpreted ``_attn_fwd``.
+Whether the kernel compiles for sm_90 is tests/compile_hopper.py's job (run below).
+"""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashrun.kernels import flash, flash_hopper
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    flash_hopper.reset()
+    monkeypatch.setattr(flash_hopper, "CHECK_SHAPE", (1, 2, 40))  # the check's inputs, smaller for the interpreter
+    yield
+    flash_hopper.reset()
+
+
+def _inputs(n=40, d=64, h=2, h_kv=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, n, d, generator=g)
+    k = torch.randn(1, h_kv, n, d, generator=g)
+    v = torch.randn(1, h_kv, n, d, generator=g)
+    return q, k, v
+
+
+def _pretend_hopper(monkeypatch):
+    """As on an H200 with Triton 3.6: every in-scope call is eligible (float32 included, the
+    interpreter's exact dtype, so that the check's comparison is meaningful here)."""
+    monkeypatch.setattr(flash_hopper, "eligible", lambda q, k, v, variant: flash_hopper._checked.get((q.dtype, q.shape[-1])))
+    monkeypatch.setitem(flash_hopper.CHECK_ATOL, torch.float32, 1e-4)
+
+
+def test_off_in_the_interpreter():
+    q, k, v = _inputs()
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
+    assert flash_hopper.eligible(q.half(), k.half(), v.half(), variant) == "Triton's interpreter"
+    assert flash.forward_path(q, k, v, causal=True) == "triton"
+    flash.attention_forward(q, k, v, causal=True)
+    assert flash_hopper.LAST_PATH == "triton"
+
+
+def test_force_off(monkeypatch):
+    q, k, v = _inputs()
+    variant = flash._variant(q, 1, k.shape[2], False, (-1, -1), 0.0, None)
+    monkeypatch.setenv("FLASHRUN_HOPPER", "0")
+    assert "turned off" in flash_hopper.eligible(q, k, v, variant)
+    monkeypatch.delenv("FLASHRUN_HOPPER")
+    monkeypatch.setattr(flash_hopper, "ENABLED", False)
+    assert "turned off" in flash_hopper.eligible(q, k, v, variant)
+
+
+def test_gluon_api_feature_check():
+    # this Triton either has the API the kernel uses or says what it lacks - never raises
+    reason = flash_hopper.gluon_api()
+    assert reason is None or isinstance(reason, str)
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong"])
+def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
+    _pretend_hopper(monkeypatch)
+    calls = []
+
+    def bad_kernel(q, k, v, sm_scale, causal):
+        calls.append(causal)
+        if broken == "raises":
+            raise RuntimeError("PassManager::run failed")
+        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    monkeypatch.setattr(flash_hopper, "RUN", bad_kernel)
+    q, k, v = _inputs()
+    expected, expected_lse = flash._attn_forward(q, k, v, 0.125, flash.Variant(causal=True), hopper=False)
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    for _ in range(3):  # the check runs once; every call falls back
+        o, lse = flash.attention_forward(q, k, v, causal=True, sm_scale=0.125)
+        assert flash_hopper.LAST_PATH == "triton"
+        torch.testing.assert_close(o, expected)
+        torch.testing.assert_close(lse, expected_lse)
+    assert flash.forward_path(q, k, v, causal=True) == "triton"
+    warnings = [r for r in caplog.records if r.name == "flashrun.hopper"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "portable Triton kernel is used" in message
+    assert ("raised RuntimeError" if broken == "raises" else "disagrees") in message
+    assert len(calls) == 1  # stopped at the first failing case, never called again
+    # another head_dim is checked (and warned about) on its own
+    q2, k2, v2 = _inputs(n=20, d=128)
+    flash.attention_forward(q2, k2, v2, causal=True)
+    assert len([r for r in caplog.records if r.name == "flashrun.hopper"]) == 2 and len(calls) == 2
+
+
+def test_passed_check_takes_the_path(monkeypatch, caplog):
+    _pretend_hopper(monkeypatch)
+    used = []
+
+    def good_kernel(q, k, v, sm_scale, causal):  # the portable kernel standing in for a correct one
+        used.append(q.shape)
+        return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", hopper=False)
+
+    monkeypatch.setattr(flash_hopper, "RUN", good_kernel)
+    q, k, v = _inputs(n=33, h=4, h_kv=2)
+    with caplog.at_level(logging.WARNING, logger="flashrun.hopper"):
+        assert flash.forward_path(q, k, v) == "gluon-sm90"
+        o = flash.flash_attention(q, k, v)
+    assert flash_hopper.LAST_PATH == "gluon-sm90"
+    assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
+    assert len(used) == 2 + 1  # the check's two cases (causal and not), then the call
+    torch.testing.assert_close(o, flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(), hopper=False)[0])
+
+
+def test_variants_and_decode_shapes_stay_portable(monkeypatch):
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(flash_hopper, "eligible", lambda q, k, v, variant: (
+        "window/softcap/ALiBi" if variant.window or variant.softcap else None))
+    monkeypatch.setattr(flash_hopper, "RUN", lambda *a: pytest.fail("the Gluon kernel ran"))
+    q, k, v = _inputs()
+    assert flash.forward_path(q, k, v, window=(8, 0)) == "triton"
+    assert flash.forward_path(q, k, v, softcap=5.0) == "triton"
+    q1 = q[:, :, :1]  # one query, many keys: flash-decoding's split (the interpreter has 4 "SMs")
+    k_long, v_long = (torch.randn(1, 2, 4096, 64) for _ in range(2))
+    assert flash.forward_path(q1, k_long, v_long) == "triton"
+
+
+def test_compiles_for_hopper(python):
+    """Every (dtype, head_dim, causal) the Gluon path claims compiles for sm_90 (skips where this
+    Triton lacks the Gluon Hopper API or a CUDA backend)."""
+    result = python(str(Path(__file__).parent / "compile_hopper.py"))
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ok ") == 2 * 2 * len(flash_hopper.HEAD_DIMS)
+    assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
+
+
+def test_tma_alignment():
+    q = torch.empty(2, 4, 40, 64, dtype=torch.float16)
+    assert flash_hopper._aligned(q)
+    assert not flash_hopper._aligned(q.transpose(2, 3))  # head_dim not contiguous
+    assert not flash_hopper._aligned(q[:, :1].expand(2, 4, 40, 64))  # stride 0: no TMA descriptor
+    assert not flash_hopper._aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows
