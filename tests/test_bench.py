@@ -13,7 +13,7 @@ import sys
 import textwrap
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -298,7 +298,6 @@ def test_compare_refuses_a_file_that_is_not_results_before_running(isolated: Pat
 
 
 def test_results_files_mask_a_key_given_on_the_command_line(tmp_path: Path) -> None:
-    from dataclasses import fields
 
     from flashrun.records.redact import register_secret
 
@@ -634,12 +633,12 @@ def test_the_table_keeps_providers_and_numbers_whole_at_80_columns() -> None:
 
     from flashrun.harness.bench import BenchReport, render
 
-    def row(provider: str, ms: float) -> results.Row:
+    def row(provider: str, ms: float, path: str = "") -> results.Row:
         return results.Row(provider=provider, mode="fwd", dtype="bfloat16", causal=True, batch=16, heads=32,
                            kv_heads=8, seq_len=16384, head_dim=128, ms=ms, ms_p20=ms, ms_p80=ms, tflops=512.25,
                            pct_peak=64.2, peak_mem_mb=12345.0, speedup=1.0123, correct=True, seq_len_k=16384,
                            status="ok", max_err=1e-3, note="", setup_s=1.0, gpu="NVIDIA H200", torch="2.11",
-                           triton="3.6", timestamp="now")
+                           triton="3.6", timestamp="now", path=path)
 
     console = Console(width=80, force_terminal=False, record=True)
     render(BenchReport([row("sdpa", 12.345), row("flash-deterministic", 11.111), row("sdpa-cudnn", 10.5)], {},
@@ -648,3 +647,32 @@ def test_the_table_keeps_providers_and_numbers_whole_at_80_columns() -> None:
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
     for whole in ("flash-deterministic", "sdpa-cudnn", "12.345", "11.111", "512.2", "12345", "1.01x"):
         assert whole in text, text
+
+
+def test_bench_says_which_forward_path_flash_ran(tmp_path) -> None:
+    """flash's forward may run the Gluon sm_90 kernel or the portable one: the rows, the files and
+    the table say which (here the interpreter's: the portable one)."""
+    from rich.console import Console
+
+    from flashrun import device
+    from flashrun.harness.bench import BenchReport, render
+
+    device.select("cpu")
+    from flashrun import kernels
+
+    flash = kernels.get("flash")
+    q = torch.randn(1, 2, 17, 16)
+    flash(q, q, q)
+    assert flash.path() == "triton"
+    assert kernels.get("minimal").path is None
+
+    row = results.Row(**{**{f.name: None for f in fields(results.Row)}, "provider": "flash", "mode": "fwd",
+                         "dtype": "float16", "causal": False, "batch": 1, "heads": 2, "kv_heads": 2, "seq_len": 17,
+                         "seq_len_k": 17, "head_dim": 16, "status": "ok", "note": "", "gpu": "g",
+                         "timestamp": "now", "window": (-1, -1), "softcap": 0.0, "alibi": False,
+                         "where": "", "path": "gluon-sm90"})
+    console = Console(width=80, force_terminal=False, record=True)
+    render(BenchReport([row, row], {}, "cuda", None), console)
+    assert "forward path flash: gluon-sm90 (2 cells)" in console.export_text()
+    results.write(tmp_path / "r.csv", tmp_path / "r.json", [row], {}, complete=True)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["path"] == "gluon-sm90"

@@ -365,7 +365,7 @@ def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, cei
         correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
         note=cell.note, setup_s=cell.setup_s, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
         timestamp=now_iso(), where=env["where"], window=shape.window, softcap=shape.softcap, alibi=shape.alibi,
-        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k,
+        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path,
     )
 
 
@@ -538,6 +538,13 @@ def render(report: BenchReport, console: Console) -> None:
         style = {"n/a": "dim", "wrong": "bold red", "error": "bold red", "note": "dim"}[kind]
         cells = f"{count} cell{'s' if count > 1 else ''}"
         console.print(f"[{style}]{kind}[/] {provider} ({cells}): {note}", markup=True, highlight=False)
+    paths: dict[str, dict[str, int]] = {}  # provider -> implementation -> cells
+    for r in rows:
+        if r.path:
+            paths.setdefault(r.provider, {})[r.path] = paths.get(r.provider, {}).get(r.path, 0) + 1
+    for provider, counts in paths.items():
+        ran = ", ".join(f"{path} ({n} cell{'s' if n > 1 else ''})" for path, n in counts.items())
+        console.print(f"forward path {provider}: {ran}", highlight=False)
     setup: dict[str, dict[str, float]] = {}  # provider -> shape -> seconds (once per shape, not per mode)
     for r in rows:
         if r.setup_s is not None:

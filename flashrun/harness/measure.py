@@ -91,6 +91,7 @@ class Cell:
     max_err: float | None = None
     note: str = ""
     setup_s: float | None = None  # prepare + the checked first call: compiling and autotuning show here
+    path: str = ""  # which implementation of the provider ran its forward (flash: gluon-sm90 or triton)
 
 
 def _verdict(checks: list[Comparison]) -> Verdict:
@@ -269,6 +270,7 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
             except Exception as exc:  # noqa: BLE001 - e.g. judging a strange output: this cell, not the run
                 forward = backward = Verdict("n/a", f"could not check this provider: {type(exc).__name__}: {exc}")
             setup_s = time.perf_counter() - started  # the check ends on .item(): the GPU is done
+            path = (attn.path() or "") if attn.path else ""
             if backward_asked and not provider.backward:
                 backward = Verdict("n/a", f"{provider.name} has no backward")
             cells = []
@@ -280,7 +282,7 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
                                 note=_join(attn.note, verdict.note))
                 else:
                     cell = _time_mode(provider, attn, shape, sets, mode, verdict, device, timing, caught)
-                cells.append(dataclasses.replace(cell, setup_s=setup_s))
+                cells.append(dataclasses.replace(cell, setup_s=setup_s, path=path))
     for message in caught:
         log.debug("%s on %s: %s", provider.name, shape.label, message.message)
     return cells

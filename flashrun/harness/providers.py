@@ -77,6 +77,7 @@ class Attention:
     fn: AttnFn
     scope: Callable[[], ContextManager] = contextlib.nullcontext
     note: str = ""  # said in the results (e.g. how causal was expressed)
+    path: Callable[[], str | None] | None = None  # which implementation ran (asked after the checked call)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _kernel(spec: str) -> Provider:
         missing = kernel.missing(args)
         if missing:
             raise KernelError(f"{kernel.name} does not take {', '.join(missing)}, which this shape needs")
-        return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal, **args))
+        return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal, **args), path=kernel.path)
 
     return Provider(spec, prepare, backward=kernel.supports_backward, is_kernel=True)
 

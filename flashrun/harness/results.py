@@ -25,7 +25,7 @@ from flashrun.records.redact import redact, redact_data
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
-                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where")  # new columns go at the end
+                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
        "window", "softcap", "alibi", "seqlens", "seqlens_k")
@@ -65,6 +65,7 @@ class Row:
     seqlens: tuple[int, ...] | None = None
     seqlens_k: tuple[int, ...] | None = None
     where: str = ""  # the node and device that measured it (flashrun.device.where)
+    path: str = ""  # which implementation of the provider ran the forward (flash: gluon-sm90 or triton)
 
     @property
     def valid(self) -> bool:

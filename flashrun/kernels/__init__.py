@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from flashrun.errors import KernelError
+from flashrun.kernels import flash_hopper
 from flashrun.kernels.flash import (
     attention_forward,
     attention_forward_varlen,
@@ -61,6 +62,9 @@ class Kernel:
     supports_backward: bool  # False: forward only (users' kernels: decided by trying autograd)
     takes_causal: bool = True  # False for the (q, k, v) signature
     accepts: frozenset[str] = frozenset()  # the VARIANT_ARGS its function takes
+    # which of its implementations the last call's forward ran (flash: "gluon-sm90" or "triton");
+    # None for kernels with one
+    path: Callable[[], str | None] | None = None
 
     def missing(self, variant_args: dict) -> list[str]:
         """The arguments a case needs (``variant_args``) that this kernel does not take."""
@@ -89,7 +93,8 @@ def get(spec: str, launch: Launch = None, deterministic: bool = True) -> Kernel:
                                               launch=launch, deterministic=deterministic)
             return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
-        return Kernel(spec, flash, supports_backward=True, accepts=frozenset(VARIANT_ARGS))
+        return Kernel(spec, flash, supports_backward=True, accepts=frozenset(VARIANT_ARGS),
+                      path=lambda: flash_hopper.LAST_PATH)
     if spec == "minimal":
         return Kernel("minimal", minimal_attention, supports_backward=False)
     path, sep, func = spec.rpartition(":")

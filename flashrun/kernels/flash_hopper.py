@@ -244,6 +244,9 @@ def ensure_checked(device, dtype, head_dim, portable) -> bool:
         if reason:
             log.warning("flashrun: the Gluon sm_90 forward is off for %s, head_dim %d in this process (%s); the "
                         "portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
+        else:  # shown with -v
+            log.info("forward path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
+                     GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
     return _checked[key] is None
 
 
