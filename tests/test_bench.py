@@ -298,7 +298,6 @@ def test_compare_refuses_a_file_that_is_not_results_before_running(isolated: Pat
 
 
 def test_results_files_mask_a_key_given_on_the_command_line(tmp_path: Path) -> None:
-
     from flashrun.records.redact import register_secret
 
     key = "sk-bench-NEVER-SHOW-0c1d2e3f"
