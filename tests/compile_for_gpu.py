@@ -86,8 +86,8 @@ def main() -> int:
         triton.compile(ASTSource(flash._attn_bwd_preprocess, {
             "O": "*fp16", "DO": "*fp16", "Delta": "*fp32", **{f"stride_{s}": "i32" for s in (
                 "oz", "oh", "om", "ok", "doz", "doh", "dom", "dok")}, "H": "i32", "N_Q": "i32",
-            "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr"},
-            {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": 16}), target=TARGET)
+            "HEAD_DIM": "constexpr", "BLOCK_D0": "constexpr", "BLOCK_D1": "constexpr", "BLOCK_M": "constexpr"},
+            {"HEAD_DIM": 64, "BLOCK_D0": 64, "BLOCK_D1": 0, "BLOCK_M": 16}), target=TARGET)
     except Exception as exc:  # noqa: BLE001 - no CUDA backend/ptxas in this Triton: nothing to check
         print(f"cannot compile for {TARGET} here: {type(exc).__name__}: {exc}")
         return 3
