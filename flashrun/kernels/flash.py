@@ -26,7 +26,13 @@ Conventions (shared with ``flashrun.harness.reference``, which this module never
   * layout (batch, heads, seq, head_dim), any strides; k/v may have fewer heads than q (GQA/MQA);
   * causal with Nq != Nk is aligned bottom-right (FlashAttention >= 2.1): query i sees keys
     j <= i + Nk - Nq; a query that sees no key outputs zeros and LSE = -inf, never NaN;
-  * head_dim 16..256: the tile is padded to the next power of two and the padding masked;
+  * head_dim 16..256: Triton tiles are powers of two, so a head dim that is not one is split
+    into two column blocks, BLOCK_D0 = the largest power of two <= head_dim and BLOCK_D1 =
+    the rest rounded up to a power of two (>= 16): 192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16,
+    40 = 32 + 16 (8 columns padded). Q Kᵀ and dO Vᵀ sum the two blocks' dots; O, dQ, dK, dV
+    accumulate per block; the TMA forward reads each block through its own descriptor. Where
+    two blocks would be no narrower than one padded tile (24 = 16 + 16, 112 = 64 + 64) and for
+    powers of two, one tile of the next power of two (BLOCK_D1 = 0), its padding masked;
   * float16/bfloat16 use tensor cores with float32 accumulation; float32 inputs use IEEE fp32
     dots (``input_precision="ieee"``, no TF32), so float32 is exact enough to check against, not fast.
   * Causal work is split into the key blocks every query of the tile sees (no mask) and the few
