@@ -12,8 +12,10 @@ Exit status 0: all compiled; 3: this Triton cannot compile for the target here (
 backend or ptxas), nothing was checked.
 """
 
+import collections
 import inspect
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from flashrun.kernels import LaunchConfig, flash, flash_args  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200
+PTX = []  # (kernel name, its constexprs, its PTX) for every kernel compiled
 
 
 class CompileOnly:
@@ -49,8 +52,9 @@ class CompileOnly:
                 if kind == "constexpr":
                     constants[name] = bound[name]
             start = time.perf_counter()
-            triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
-                           options={"num_warps": num_warps, "num_stages": num_stages})
+            compiled = triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
+                                      options={"num_warps": num_warps, "num_stages": num_stages})
+            PTX.append((self.fn.__name__, constants, compiled.asm["ptx"]))
             flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ", "DQ_TMA")
                              if constants.get(f))
             print(f"  {self.fn.__name__} {flags}: {time.perf_counter() - start:.1f}s", flush=True)
@@ -81,13 +85,34 @@ def packed(lengths_q, lengths_k, h, h_kv, d, dtype, causal=False, **variants):
     flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default")
 
 
+def wgmma_shapes(head_dim: int) -> dict[str, collections.Counter]:
+    """Per kernel compiled at ``head_dim``: how many Hopper wgmma instructions of each shape
+    (``m64nNk16``) its PTX holds."""
+    shapes = collections.defaultdict(collections.Counter)
+    for name, constants, ptx in PTX:
+        if constants.get("HEAD_DIM") == head_dim:
+            shapes[name].update(re.findall(r"wgmma\.mma_async\S*\.(m\d+n\d+k\d+)", ptx))
+    return shapes
+
+
+def check_split_matmuls() -> None:
+    """head_dim 192 runs as column blocks of 128 and 64: O += P V (and dK, dV) are n128 and
+    n64 wgmmas, never the n256 of a padded tile (Q Kᵀ: k16 steps over 192 columns, not 256)."""
+    shapes = wgmma_shapes(192)
+    for name, counts in sorted(shapes.items()):
+        print(f"  {name} D=192 wgmma: {dict(sorted(counts.items()))}")
+        assert not any("n256" in shape for shape in counts), f"{name} pads head_dim 192 to 256"
+    for name in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        assert {"m64n128k16", "m64n64k16"} <= set(shapes[name]), f"{name}: no 128 + 64 column blocks"
+
+
 def main() -> int:
     try:
         triton.compile(ASTSource(flash._attn_bwd_preprocess, {
             "O": "*fp16", "DO": "*fp16", "Delta": "*fp32", **{f"stride_{s}": "i32" for s in (
                 "oz", "oh", "om", "ok", "doz", "doh", "dom", "dok")}, "H": "i32", "N_Q": "i32",
-            "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr"},
-            {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": 16}), target=TARGET)
+            "HEAD_DIM": "constexpr", "BLOCK_D0": "constexpr", "BLOCK_D1": "constexpr", "BLOCK_M": "constexpr"},
+            {"HEAD_DIM": 64, "BLOCK_D0": 64, "BLOCK_D1": 0, "BLOCK_M": 16}), target=TARGET)
     except Exception as exc:  # noqa: BLE001 - no CUDA backend/ptxas in this Triton: nothing to check
         print(f"cannot compile for {TARGET} here: {type(exc).__name__}: {exc}")
         return 3
@@ -96,7 +121,7 @@ def main() -> int:
         setattr(flash, name, CompileOnly(getattr(flash, name)))
     flash_args._multiprocessors = lambda device: 132  # an H100/H200's
     flash._tma_ok = lambda q, k, v: True
-    flash._dq_tma_ok = lambda dq: True
+    flash._dq_tma_ok = lambda dq: flash_args._split_head_dim(dq.shape[-1])[1] == 0  # as on Hopper
     start = time.perf_counter()
     everything = {"softcap": 30.0, "alibi_slopes": torch.ones(2, 8)}
     print("dense: window, softcap, ALiBi (B, H), GQA; the forward through TMA with warp specialization")
@@ -104,6 +129,12 @@ def main() -> int:
           launch={"fwd": LaunchConfig(128, 128, 8, 3, True, True)}, **everything)
     print("flash-decoding: a window and ALiBi (H,), one query, 16384 keys")
     dense((1, 2, 1, 1, 16384, 128), torch.float16, backward=False, window=(4096, 0), alibi_slopes=torch.ones(2))
+    print("head_dim 192 = 128 + 64 columns: causal, GQA; the forward through TMA (two descriptors per tensor)")
+    dense((1, 4, 2, 1000, 1000, 192), torch.bfloat16, causal=True, launch={"fwd": LaunchConfig(128, 64, 8, 2, True)})
+    check_split_matmuls()
+    print("head_dim 96 = 64 + 32 columns: the forward through TMA with warp specialization; flash-decoding, softcap")
+    dense((1, 4, 2, 1000, 1000, 96), torch.float16, backward=False, launch={"fwd": LaunchConfig(128, 128, 8, 3, True, True)})
+    dense((1, 2, 1, 3, 16384, 96), torch.float16, backward=False, softcap=30.0)
     print("packed sequences: causal window, softcap, ALiBi (B, H), GQA 8:1")
     packed([0, 1000, 333], [5, 1000, 4000], 8, 1, 128, torch.bfloat16, causal=True, window=(256, -1),
            softcap=50.0, alibi_slopes=torch.ones(3, 8))

@@ -52,6 +52,11 @@ CASES = [
     (1, 2, 2, 1, 1, 64, FP16, True),
     (1, 2, 2, 513, 513, 64, FP32, True),
     (1, 2, 1, 257, 1025, 128, FP32, False),
+    # head dims split into two column blocks (besides 40, 80, 96 above): 128 + 64, 128 + 32, 32 + 16
+    (1, 4, 2, 1000, 1037, 192, BF16, True),
+    (1, 4, 4, 777, 777, 160, FP16, False),
+    (2, 4, 2, 1, 8191, 192, FP16, True),  # flash-decoding
+    (1, 4, 4, 777, 777, 48, BF16, True),
 ]
 
 
@@ -101,8 +106,8 @@ def test_flash_on_gpu(case):  # the default backward: dK/dV with atomic dQ
 
 
 # The deterministic backward on the shapes that stress it most: GQA 8:1 at 16384, rows with no
-# key, head_dim 256, a padded head_dim, float32.
-@pytest.mark.parametrize("case", [CASES[i] for i in (4, 6, 9, 16, 21)], ids=_case_id)
+# key, head_dim 256, split head dims (80 = 64 + 16, 192 = 128 + 64), float32.
+@pytest.mark.parametrize("case", [CASES[i] for i in (4, 6, 9, 16, 21, 22)], ids=_case_id)
 def test_deterministic_on_gpu(case):
     *shape, dtype, causal = case
     _check(*_inputs(*shape, dtype), causal, launch=_defaults(shape[-1], dtype), deterministic=True)
@@ -217,6 +222,8 @@ VARIANT_CASES = [
     ("all-d96-gqa", (1, 8, 2, 1000, 1037, 96), BF16, True,
      {"window": (333, -1), "softcap": 10.0, "alibi_slopes": "BH"}, 10),
     ("fp32", (1, 2, 2, 513, 513, 64), FP32, True, {"window": (64, 0), "softcap": 5.0, "alibi_slopes": "H"}, 3),
+    ("all-d192-gqa", (1, 8, 2, 1000, 1037, 192), BF16, False,
+     {"window": (300, 17), "softcap": 30.0, "alibi_slopes": "BH"}, 30),
 ]
 
 
@@ -285,6 +292,7 @@ VARLEN_CASES = [
     ("window1024-softcap-alibiBH-gqa8", 8, 1, 64, BF16, False,
      {"window": (1024, 1024), "softcap": 30.0, "alibi_slopes": "BH"}, 30),
     ("plain-fp16-d80", 4, 2, 80, FP16, False, {"alibi_slopes": "H"}, 1),
+    ("sliding512-causal-d96-gqa4", 8, 2, 96, BF16, True, {"window": (512, -1)}, 1),
 ]
 
 

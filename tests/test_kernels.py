@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,11 +30,13 @@ from flashrun.kernels import (
     get,
     minimal_attention,
 )
+from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 KERNELS = Path(__file__).parent / "kernels"
 
 # (Z, H, H_kv, N_q, N_k, D): awkward lengths, Nq != Nk (incl. rows that see no key when causal),
-# padded head dims, GQA and MQA.
+# head dims split into two column blocks (40 = 32 + 16 padded to 48, 80 = 64 + 16, 96 = 64 + 32,
+# 192 = 128 + 64), GQA and MQA.
 SHAPES = [
     (1, 2, 2, 1, 1, 64),
     (2, 2, 2, 17, 17, 16),
@@ -45,6 +48,8 @@ SHAPES = [
     (1, 2, 2, 1, 130, 64),
     (1, 2, 2, 130, 17, 16),  # causal: the first 113 rows see no key
     (1, 2, 2, 33, 70, 80),
+    (1, 2, 1, 17, 97, 192),
+    (1, 2, 2, 97, 33, 96),  # causal: the first 64 rows see no key
 ]
 
 
@@ -210,8 +215,8 @@ TMA = {"fwd": LaunchConfig(32, 32, 4, 1, tma=True, ws=True)}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(2, 4, 2, 97, 70, 40), (2, 2, 1, 33, 130, 64), (1, 2, 2, 1, 1, 16)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 4, 2, 97, 70, 40), (2, 2, 1, 33, 130, 64), (1, 2, 2, 1, 1, 16),
+                                   (2, 2, 1, 33, 47, 160)], ids=lambda s: "x".join(map(str, s)))
 def test_tensor_descriptor_path(shape, causal):
     q, k, v, do = _inputs(shape, torch.float16)
     _check_fwd_bwd(q, k, v, do, causal, launch=TMA)
@@ -235,7 +240,8 @@ def test_heads_do_not_leak_into_each_other(launch):
 # 1x1x4x64x513: row 0 sees no key of the last split (its partial result must weigh nothing).
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(1, 2, 1, 1, 300, 64), (1, 2, 2, 20, 517, 40), (1, 1, 1, 64, 513, 16),
-                                   (1, 3, 1, 7, 700, 128)], ids=lambda s: "x".join(map(str, s)))
+                                   (1, 3, 1, 7, 700, 128), (1, 2, 1, 3, 300, 192)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_flash_decoding_splits_the_keys(shape, causal):
     q, k, v, do = _inputs(shape, torch.float16)
     assert flash._decode_splits(q, k)[0] > 1  # the split path is the one checked here
@@ -244,12 +250,48 @@ def test_flash_decoding_splits_the_keys(shape, causal):
 
 @settings(max_examples=12, deadline=None)
 @given(
-    n_q=st.integers(1, 80), n_k=st.integers(1, 80), head_dim=st.sampled_from([16, 24, 40, 64]),
+    n_q=st.integers(1, 80), n_k=st.integers(1, 80), head_dim=st.sampled_from([16, 24, 40, 48, 64, 96]),
     group=st.sampled_from([(2, 2), (2, 1), (4, 2)]), causal=st.booleans(), seed=st.integers(0, 2**16),
 )
 def test_property_random_shapes(n_q, n_k, head_dim, group, causal, seed):
     q, k, v, do = _inputs((1, group[0], group[1], n_q, n_k, head_dim), torch.float32, seed=seed)
     _check_fwd_bwd(q, k, v, do, causal)
+
+
+# -- head dims that are not powers of two: two power-of-two column blocks, no padded matmuls -----
+def test_split_head_dim_plan():
+    for d in range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1):
+        d0, d1 = flash._split_head_dim(d)
+        padded = max(16, triton.next_power_of_2(d))
+        assert d0 + d1 >= d and d0 + d1 <= padded, d
+        assert d0 & (d0 - 1) == 0 and d0 >= 16, d
+        if d1:  # a split: a real gain over the padded tile, the first block all real columns
+            assert d1 & (d1 - 1) == 0 and d1 >= 16 and d0 + d1 < padded and d0 < d, d
+        else:
+            assert d0 == padded, d
+    assert all(flash._split_head_dim(d) == (d, 0) for d in (16, 32, 64, 128, 256))  # the fast path
+    assert [flash._split_head_dim(d) for d in (40, 48, 80, 96, 160, 192, 24, 112, 200)] == [
+        (32, 16), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64), (32, 0), (128, 0), (256, 0)]
+
+
+@pytest.mark.parametrize("head_dim,blocks", [(192, (128, 64)), (64, (64, 0)), (112, (128, 0))])
+def test_launchers_plan_the_split(head_dim, blocks):
+    # every flash kernel of a forward and both backwards gets the plan (the combine has no matmul)
+    q, k, v, do = _inputs((1, 1, 1, 1, 1, head_dim), torch.float32)
+    seen = []
+    real = flash.launch_kernel
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append((kernel.fn.__name__, kwargs["BLOCK_D0"], kwargs["BLOCK_D1"]))
+        return real(kernel, grid, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash, "launch_kernel", spy)
+        for deterministic in (True, False):
+            torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), do)
+    assert [name for name, *_ in seen] == ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_fwd",
+                                           "_attn_bwd_dkdv"]
+    assert {tuple(b) for _, *b in seen} == {blocks}
 
 
 # -- minimal: right where it claims to be, refuses elsewhere -------------------------------------

@@ -39,7 +39,8 @@ def _slopes(kind, z, h, seed=1):
 
 
 # (id, (Z, H, H_kv, N_q, N_k, D), dtype, causal, variants, q scale): every variant alone and in
-# combination, with awkward lengths, Nq != Nk both ways, GQA/MQA, padded head dims.
+# combination, with awkward lengths, Nq != Nk both ways, GQA/MQA, head dims split into two column
+# blocks (40 = 32 + 16 padded, 48 = 32 + 16, 80 = 64 + 16, 160 = 128 + 32, 192 = 128 + 64).
 CASES = [
     ("window00", (1, 2, 2, 97, 97, 64), FP32, False, {"window": (0, 0)}, 1),
     ("window35-nq<nk-gqa", (1, 4, 2, 17, 97, 40), FP16, False, {"window": (3, 5)}, 1),
@@ -62,6 +63,9 @@ CASES = [
     ("all", (2, 4, 2, 70, 90, 40), BF16, False, {"window": (8, 2), "softcap": 5.0, "alibi_slopes": "BH"}, 4),
     ("all-causal-nq>nk", (1, 4, 1, 97, 33, 40), FP16, True, {"window": (8, -1), "softcap": 5.0, "alibi_slopes": "H"}, 4),
     ("all-fp32", (1, 4, 2, 33, 97, 16), FP32, False, {"window": (3, 5), "softcap": 5.0, "alibi_slopes": "BH"}, 4),
+    ("all-d160-gqa", (1, 4, 2, 70, 90, 160), FP16, False, {"window": (8, 2), "softcap": 5.0, "alibi_slopes": "BH"}, 4),
+    ("sliding-causal-d48-mqa", (1, 4, 1, 97, 70, 48), BF16, True, {"window": (20, -1)}, 1),
+    ("softcap-alibi-d192-nq>nk", (1, 2, 2, 97, 33, 192), FP32, False, {"softcap": 5.0, "alibi_slopes": "H"}, 4),
 ]
 
 
@@ -79,7 +83,7 @@ def _case_inputs(shape, dtype, variants, q_scale):
 
 
 # Every case with the default (deterministic) backward; these also with the atomic one.
-ATOMIC = {"window35-nq>nk-gqa", "sliding-causal-mqa", "softcap-causal-gqa", "all", "all-causal-nq>nk"}
+ATOMIC = {"window35-nq>nk-gqa", "sliding-causal-mqa", "softcap-causal-gqa", "all", "all-causal-nq>nk", "all-d160-gqa"}
 
 
 @pytest.mark.parametrize("name,shape,dtype,causal,variants,q_scale,deterministic",
@@ -193,10 +197,11 @@ VARLEN_CASES = [
      {"window": (8, 2), "softcap": 5.0, "alibi_slopes": "BH"}),
     # right = 5 is unbounded in the first sequence only (4 keys): each sequence decides on its own
     ("window-wider-than-one-sequence", [30, 5, 20], [4, 40, 60], 2, 2, 16, FP32, False, {"window": (2, 5)}),
+    ("causal-window-d96", [40, 1, 70, 5], [33, 7, 50, 90], 4, 2, 96, FP16, True, {"window": (20, -1)}),
 ]
 
 
-VARLEN_ATOMIC = {"causal-gqa", "window-softcap-alibi-mqa"}
+VARLEN_ATOMIC = {"causal-gqa", "window-softcap-alibi-mqa", "causal-window-d96"}
 
 
 @pytest.mark.parametrize("name,lengths_q,lengths_k,h,h_kv,d,dtype,causal,variants,deterministic",

@@ -24,7 +24,8 @@ from flashrun.records.redact import redact_data
 FORMAT = "flashrun-cases/1"
 
 # One head_dim per class the kernels treat differently: each power of two, and non powers of
-# two that are padded up to 64 (40), 128 (80, 96) and 256 (192).
+# two that run as two column blocks: 40 = 32 + 16 (padded to 48), 80 = 64 + 16, 96 = 64 + 32,
+# 192 = 128 + 64.
 HEAD_DIMS = (16, 32, 40, 64, 80, 96, 128, 192, 256)
 # Block sizes the kernels tile the sequence with; lengths one off a block edge catch masking bugs.
 BLOCK_SIZES = (16, 32, 64, 128)

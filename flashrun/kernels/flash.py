@@ -26,7 +26,13 @@ Conventions (shared with ``flashrun.harness.reference``, which this module never
   * layout (batch, heads, seq, head_dim), any strides; k/v may have fewer heads than q (GQA/MQA);
   * causal with Nq != Nk is aligned bottom-right (FlashAttention >= 2.1): query i sees keys
     j <= i + Nk - Nq; a query that sees no key outputs zeros and LSE = -inf, never NaN;
-  * head_dim 16..256: the tile is padded to the next power of two and the padding masked;
+  * head_dim 16..256: Triton tiles are powers of two, so a head dim that is not one is split
+    into two column blocks, BLOCK_D0 = the largest power of two <= head_dim and BLOCK_D1 =
+    the rest rounded up to a power of two (>= 16): 192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16,
+    40 = 32 + 16 (8 columns padded). Q Kᵀ and dO Vᵀ sum the two blocks' dots; O, dQ, dK, dV
+    accumulate per block; the TMA forward reads each block through its own descriptor. Where
+    two blocks would be no narrower than one padded tile (24 = 16 + 16, 112 = 64 + 64) and for
+    powers of two, one tile of the next power of two (BLOCK_D1 = 0), its padding masked;
   * float16/bfloat16 use tensor cores with float32 accumulation; float32 inputs use IEEE fp32
     dots (``input_precision="ieee"``, no TF32), so float32 is exact enough to check against, not fast.
   * Causal work is split into the key blocks every query of the tile sees (no mask) and the few
@@ -80,7 +86,8 @@ from flashrun.kernels.flash_args import (
     _decode_splits,
     _dq_tma_ok,
     _max_seqlen_arg,
-    _rows_descriptor,
+    _rows_descriptors,
+    _split_head_dim,
     _tma_ok,
     _variant,
     check_inputs,
@@ -162,6 +169,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
     var = variant.kernel_args(sm_scale)
+    d0, d1 = _split_head_dim(D)  # the head dim's column blocks (d1 = 0: one block)
     if N_Q == 0:  # packed sequences that are all empty
         return o, lse
 
@@ -170,11 +178,11 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     splits, keys_per_split, first_key = (1, N_K, 0) if variant.varlen else _decode_splits(q, k, variant.key_span(N_Q, N_K))
     if splits > 1:
         cfg = _decode_config()
-        o_part = torch.empty((Z * H, N_Q, splits, _block_d(D)), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((Z * H, N_Q, splits, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((Z * H, N_Q, splits), dtype=torch.float32, device=q.device)
         _attn_fwd_split[(splits, Z * H)](q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
                                          H, N_Q, N_K, first_key, keys_per_split, **var,
-                                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
+                                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
                                          BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n,
                                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
         _attn_fwd_combine[(N_Q, Z * H)](o_part, lse_part, o, lse, *o.stride(), H, N_Q, splits,
@@ -184,11 +192,14 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     def run(cfg: LaunchConfig) -> None:
         grid = (triton.cdiv(N_Q, cfg.block_m), Z * H)
         tma = bool(cfg.tma) and not variant.varlen and _tma_ok(q, k, v)  # packed: pointers only
-        srcs = (_rows_descriptor(q, cfg.block_m), _rows_descriptor(k, cfg.block_n),
-                _rows_descriptor(v, cfg.block_n)) if tma else (q, k, v)
-        launch_kernel(_attn_fwd, grid, *srcs, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                      *_lse_strides(lse), H, N_Q, N_K, **var,
-                      GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D=_block_d(D),
+        if tma:  # a descriptor per tensor and column block (the second None where the head dim is not split)
+            (q0, q1), (k0, k1), (v0, v1) = (_rows_descriptors(q, cfg.block_m), _rows_descriptors(k, cfg.block_n),
+                                            _rows_descriptors(v, cfg.block_n))
+        else:
+            (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
+        launch_kernel(_attn_fwd, grid, q0, k0, v0, q1, k1, v1, o, lse, *_strides(q), *_strides(k), *_strides(v),
+                      *_strides(o), *_lse_strides(lse), H, N_Q, N_K, **var,
+                      GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
 
@@ -211,7 +222,8 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dq = (torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic
           else torch.zeros(q.shape, dtype=torch.float32, device=q.device))
     delta = torch.empty_like(lse)
-    common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), **variant.kernel_args(sm_scale), **dot_options(q.dtype))
+    d0, d1 = _split_head_dim(D)
+    common = dict(HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, **variant.kernel_args(sm_scale), **dot_options(q.dtype))
 
     # delta = rowsum(dO * O), laid out as LSE; packed rows are one (1, H, total_q) batch to it
     rows = q.shape[0] if variant.varlen else N_Q
@@ -220,13 +232,13 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     pre_m = 64 if rows >= 64 else 16
     if rows:
         _attn_bwd_preprocess[(triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H)](
-            o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m)
+            o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_M=pre_m)
 
     # Hopper: dQ's partials go out as one TMA reduce-add per tile instead of an atomic per element
     dq_tma = not deterministic and not variant.varlen and _dq_tma_ok(dq)
 
     def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
-        dq_arg = (_rows_descriptor(dq, cfg.block_m) if dq_tma else dq) if atomic_dq else None
+        dq_arg = (_rows_descriptors(dq, cfg.block_m)[0] if dq_tma else dq) if atomic_dq else None
         launch_kernel(_attn_bwd_dkdv, (triton.cdiv(N_K, cfg.block_n), Z * H_KV),
             q, k, v, do, lse, delta, dk, dv, dq_arg, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),

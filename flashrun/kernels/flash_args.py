@@ -93,19 +93,39 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _dq_tma_ok(dq: torch.Tensor) -> bool:
     """The atomic backward's float32 dQ buffer (contiguous, dense) can take TMA reduce-adds: a
-    Hopper-class GPU (the interpreter has no descriptor reductions), 16-byte rows, int32 rows."""
+    Hopper-class GPU (the interpreter has no descriptor reductions), an unsplit head dim (one
+    descriptor per tile), 16-byte rows, int32 rows."""
     if INTERPRETED or torch.cuda.get_device_capability(dq.device)[0] < 9:
         return False
-    return (dq.stride(2) * dq.element_size()) % 16 == 0 and _rows_collapse(dq) and dq.shape[:3].numel() < 2**31
+    return (_split_head_dim(dq.shape[-1])[1] == 0 and (dq.stride(2) * dq.element_size()) % 16 == 0
+            and _rows_collapse(dq) and dq.shape[:3].numel() < 2**31)
 
 
-def _rows_descriptor(t: torch.Tensor, block_rows: int):
+def _rows_descriptors(t: torch.Tensor, block_rows: int) -> tuple:
+    """TMA descriptors over ``t``'s (batch*heads*seq, head_dim) rows, one per column block of
+    :func:`_split_head_dim` (the second None when the head dim is not split). Both span the
+    same rows and all head_dim columns: the second block loads at column BLOCK_D0, and the
+    copy engine zero-fills its columns past head_dim as it does rows past the tensor."""
     z, h, n, d = t.shape
-    return TensorDescriptor(t, shape=[z * h * n, d], strides=[t.stride(2), 1], block_shape=[block_rows, _block_d(d)])
+    return tuple(TensorDescriptor(t, shape=[z * h * n, d], strides=[t.stride(2), 1], block_shape=[block_rows, width])
+                 if width else None for width in _split_head_dim(d))
 
 
 def _block_d(head_dim: int) -> int:
+    """The head dim padded to one power-of-two tile (flash-decoding's combine still pads)."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D0, BLOCK_D1): the head dim as two power-of-two column blocks, 192 = 128 + 64,
+    80 = 64 + 16, 40 = 32 + 16 (8 columns padded), so that no matmul runs over a padded 256-,
+    128- or 64-wide tile. BLOCK_D0 is the largest power of two <= head_dim, BLOCK_D1 covers the
+    rest (at least 16: tl.dot's minimum). Where two blocks would be as wide as one padded block
+    (powers of two; 24 = 16 + 16 or 112 = 64 + 64), one block: (next power of two, 0)."""
+    padded = _block_d(head_dim)
+    d0 = 1 << (head_dim.bit_length() - 1)
+    d1 = max(16, triton.next_power_of_2(head_dim - d0)) if head_dim > d0 else 0
+    return (d0, d1) if d1 and d0 + d1 < padded else (padded, 0)
 
 
 # Flash-decoding applies when every head's queries fit one tile of at most DECODE_MAX_QUERIES

@@ -12,17 +12,25 @@ import triton.language as tl
 
 from flashrun.kernels.flash_jit import (
     LOG2E_C,
+    NO_BLOCK,
     _alibi_slope2,
-    _dot,
+    _dot_cols,
     _in_window,
     _key_range,
+    _load_tile,
     _query_range,
+    _row_dots,
     _scores,
     _sequence,
+    _store_tile,
 )
 
 # ---------------------------------------------------------------------------------------------
 # Backward kernels
+#
+# As in the forward, the head dim is the column blocks [0, BLOCK_D0) and [BLOCK_D0, BLOCK_D0 +
+# BLOCK_D1) (BLOCK_D1 = 0: one block): every (rows, head_dim) tile is a pair x0, x1, products
+# over the head dim (Q Kᵀ, dO Vᵀ) sum both blocks' dots, and dQ, dK, dV accumulate per block.
 
 
 @triton.jit
@@ -30,50 +38,53 @@ def _attn_bwd_preprocess(O, DO, Delta,
                          stride_oz, stride_oh, stride_om, stride_ok,
                          stride_doz, stride_doh, stride_dom, stride_dok,
                          H, N_Q,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
     off_hz = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
     off_h = off_hz % H
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
-                mask=ok, other=0.0)
-    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dok, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # delta_i = rowsum(dO * O)
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    o_src = O + off_z * stride_oz + off_h * stride_oh
+    o0, o1 = _load_tile(o_src, o_src, 0, start_m, stride_om, stride_ok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        True, False)
+    do_src = DO + off_z * stride_doz + off_h * stride_doh
+    do0, do1 = _load_tile(do_src, do_src, 0, start_m, stride_dom, stride_dok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0,
+                          BLOCK_D1, True, False)
+    delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), axis=1)  # delta_i = rowsum(dO * O)
+    if BLOCK_D1 > 0:
+        delta += tl.sum(o1.to(tl.float32) * do1.to(tl.float32), axis=1)
     tl.store(Delta + off_hz.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_row,
+def _attn_bwd_dkdv_inner(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base, dq_row,
                          stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                         offs_n, offs_d, lo, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, left, right,
-                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                         offs_n, lo, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, left, right,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
+                         BLOCK_D1: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                          DQ_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    d_ok = offs_d < HEAD_DIM
     key_ok = offs_n < N_K
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
         # rows past N_Q load as zeros: their q, dO and delta are 0, so they add nothing
-        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dok,
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q0, q1 = _load_tile(q_base, q_base, 0, start_m, stride_qm, stride_qk, N_Q,
+                            BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, False)
+        do0, do1 = _load_tile(do_base, do_base, 0, start_m, stride_dom, stride_dok, N_Q,
+                              BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, False)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         # a row that saw no key (LSE = -inf) has P = 0: make exp2 give 0, not inf
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-        qkT = _dot(k, tl.trans(q), None, UPCAST, PRECISION)  # (BLOCK_N, BLOCK_M) = (Q Kᵀ)ᵀ
+        qkT = _row_dots(k0, k1, q0, q1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_N, BLOCK_M) = (Q Kᵀ)ᵀ
         sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
         pT = tl.math.exp2(sT - lse2[None, :])
         if MASKED:  # the causal diagonal or a window's edges
             pT = tl.where(_in_window(offs_m[None, :], offs_n[:, None], N_K - N_Q, left, right, CAUSAL), pT, 0.0)
-        dv = _dot(pT.to(do.dtype), do, dv, UPCAST, PRECISION)  # dV += Pᵀ dO
-        dpT = _dot(v, tl.trans(do), None, UPCAST, PRECISION)  # (dO Vᵀ)ᵀ
+        dv0, dv1 = _dot_cols(pT.to(do0.dtype), do0, do1, dv0, dv1, BLOCK_D1, UPCAST, PRECISION)  # dV += Pᵀ dO
+        dpT = _row_dots(v0, v1, do0, do1, BLOCK_D1, UPCAST, PRECISION)  # (dO Vᵀ)ᵀ
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 - tanh²
             dsT = dsT * (1.0 - tT * tT)
@@ -81,19 +92,21 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq
             # keys past N_K load as zeros, but against a very negative LSE their P = exp2(0 - lse2)
             # may be inf, and inf · 0 would put NaN into dQ: their dS must be exactly 0
             dsT = tl.where(key_ok[:, None], dsT, 0.0)
-        dsT = dsT.to(q.dtype)
-        dk = _dot(dsT, q, dk, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
+        dsT = dsT.to(q0.dtype)
+        dk0, dk1 = _dot_cols(dsT, q0, q1, dk0, dk1, BLOCK_D1, UPCAST, PRECISION)  # dK += dSᵀ Q (scaled at the end)
         if ATOMIC_DQ:  # dQ[rows] += dS K · sm_scale, summed over key blocks in whatever order they land
-            dq = _dot(tl.trans(dsT), k, None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_D)
-            if DQ_TMA:
+            dq0, dq1 = _dot_cols(tl.trans(dsT), k0, k1, None, None, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, ·)
+            dq0 = dq0 * sm_scale
+            if BLOCK_D1 > 0:
+                dq1 = dq1 * sm_scale
+            if DQ_TMA:  # (one column block: the launcher splits no head dim on this path)
                 # one bulk reduce-add of the tile through shared memory. Rows past N_Q belong to
                 # the next head: zeroed (dS is 0 there, but 0 · a NaN key is NaN), they add 0.0
-                dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
-                dq_base.atomic_add([dq_row + start_m, 0], dq)
+                dq_base.atomic_add([dq_row + start_m, 0], tl.where(row_ok[:, None], dq0, 0.0))
             else:
-                tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk, dq * sm_scale,
-                              mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
-    return dk, dv
+                _store_tile(dq_base, offs_m, row_ok, stride_dqm, stride_dqk, dq0, dq1, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                            True)
+    return dk0, dk1, dv0, dv1
 
 
 @triton.jit
@@ -108,7 +121,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    H, H_KV, N_Q, N_K, sm_scale,
                    qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                    CU_SEQLENS_Q, CU_SEQLENS_K,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, UPCAST: tl.constexpr,
@@ -129,15 +142,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
         if start_n >= N_K:  # a block past this sequence's keys
             return
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
     # k and v stay on chip while every query block that sees them streams past
-    k = tl.load(K + off_zk * stride_kz + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kk,
-                mask=kv_ok, other=0.0)
-    v = tl.load(V + off_zk * stride_vz + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk,
-                mask=kv_ok, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    k_src = K + off_zk * stride_kz + off_hkv * stride_kh
+    k0, k1 = _load_tile(k_src, k_src, 0, start_n, stride_kn, stride_kk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        True, False)
+    v_src = V + off_zk * stride_vz + off_hkv * stride_vh
+    v0, v1 = _load_tile(v_src, v_src, 0, start_n, stride_vn, stride_vk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        True, False)
+    dk0 = tl.zeros([BLOCK_N, BLOCK_D0], dtype=tl.float32)
+    dv0 = tl.zeros([BLOCK_N, BLOCK_D0], dtype=tl.float32)
+    dk1 = NO_BLOCK
+    dv1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        dk1 = tl.zeros([BLOCK_N, BLOCK_D1], dtype=tl.float32)
+        dv1 = tl.zeros([BLOCK_N, BLOCK_D1], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _query_range(start_n, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # GQA: dK/dV of a shared k/v head sum over its query heads - here, in order, without atomics
@@ -154,44 +172,51 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
             dq_base = DQ + off_zq * stride_dqz + off_h * stride_dqh
         slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
         if CAUSAL or WINDOW:  # the causal diagonal or the window's first edge - masked
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                                          dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                                          offs_n, offs_d, lo, mid_lo, N_Q, N_K, sm_scale, qk_scale, softcap2,
-                                          slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL,
-                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, UPCAST, PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                                      dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                                      offs_n, offs_d, mid_lo, mid_hi, N_Q, N_K, sm_scale, qk_scale, softcap2,
-                                      slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, False, CAUSAL,
-                                      WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, UPCAST, PRECISION)
+            dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
+                dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base,
+                dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                offs_n, lo, mid_lo, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, win_left, win_right,
+                BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
+                DQ_TMA, UPCAST, PRECISION)
+        dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
+            dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base,
+            dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+            offs_n, mid_lo, mid_hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, win_left, win_right,
+            BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
+            DQ_TMA, UPCAST, PRECISION)
         if WINDOW:  # the window's other edge - masked
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-                                          dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                                          offs_n, offs_d, mid_hi, hi, N_Q, N_K, sm_scale, qk_scale, softcap2,
-                                          slope2, win_left, win_right, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL,
-                                          WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ, DQ_TMA, UPCAST, PRECISION)
-    dk *= sm_scale
-    out = off_zk * stride_dkz + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk
-    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)  # DV shares DK's (contiguous) strides
+            dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
+                dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base,
+                dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
+                offs_n, mid_hi, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, win_left, win_right,
+                BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
+                DQ_TMA, UPCAST, PRECISION)
+    dk0 *= sm_scale
+    if BLOCK_D1 > 0:
+        dk1 *= sm_scale
+    # DV shares DK's (contiguous) strides
+    dk_dst = DK + off_zk * stride_dkz + off_hkv * stride_dkh
+    dv_dst = DV + off_zk * stride_dkz + off_hkv * stride_dkh
+    key_ok = offs_n < N_K
+    _store_tile(dk_dst, offs_n, key_ok, stride_dkn, stride_dkk, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
+    _store_tile(dv_dst, offs_n, key_ok, stride_dkn, stride_dkk, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                       offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
-                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
+                       stride_kn, stride_kk, stride_vn, stride_vk,
+                       offs_m, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                        MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_ok = d_ok[None, :]
-        if MASKED:
-            kv_ok = kv_ok & (cols[:, None] < N_K)
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kk, mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vk, mask=kv_ok, other=0.0)
-        qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)
+        k0, k1 = _load_tile(k_base, k_base, 0, start_n, stride_kn, stride_kk, N_K,
+                            BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, False)
+        v0, v1 = _load_tile(v_base, v_base, 0, start_n, stride_vn, stride_vk, N_K,
+                            BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, False)
+        qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)
         s, t = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -199,12 +224,13 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride
             if CAUSAL or WINDOW:
                 keep = keep & _in_window(offs_m[:, None], cols[None, :], N_K - N_Q, left, right, CAUSAL)
             p = tl.where(keep, p, 0.0)
-        dp = _dot(do, tl.trans(v), None, UPCAST, PRECISION)
+        dp = _row_dots(do0, do1, v0, v1, BLOCK_D1, UPCAST, PRECISION)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 - tanh²
             ds = ds * (1.0 - t * t)
-        dq = _dot(ds.to(k.dtype), k, dq, UPCAST, PRECISION)  # dQ += dS K (scaled at the end)
-    return dq
+        # dQ += dS K (scaled at the end)
+        dq0, dq1 = _dot_cols(ds.to(k0.dtype), k0, k1, dq0, dq1, BLOCK_D1, UPCAST, PRECISION)
+    return dq0, dq1
 
 
 @triton.jit
@@ -218,7 +244,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  H, N_Q, N_K, sm_scale,
                  qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                  CU_SEQLENS_Q, CU_SEQLENS_K,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -237,33 +263,43 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
         if start_m >= N_Q:
             return
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + off_zq * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
-                mask=ok, other=0.0)
-    do = tl.load(DO + off_zq * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dok, mask=ok, other=0.0)
-    lse = tl.load(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=offs_m < N_Q, other=0.0)
-    delta = tl.load(Delta + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=offs_m < N_Q, other=0.0)
+    row_ok = offs_m < N_Q
+    q_src = Q + off_zq * stride_qz + off_h * stride_qh
+    q0, q1 = _load_tile(q_src, q_src, 0, start_m, stride_qm, stride_qk, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        True, False)
+    do_src = DO + off_zq * stride_doz + off_h * stride_doh
+    do0, do1 = _load_tile(do_src, do_src, 0, start_m, stride_dom, stride_dok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0,
+                          BLOCK_D1, True, False)
+    lse = tl.load(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)  # no key seen -> P = 0
     k_base = K + off_zk * stride_kz + off_hkv * stride_kh
     v_base = V + off_zk * stride_vz + off_hkv * stride_vh
     slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq0 = tl.zeros([BLOCK_M, BLOCK_D0], dtype=tl.float32)
+    dq1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        dq1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     if WINDOW:  # the window's left edge - masked
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                                offs_m, offs_d, lo, mid_lo, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
-                                BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                            offs_m, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
-                            BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kk, stride_vn, stride_vk,
-                            offs_m, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
-                            BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
-    dq *= sm_scale
-    tl.store(DQ + off_zq * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
-             dq.to(DQ.dtype.element_ty), mask=ok)
-
-
+        dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
+                                      stride_kn, stride_kk, stride_vn, stride_vk, offs_m, lo, mid_lo, N_Q, N_K,
+                                      qk_scale, softcap2, slope2, win_left, win_right,
+                                      BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                      UPCAST, PRECISION)
+    dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
+                                  stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_lo, mid_hi, N_Q, N_K,
+                                  qk_scale, softcap2, slope2, win_left, win_right,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                  UPCAST, PRECISION)
+    dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
+                                  stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_hi, hi, N_Q, N_K,
+                                  qk_scale, softcap2, slope2, win_left, win_right,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                  UPCAST, PRECISION)
+    dq0 *= sm_scale
+    if BLOCK_D1 > 0:
+        dq1 *= sm_scale
+    _store_tile(DQ + off_zq * stride_dqz + off_h * stride_dqh, offs_m, row_ok, stride_dqm, stride_dqk, dq0, dq1,
+                HEAD_DIM, BLOCK_D0, BLOCK_D1, False)

@@ -8,11 +8,13 @@ import triton.language as tl
 
 from flashrun.kernels.flash_jit import (
     LOG2E_C,
+    NO_BLOCK,
     _alibi_slope2,
     _attn_fwd_inner,
     _key_range,
-    _load_rows,
+    _load_tile,
     _sequence,
+    _store_tile,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -20,7 +22,7 @@ from flashrun.kernels.flash_jit import (
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _attn_fwd(Q, K, V, Q1, K1, V1, O, LSE,
               stride_qz, stride_qh, stride_qm, stride_qk,
               stride_kz, stride_kh, stride_kn, stride_kk,
               stride_vz, stride_vh, stride_vn, stride_vk,
@@ -28,14 +30,17 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_lz, stride_lh,
               H, N_Q, N_K,
               qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right, CU_SEQLENS_Q, CU_SEQLENS_K,
-              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows.
+    The head dim is the column blocks [0, BLOCK_D0) and [BLOCK_D0, BLOCK_D0 + BLOCK_D1)
+    (BLOCK_D1 = 0: one block); Q1, K1, V1 are the second block's descriptors (TMA and
+    BLOCK_D1 > 0), None otherwise.
     VARLEN: sequence z is rows [CU_SEQLENS_Q[z], CU_SEQLENS_Q[z + 1]) of the packed tensors, and
     N_Q/N_K (the grid's) are the longest lengths; each program reads its sequence's own."""
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
     tl.static_assert(not (TMA and VARLEN))  # a packed head's rows are not one block of rows
@@ -54,20 +59,25 @@ def _attn_fwd(Q, K, V, O, LSE,
             return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # the output as its column blocks (acc1: (BLOCK_M, BLOCK_D1), or none)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_D0], dtype=tl.float32)
+    acc1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     # q stays in registers/SRAM for the whole loop over K/V
     if TMA:
         # rows past N_Q are the next head's: computed, never stored
-        q = Q.load([off_hz * N_Q + start_m, 0])
+        q0, q1 = _load_tile(Q, Q1, off_hz * N_Q, start_m, stride_qm, stride_qk, N_Q,
+                            BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, True)
         k_src = K
         v_src = V
         kv_row = ((off_hz // H) * (H // GROUP) + off_hkv) * N_K
     else:
-        q_ptrs = Q + off_zq * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk
-        q = tl.load(q_ptrs, mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        q_src = Q + off_zq * stride_qz + off_h * stride_qh
+        q0, q1 = _load_tile(q_src, q_src, 0, start_m, stride_qm, stride_qk, N_Q,
+                            BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, False)
         k_src = K + off_zk * stride_kz + off_hkv * stride_kh
         v_src = V + off_zk * stride_vz + off_hkv * stride_vh
         kv_row = 0
@@ -75,30 +85,34 @@ def _attn_fwd(Q, K, V, O, LSE,
 
     lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     if WINDOW:  # stage 0: the window's left edge - masked
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk,
-                                        stride_vn, stride_vk, offs_m, offs_d, lo, mid_lo, N_Q, N_K,
-                                        qk_scale, softcap2, slope2, win_left, win_right,
-                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                                        UPCAST, PRECISION, TMA, False)
+        acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, kv_row,
+                                               stride_kn, stride_kk, stride_vn, stride_vk, offs_m, lo, mid_lo,
+                                               N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
+                                               BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW,
+                                               SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, False)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, mid_lo, mid_hi, N_Q, N_K, qk_scale, softcap2, slope2,
-                                    win_left, win_right, BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW,
-                                    SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, WS)
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, kv_row,
+                                           stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_lo, mid_hi,
+                                           N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
+                                           BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW,
+                                           SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, WS)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end of the sequence - masked
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, mid_hi, hi, N_Q, N_K, qk_scale, softcap2, slope2,
-                                    win_left, win_right, BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW,
-                                    SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, False)
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, kv_row,
+                                           stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_hi, hi,
+                                           N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
+                                           BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW,
+                                           SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, False)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf --
     seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    acc0 = acc0 / tl.where(seen, l_i, 1.0)[:, None]
+    if BLOCK_D1 > 0:
+        acc1 = acc1 / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E_C, float("-inf"))
     row_ok = offs_m < N_Q
     tl.store(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, lse, mask=row_ok)
-    o_ptrs = O + off_zq * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    _store_tile(O + off_zq * stride_oz + off_h * stride_oh, offs_m, row_ok, stride_om, stride_ok, acc0, acc1,
+                HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
 
 
 @triton.jit
@@ -109,14 +123,15 @@ def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
                     H, N_Q, N_K, FIRST_KEY, KEYS_PER_SPLIT,
                     qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                     CU_SEQLENS_Q, CU_SEQLENS_K,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Flash-decoding: when a few query rows face many keys, B*H programs cannot fill the GPU,
     so program (split, batch*head) attends the head's (<= BLOCK_M) queries to one key range
     [FIRST_KEY + split * KEYS_PER_SPLIT, ...) only. It writes that range's normalized output
-    (float32) and its log2-sum-exp2; :func:`_attn_fwd_combine` merges the splits. Windows, the
+    (float32, O_PART: (B*H, N_Q, splits, HEAD_DIM)) and its log2-sum-exp2;
+    :func:`_attn_fwd_combine` merges the splits. The head dim's column blocks, windows, the
     softcap and ALiBi apply as in :func:`_attn_fwd`; a window's keys start at FIRST_KEY. Packed
     sequences (VARLEN) do not come here: each has its own length, the launcher one split plan."""
     tl.static_assert(not (CAUSAL and WINDOW))
@@ -127,44 +142,52 @@ def _attn_fwd_split(Q, K, V, O_PART, LSE_PART,
     off_h = off_hz % H
     off_hkv = off_h // GROUP
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh, 0, 0, stride_qm, stride_qk, N_Q, offs_d,
-                   BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
+    q_src = Q + off_z * stride_qz + off_h * stride_qh
+    q0, q1 = _load_tile(q_src, q_src, 0, 0, stride_qm, stride_qk, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                        True, False)
     k_src = K + off_z * stride_kz + off_hkv * stride_kh
     v_src = V + off_z * stride_vz + off_hkv * stride_vh
     slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_D0], dtype=tl.float32)
+    acc1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     # the masked/unmasked split of the whole key range, each part clipped to this split's keys
     lo, mid_lo, mid_hi, hi = _key_range(0, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     k_lo = FIRST_KEY + split * KEYS_PER_SPLIT  # a multiple of BLOCK_N, as the ranges' bounds are
     k_hi = k_lo + KEYS_PER_SPLIT
     if WINDOW:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
-                                        offs_m, offs_d, tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), N_Q, N_K,
-                                        qk_scale, softcap2, slope2, win_left, win_right,
-                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                                        UPCAST, PRECISION, False, False)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), N_Q, N_K,
-                                    qk_scale, softcap2, slope2, win_left, win_right,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                                    UPCAST, PRECISION, False, False)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, 0, stride_kn, stride_kk, stride_vn, stride_vk,
-                                    offs_m, offs_d, tl.maximum(k_lo, mid_hi), tl.minimum(k_hi, hi), N_Q, N_K,
-                                    qk_scale, softcap2, slope2, win_left, win_right,
-                                    BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                                    UPCAST, PRECISION, False, False)
+        acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k_src, v_src, v_src, 0,
+                                               stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
+                                               tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), N_Q, N_K,
+                                               qk_scale, softcap2, slope2, win_left, win_right,
+                                               BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW,
+                                               SOFTCAP, ALIBI, UPCAST, PRECISION, False, False)
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k_src, v_src, v_src, 0,
+                                           stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
+                                           tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), N_Q, N_K,
+                                           qk_scale, softcap2, slope2, win_left, win_right,
+                                           BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW,
+                                           SOFTCAP, ALIBI, UPCAST, PRECISION, False, False)
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k_src, v_src, v_src, 0,
+                                           stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
+                                           tl.maximum(k_lo, mid_hi), tl.minimum(k_hi, hi), N_Q, N_K,
+                                           qk_scale, softcap2, slope2, win_left, win_right,
+                                           BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW,
+                                           SOFTCAP, ALIBI, UPCAST, PRECISION, False, False)
     # rows that saw no key of this split: output 0, log-sum -inf (weight 0 in the combine)
     seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    acc0 = acc0 / tl.where(seen, l_i, 1.0)[:, None]
+    if BLOCK_D1 > 0:
+        acc1 = acc1 / tl.where(seen, l_i, 1.0)[:, None]
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     splits = tl.num_programs(0)
-    row = (off_hz.to(tl.int64) * N_Q + offs_m) * splits + split  # O_PART: (B*H, N_Q, splits, BLOCK_D)
+    row = (off_hz.to(tl.int64) * N_Q + offs_m) * splits + split  # O_PART: (B*H, N_Q, splits, HEAD_DIM)
     row_ok = offs_m < N_Q
     tl.store(LSE_PART + row, lse2, mask=row_ok)
-    tl.store(O_PART + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+    _store_tile(O_PART, row, row_ok, HEAD_DIM, 1, acc0, acc1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
 
 
 @triton.jit
@@ -172,7 +195,9 @@ def _attn_fwd_combine(O_PART, LSE_PART, O, LSE,
                       stride_oz, stride_oh, stride_om, stride_ok,
                       H, N_Q, SPLITS,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program per (query row, batch*head): O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s."""
+    """One program per (query row, batch*head): O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s.
+    The head dim stays one padded BLOCK_D tile here, not split: this kernel only reads and
+    weighs the splits' rows (no matmul), and its masked padding costs no memory traffic."""
     m = tl.program_id(0)
     off_hz = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -183,8 +208,10 @@ def _attn_fwd_combine(O_PART, LSE_PART, O, LSE,
     top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights all 0
     w = tl.math.exp2(lse_s - top)
     total = tl.sum(w, 0)
-    o_s = tl.load(O_PART + (row + offs_s[:, None]) * BLOCK_D + offs_d[None, :], mask=offs_s[:, None] < SPLITS,
-                  other=0.0)
+    part_ok = offs_s[:, None] < SPLITS
+    if BLOCK_D > HEAD_DIM:
+        part_ok = part_ok & (offs_d[None, :] < HEAD_DIM)
+    o_s = tl.load(O_PART + (row + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=part_ok, other=0.0)
     o = tl.sum(w[:, None] * o_s, 0) / tl.where(total > 0.0, total, 1.0)
     lse = tl.where(total > 0.0, (top + tl.math.log2(tl.where(total > 0.0, total, 1.0))) / LOG2E_C, float("-inf"))
     tl.store(LSE + off_hz.to(tl.int64) * N_Q + m, lse)

@@ -1,5 +1,6 @@
 """Shared pieces of the flash kernels: constants and ``@triton.jit`` helpers (masks, scores,
-loads, loop bounds). The maths is in :mod:`flashrun.kernels.flash`."""
+loads and stores, loop bounds, matmuls over a head dim split into two column blocks). The maths
+is in :mod:`flashrun.kernels.flash`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # small enough that i + off ± UNBOUNDED stays inside int32.
 UNBOUNDED = 2**30
 UNBOUNDED_C = tl.constexpr(UNBOUNDED)
+# The second column block of a head dim that is not split (BLOCK_D1 = 0): a placeholder that no
+# code reads. Not None: Triton (3.6, 3.9) cannot return None from a @triton.jit helper.
+NO_BLOCK = tl.constexpr(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,36 +147,97 @@ def _scores(qk, rows, cols, shift, qk_scale, softcap2, slope2, SOFTCAP: tl.const
 
 
 @triton.jit
-def _load_rows(src, head_row, start, stride_row, stride_d, N, offs_d,
-               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASKED: tl.constexpr, TMA: tl.constexpr):
-    """Rows [start, start + BLOCK) x [0, BLOCK_D) of one head's (seq, head_dim) matrix.
+def _row_dots(a0, a1, b0, b1, BLOCK_D1: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """a bᵀ (every row of a dotted with every row of b, float32) for a and b given as their two
+    column blocks [a0 | a1], [b0 | b1]: the head dim is the sum, so the blocks' products add up."""
+    x = _dot(a0, tl.trans(b0), None, UPCAST, PRECISION)
+    if BLOCK_D1 > 0:
+        x = _dot(a1, tl.trans(b1), x, UPCAST, PRECISION)
+    return x
 
-    TMA: ``src`` is a tensor descriptor over all (batch*heads*seq, head_dim) rows and the head
-    starts at row ``head_row``; the copy engine zero-fills past the tensor and past head_dim, but
-    rows past N belong to the next head, so MASKED tiles zero them (a NaN there must not leak).
-    Pointers: ``src`` points at the head; only MASKED tiles (and padded head dims) pay for masks.
+
+@triton.jit
+def _dot_cols(a, b0, b1, acc0, acc1, BLOCK_D1: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """a [b0 | b1] + [acc0 | acc1], column block by column block (an acc None: no addend)."""
+    x0 = _dot(a, b0, acc0, UPCAST, PRECISION)
+    x1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        x1 = _dot(a, b1, acc1, UPCAST, PRECISION)
+    return x0, x1
+
+
+@triton.jit
+def _load_rows(src, head_row, start, stride_row, stride_d, N,
+               BLOCK: tl.constexpr, COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) x columns [COL, COL + WIDTH) of one head's (seq, head_dim) matrix.
+
+    TMA: ``src`` is a tensor descriptor (block WIDTH wide) over all (batch*heads*seq, head_dim)
+    rows and the head starts at row ``head_row``; the copy engine zero-fills past the tensor and
+    past head_dim, but rows past N belong to the next head, so MASKED tiles zero them (a NaN
+    there must not leak). Pointers: ``src`` points at the head; only MASKED tiles (and columns
+    past head_dim) pay for masks.
     """
     rows = start + tl.arange(0, BLOCK)
     if TMA:
-        x = src.load([head_row + start, 0])
+        x = src.load([head_row + start, COL])
         if MASKED:
             x = tl.where(rows[:, None] < N, x, 0.0)
     else:
-        ptrs = src + rows[:, None] * stride_row + offs_d[None, :] * stride_d
+        cols = COL + tl.arange(0, WIDTH)
+        ptrs = src + rows[:, None] * stride_row + cols[None, :] * stride_d
         if MASKED:
-            x = tl.load(ptrs, mask=(rows[:, None] < N) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            x = tl.load(ptrs, mask=(rows[:, None] < N) & (cols[None, :] < HEAD_DIM), other=0.0)
+        elif COL + WIDTH > HEAD_DIM:
+            x = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
         else:
             x = tl.load(ptrs)
     return x
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk, stride_vn, stride_vk,
-                    offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _load_tile(src, src1, head_row, start, stride_row, stride_d, N,
+               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """(x0, x1): rows [start, start + BLOCK) of one head as the column blocks [0, BLOCK_D0) and
+    [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (x1 = NO_BLOCK when BLOCK_D1 = 0). TMA: ``src1`` is the
+    descriptor for the second block; pointers: ``src`` serves both (see :func:`_load_rows`)."""
+    x0 = _load_rows(src, head_row, start, stride_row, stride_d, N, BLOCK, 0, BLOCK_D0, HEAD_DIM, MASKED, TMA)
+    x1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        x1 = _load_rows(src1 if TMA else src, head_row, start, stride_row, stride_d, N,
+                        BLOCK, BLOCK_D0, BLOCK_D1, HEAD_DIM, MASKED, TMA)
+    return x0, x1
+
+
+@triton.jit
+def _store_rows(dst, rows, row_ok, stride_row, stride_d, x, COL: tl.constexpr, WIDTH: tl.constexpr,
+                HEAD_DIM: tl.constexpr, ATOMIC: tl.constexpr):
+    cols = COL + tl.arange(0, WIDTH)
+    ptrs = dst + rows[:, None] * stride_row + cols[None, :] * stride_d
+    mask = row_ok[:, None]
+    if COL + WIDTH > HEAD_DIM:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    if ATOMIC:  # float32 partial sums, added in whatever order they land
+        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_tile(dst, rows, row_ok, stride_row, stride_d, x0, x1,
+                HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, ATOMIC: tl.constexpr):
+    """Store (or ATOMIC: add) the column blocks x0, x1 of rows ``rows`` where ``row_ok``."""
+    _store_rows(dst, rows, row_ok, stride_row, stride_d, x0, 0, BLOCK_D0, HEAD_DIM, ATOMIC)
+    if BLOCK_D1 > 0:
+        _store_rows(dst, rows, row_ok, stride_row, stride_d, x1, BLOCK_D0, BLOCK_D1, HEAD_DIM, ATOMIC)
+
+
+@triton.jit
+def _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k1_src, v_src, v1_src, kv_row,
+                    stride_kn, stride_kk, stride_vn, stride_vk,
+                    offs_m, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                     TMA: tl.constexpr, WS: tl.constexpr):
@@ -180,9 +245,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk
     # WS: let the compiler split the loop into producer (TMA) and consumer warps (Hopper+)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k = _load_rows(k_src, kv_row, start_n, stride_kn, stride_kk, N_K, offs_d, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, TMA)
-        v = _load_rows(v_src, kv_row, start_n, stride_vn, stride_vk, N_K, offs_d, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, TMA)
-        qk = _dot(q, tl.trans(k), None, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
+        k0, k1 = _load_tile(k_src, k1_src, kv_row, start_n, stride_kn, stride_kk, N_K,
+                            BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, TMA)
+        v0, v1 = _load_tile(v_src, v1_src, kv_row, start_n, stride_vn, stride_vk, N_K,
+                            BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, TMA)
+        qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         # -- update m_i and l_i --
         if MASKED:
             qk, _ = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
@@ -206,10 +273,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src, kv_row, stride_kn, stride_kk
         alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- update the output accumulator --
-        acc = acc * alpha[:, None]
-        acc = _dot(p.to(v.dtype), v, acc, UPCAST, PRECISION)
+        acc0 = acc0 * alpha[:, None]
+        if BLOCK_D1 > 0:
+            acc1 = acc1 * alpha[:, None]
+        acc0, acc1 = _dot_cols(p.to(v0.dtype), v0, v1, acc0, acc1, BLOCK_D1, UPCAST, PRECISION)
         m_i = m_ij
-    return acc, l_i, m_i
+    return acc0, acc1, l_i, m_i
 
 
 @triton.jit
