@@ -201,7 +201,7 @@ VARLEN_CASES = [
 ]
 
 
-VARLEN_ATOMIC = {"causal-gqa", "window-softcap-alibi-mqa", "causal-window-d96"}
+VARLEN_ATOMIC = {"causal-gqa", "window-softcap-alibi-mqa"}
 
 
 @pytest.mark.parametrize("name,lengths_q,lengths_k,h,h_kv,d,dtype,causal,variants,deterministic",
