@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind issue 13's v5 results (one H200; results under $OUT):
 #   bash benchmarks/gpu_round5.sh probe1   # the TMA reduce-add backward and the short-sequence tiles
+#   bash benchmarks/gpu_round5.sh probe2   # the Gluon forward (checked, variants timed), split head dims
 set -u
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -15,5 +16,14 @@ case "${1:-}" in
     timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
       -k "leak or flash_on_gpu or (tunable and bwd_fused)" > "$OUT/suite.log" 2>&1
     tail -15 "$OUT/suite.log" ;;
-  *) echo "usage: bash benchmarks/gpu_round5.sh probe1" >&2; exit 2 ;;
+  probe2)
+    timeout 240 python3 benchmarks/probe_hopper.py > "$OUT/probe.log" 2>&1
+    echo "probe rc $?"; grep -E "^env|forward_path|LAST_PATH|FAIL|^correctness|TFLOP|skip|ratio|cudnn" "$OUT/probe.log" \
+      | cut -c1-160 | tail -60
+    bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --mode bwd --dtype bfloat16 --head-dims 96,192 \
+      --seq-lens 1024,4096 --out "$OUT/split" 2>&1 | tail -30
+    timeout 150 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
+      -k "192 or 160 or 96 or 48 or leak" > "$OUT/suite.log" 2>&1
+    tail -15 "$OUT/suite.log" ;;
+  *) echo "usage: bash benchmarks/gpu_round5.sh probe1|probe2" >&2; exit 2 ;;
 esac
