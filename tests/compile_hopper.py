@@ -82,10 +82,11 @@ def main() -> int:
         print(f"Triton {triton.__version__}: {missing}; nothing compiled")
         return 3
     failed = 0
-    for d in flash_hopper.HEAD_DIMS:
+    for d in flash_hopper.CONFIGS:
         for dtype in flash_hopper.DTYPES:
             for causal in (False, True):
-                cfg = replace(flash_hopper.CONFIGS[d], overlap=ns.overlap or ns.pingpong, pingpong=ns.pingpong)
+                cfg = flash_hopper.CONFIGS[d]
+                cfg = replace(cfg, overlap=cfg.overlap or ns.overlap or ns.pingpong, pingpong=ns.pingpong)
                 label = f"D={d} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
                 start = time.perf_counter()
                 try:

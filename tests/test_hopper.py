@@ -135,7 +135,7 @@ def test_compiles_for_hopper(python):
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("ok ") == 2 * 2 * len(flash_hopper.HEAD_DIMS)
+    assert result.stdout.count("ok ") == 2 * 2 * len(flash_hopper.CONFIGS)
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
 
 
@@ -145,3 +145,15 @@ def test_tma_alignment():
     assert not flash_hopper._aligned(q.transpose(2, 3))  # head_dim not contiguous
     assert not flash_hopper._aligned(q[:, :1].expand(2, 4, 40, 64))  # stride 0: no TMA descriptor
     assert not flash_hopper._aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows
+
+
+@pytest.mark.parametrize("head_dim,n_k,why", [(128, 1024, None), (128, 40, None), (64, 4096, None),
+                                               (64, 1024, "fewer than 4096 keys"), (256, 4096, "head_dim 256"),
+                                               (96, 4096, "head_dim 96")])
+def test_where_the_probe_measured_it_faster(head_dim, n_k, why):
+    # the H200 probe (NOTES v5): head_dim 128 at every length, 64 from 4096 keys; 256 untimed
+    q = torch.randn(1, 2, 64, head_dim, dtype=torch.float16)
+    k = torch.randn(1, 2, n_k, head_dim, dtype=torch.float16)
+    variant = flash._variant(q, 1, n_k, False, (-1, -1), 0.0, None)
+    reason = flash_hopper.scope(q, k, k, variant)
+    assert reason == why if why is None else why in reason

@@ -3,7 +3,7 @@
 
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
-(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 64, 128 or 256, dense
+(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 128 (or 64 from 4096 keys), dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
 aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and not a
 flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
@@ -18,10 +18,16 @@ records the path the last forward took.
 
 Launch (fixed, not tuned; :data:`CONFIGS`): 128-row query tiles (64 per consumer warpgroup),
 4 + 4 + 1 warps (12 launched), maxnreg 168 so that setmaxnreg gives the consumers 240 registers
-and the producer 24. Shared memory, Q (2 x 64 rows) + STAGES x (K + V):
-  head_dim  64: BLOCK_N 128, 3 stages: 16 KB + 3 x 32 KB = 112 KB
-  head_dim 128: BLOCK_N 128, 2 stages: 32 KB + 2 x 64 KB = 160 KB
-  head_dim 256: BLOCK_N  64, 2 stages: 64 KB + 2 x 64 KB = 192 KB
+and the producer 24; FA3's intra-warpgroup overlap (``overlap``) on. Shared memory, Q (2 x 64
+rows) + STAGES x (K + V):
+  head_dim  64: BLOCK_N 128, 4 stages: 16 KB + 4 x 32 KB = 144 KB
+  head_dim 128: BLOCK_N 128, 3 stages: 32 KB + 3 x 64 KB = 224 KB
+  head_dim 256: BLOCK_N  64, 2 stages: 64 KB + 2 x 64 KB = 192 KB (compiled and checked, not used)
+Where it runs was decided by the H200 probe (benchmarks/probe_hopper.py; NOTES.md v5): at
+head_dim 128 the overlapped 3-stage kernel beat the portable one at every length timed (1024 to
+16384, causal and not); at 64 only from 4096 keys (at 1024 the portable kernel's smaller tiles,
+several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240); 256 was not timed, so the portable
+kernel keeps it.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ GLUON_PATH = "gluon-sm90"
 TRITON_PATH = "triton"
 ENABLED = True  # False: always the portable kernel (FLASHRUN_HOPPER=0 does the same per call)
 LAST_PATH: str | None = None  # the path the last forward took (GLUON_PATH or TRITON_PATH)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128)  # where it runs; CONFIGS also holds 256 (compiled, checked, not timed)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -52,6 +58,7 @@ class HopperConfig:
     stages: int
     overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j); off until measured
     pingpong: bool = False  # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers)
+    min_keys: int = 0  # shorter key sequences stay on the portable kernel (measured faster there)
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row
@@ -65,7 +72,12 @@ def smem_bytes(head_dim: int, cfg: HopperConfig) -> int:
     return 2 * (2 * 64 * head_dim + cfg.stages * 2 * cfg.block_n * head_dim)
 
 
-CONFIGS = {64: HopperConfig(block_n=128, stages=3), 128: HopperConfig(block_n=128, stages=2),
+# H200 probe, fp16, TFLOP/s at N = 1024 / 4096 / 16384 (full): head_dim 128 base (2 stages) 436 /
+# 521 / 544, overlap (2 stages) 374 / 453 / 467, overlap with 3 stages 502 / 573 / 615, pingpong
+# 386 / 464 / 495, portable 453 / 513 / 543; head_dim 64 overlap (3 or 4 stages) 356-358 / 427-430
+# / 448, portable 367 / 409 / 433.
+CONFIGS = {64: HopperConfig(block_n=128, stages=4, overlap=True, min_keys=4096),
+           128: HopperConfig(block_n=128, stages=3, overlap=True),
            256: HopperConfig(block_n=64, stages=2)}
 OVERRIDE: HopperConfig | None = None  # benchmarks/probe_hopper.py compares variants through this
 
@@ -123,17 +135,24 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str 
         return "Triton's interpreter"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
+    return scope(q, k, v, variant) or _api_reason() or _checked.get((q.dtype, q.shape[-1]))
+
+
+def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | None:
+    """None when the inputs are in the Gluon kernel's scope (any device), else why not."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
     if q.dim() != 4 or variant.varlen:
         return "packed sequences"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}"
+    if k.shape[2] < _config(q.shape[-1]).min_keys:
+        return f"fewer than {_config(q.shape[-1]).min_keys} keys at head_dim {q.shape[-1]}"
     if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
         return "window/softcap/ALiBi"
     if not all(_aligned(t) for t in (q, k, v)):
         return "strides or base not 16-byte aligned"
-    return _api_reason() or _checked.get((q.dtype, q.shape[-1]))
+    return None
 
 
 _api_cache: list = []
