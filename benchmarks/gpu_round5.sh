@@ -2,6 +2,8 @@
 # The H200 runs behind issue 13's v5 results (one H200; results under $OUT):
 #   bash benchmarks/gpu_round5.sh probe1   # the TMA reduce-add backward and the short-sequence tiles
 #   bash benchmarks/gpu_round5.sh probe2   # the Gluon forward (checked, variants timed), split head dims
+#   bash benchmarks/gpu_round5.sh final    # the shipped table, then issue 13's targets in one bench run
+#   bash benchmarks/gpu_round5.sh extra    # GQA 32/8, decode shapes, the GPU suite's shape cases
 set -u
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -25,5 +27,24 @@ case "${1:-}" in
     timeout 150 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
       -k "192 or 160 or 96 or 48 or leak" > "$OUT/suite.log" 2>&1
     tail -15 "$OUT/suite.log" ;;
-  *) echo "usage: bash benchmarks/gpu_round5.sh probe1|probe2" >&2; exit 2 ;;
+  final)
+    timeout 150 python3 benchmarks/tune_table.py 2>&1 | tail -2
+    cp flashrun/kernels/tuned/*.json "$OUT/"
+    # the default sweep (N 512..16384, D 64/128, causal both), forward and backward, both backwards
+    timeout 420 python3 -m flashrun bench -k flash,flash-atomic -p sdpa-cudnn --baseline sdpa-cudnn \
+      --mode fwd --mode bwd --dtype float16,bfloat16 --set bench.rep_ms=25 --set bench.warmup_ms=10 \
+      --out "$OUT/sweep" > "$OUT/sweep.txt" 2>&1
+    echo "sweep rc $?"; tail -8 "$OUT/sweep.txt" ;;
+  extra)
+    # Llama-style GQA 32/8, D 128, causal, bf16
+    timeout 120 python3 -m flashrun bench -k flash,flash-atomic -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd \
+      --mode bwd --dtype bfloat16 --head-dims 128 --causal yes --seq-lens 2048,8192 --set bench.hidden=4096 \
+      --set bench.num_kv_heads=8 --set bench.rep_ms=25 --set bench.warmup_ms=10 --out "$OUT/gqa" 2>&1 | tail -14
+    timeout 90 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --dtype bfloat16 \
+      --head-dims 128 --seq-lens 1 --seq-lens-k 4096,16384 --causal no --set bench.rep_ms=25 \
+      --set bench.warmup_ms=10 --out "$OUT/decode" 2>&1 | tail -6
+    timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
+      -k "flash_on_gpu or leak or autotuned or repeatable" > "$OUT/suite.log" 2>&1
+    tail -4 "$OUT/suite.log" ;;
+  *) echo "usage: bash benchmarks/gpu_round5.sh probe1|probe2|final|extra" >&2; exit 2 ;;
 esac
