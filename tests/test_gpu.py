@@ -25,7 +25,7 @@ from flashrun.kernels import (  # noqa: E402
     flash_attention,
     flash_attention_varlen,
 )
-from flashrun.kernels.tuning import SHORT, candidates, default  # noqa: E402
+from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 # (Z, H, H_kv, N_q, N_k, D, dtype, causal)
@@ -158,7 +158,7 @@ def test_autotuned_path(causal):
 def _space():
     for kind in KINDS:
         for head_dim in (64, 128, 256):
-            for cfg in candidates(kind, head_dim, FP16, SHORT):  # short-sequence extras too
+            for cfg in candidates(kind, head_dim, FP16):
                 yield kind, head_dim, cfg
 
 

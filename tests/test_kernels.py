@@ -393,17 +393,3 @@ def test_a_shipped_table_is_used_only_for_its_launch_config_space(tmp_path, monk
     tuning._load(current, shipped=True)
     tuning._load(stale, shipped=True)
     assert tuning._memory == {"fwd|key": winner}
-
-
-@pytest.mark.parametrize("kind", ["fwd", "bwd_fused", "bwd_dkdv", "bwd_dq"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_short_sequences_add_tuning_candidates_and_keep_the_rest(kind, head_dim):
-    from flashrun.kernels import tuning
-
-    long = tuning.candidates(kind, head_dim, torch.float16, 4096)
-    short = tuning.candidates(kind, head_dim, torch.float16, tuning.SHORT)
-    assert short[:len(long)] == long  # the usual winners are still tried first
-    assert len(set(short)) == len(short)
-    assert tuning.candidates(kind, head_dim, torch.float16) == long
-    if kind == "fwd" and head_dim <= 128:
-        assert len(short) > len(long)

@@ -60,7 +60,7 @@ C = LaunchConfig
 # The launch-config space's version: bump it whenever a candidate list or the meaning of a config
 # field changes, so tuned tables (shipped or cached) made for another space are not used. A new
 # kernel kind (e.g. "bwd_fused") only adds keys: tables without them tune those on first use.
-SPACE_VERSION = 2
+SPACE_VERSION = 1
 # Tuned tables shipped with flashrun, one per GPU and Triton minor version
 # (benchmarks/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
 SHIPPED = Path(__file__).parent / "tuned"
@@ -96,20 +96,6 @@ _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
     ("bwd_dq", "large"): [C(128, 32, 4, 3), C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 32, 4, 2)],
     ("bwd_dq", "huge"): [C(64, 32, 4, 2), C(64, 64, 8, 2), C(64, 16, 4, 2)],
 }
-# Short sequences (N <= SHORT): each program's key loop is only a few blocks long, so its prologue
-# (Q and the first K/V tiles) and epilogue are a large share of its time. They hide behind
-# another program's main loop only when two programs fit one SM (228 KB of shared memory): at
-# head_dim 128 a 128x64 tile with two stages takes Q 32 KB + 2 x (K + V) 32 KB = 96 KB, where
-# the usual three stages or 128-key tiles take 128-224 KB. More, smaller programs per SM:
-SHORT = 1024
-_SHORT_EXTRA: dict[tuple[str, str], list[LaunchConfig]] = {
-    ("fwd", "small"): [C(128, 64, 4, 2, True), C(64, 64, 4, 2, True), C(128, 32, 4, 3, True)],
-    ("fwd", "large"): [C(128, 64, 8, 2, True), C(64, 64, 4, 2, True), C(64, 32, 4, 3, True)],
-    ("bwd_fused", "small"): [C(64, 64, 4, 2), C(32, 64, 4, 2)],
-    ("bwd_fused", "large"): [C(64, 64, 4, 2), C(32, 128, 4, 2)],
-    ("bwd_dkdv", "large"): [C(64, 64, 4, 2), C(32, 128, 4, 2)],
-    ("bwd_dq", "large"): [C(64, 64, 4, 2), C(128, 32, 4, 2)],
-}
 # float32 (IEEE dots on CUDA cores) needs more registers per element: small tiles only.
 _FP32 = [C(64, 32, 4, 2, False), C(32, 32, 4, 2, False)]
 
@@ -118,14 +104,10 @@ def _head_dim_class(head_dim: int) -> str:
     return "small" if head_dim <= 64 else "large" if head_dim <= 128 else "huge"
 
 
-def candidates(kind: str, head_dim: int, dtype: torch.dtype, n: int | None = None) -> list[LaunchConfig]:
-    """What the tuner times for ``kind``; ``n``, the longer of the query and key lengths, adds
-    the short-sequence candidates at n <= SHORT."""
+def candidates(kind: str, head_dim: int, dtype: torch.dtype) -> list[LaunchConfig]:
     if dtype == torch.float32:
         return list(_FP32)
-    cls = _head_dim_class(head_dim)
-    short = _SHORT_EXTRA.get((kind, cls), []) if n is not None and n <= SHORT else []
-    return list(_SPACE[(kind, cls)]) + short
+    return list(_SPACE[(kind, _head_dim_class(head_dim))])
 
 
 def default(kind: str, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
@@ -252,7 +234,7 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
 
     start = time.perf_counter()
     timings: list[tuple[float, LaunchConfig]] = []
-    configs = candidates(kind, head_dim, q.dtype, max(n_q, n_k))
+    configs = candidates(kind, head_dim, q.dtype)
     _precompile(configs, run)
     for cfg in configs:
         try:
