@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_round5.sh probe1   # the TMA reduce-add backward and the short-sequence tiles
 #   bash benchmarks/gpu_round5.sh probe2   # the Gluon forward (checked, variants timed), split head dims
 #   bash benchmarks/gpu_round5.sh final    # the shipped table, then issue 13's targets in one bench run
-#   bash benchmarks/gpu_round5.sh extra    # GQA 32/8, decode shapes, the GPU suite's shape cases
+#   bash benchmarks/gpu_round5.sh extra    # GQA 32/8, decode, short causal with and without the Gluon
+#                                          # forward, the GPU suite's shape cases
 set -u
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -15,6 +16,11 @@ case "${1:-}" in
       --seq-lens 1024,4096,16384 --out "$OUT/bwd" 2>&1 | tail -40
     bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --dtype float16,bfloat16 --seq-lens 512,1024 \
       --out "$OUT/short" 2>&1 | tail -40
+    for hopper in 1 0; do  # the same shapes with the Gluon forward allowed, then forced off
+      FLASHRUN_HOPPER=$hopper timeout 100 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn \
+        --mode fwd --mode bwd --dtype bfloat16 --head-dims 64,128 --causal yes --seq-lens 1024,2048,4096 \
+        --set bench.rep_ms=25 --set bench.warmup_ms=10 --out "$OUT/causal-hopper$hopper" 2>&1 | grep -E "forward path|rc"
+    done
     timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
       -k "leak or flash_on_gpu or (tunable and bwd_fused)" > "$OUT/suite.log" 2>&1
     tail -15 "$OUT/suite.log" ;;
@@ -43,6 +49,11 @@ case "${1:-}" in
     timeout 90 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --dtype bfloat16 \
       --head-dims 128 --seq-lens 1 --seq-lens-k 4096,16384 --causal no --set bench.rep_ms=25 \
       --set bench.warmup_ms=10 --out "$OUT/decode" 2>&1 | tail -6
+    for hopper in 1 0; do  # the same shapes with the Gluon forward allowed, then forced off
+      FLASHRUN_HOPPER=$hopper timeout 100 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn \
+        --mode fwd --mode bwd --dtype bfloat16 --head-dims 64,128 --causal yes --seq-lens 1024,2048,4096 \
+        --set bench.rep_ms=25 --set bench.warmup_ms=10 --out "$OUT/causal-hopper$hopper" 2>&1 | grep -E "forward path|rc"
+    done
     timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
       -k "flash_on_gpu or leak or autotuned or repeatable" > "$OUT/suite.log" 2>&1
     tail -4 "$OUT/suite.log" ;;

@@ -147,13 +147,15 @@ def test_tma_alignment():
     assert not flash_hopper._aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows
 
 
-@pytest.mark.parametrize("head_dim,n_k,why", [(128, 1024, None), (128, 40, None), (64, 4096, None),
-                                               (64, 1024, "fewer than 4096 keys"), (256, 4096, "head_dim 256"),
-                                               (96, 4096, "head_dim 96")])
-def test_where_the_probe_measured_it_faster(head_dim, n_k, why):
-    # the H200 probe (NOTES v5): head_dim 128 at every length, 64 from 4096 keys; 256 untimed
+@pytest.mark.parametrize("head_dim,n_k,causal,why", [
+    (128, 1024, False, None), (128, 40, False, None), (128, 2048, True, None), (128, 1024, True, "fewer than 2048"),
+    (64, 4096, False, None), (64, 1024, False, "fewer than 4096 keys"), (64, 4096, True, "fewer than 8192"),
+    (64, 8192, True, None), (256, 4096, False, "head_dim 256"), (96, 4096, False, "head_dim 96")])
+def test_where_the_h200_measured_it_faster(head_dim, n_k, causal, why):
+    # the H200 probe and sweep (NOTES v5): head_dim 128 but short causal, 64 from 4096 keys
+    # (8192 causal); 256 untimed
     q = torch.randn(1, 2, 64, head_dim, dtype=torch.float16)
     k = torch.randn(1, 2, n_k, head_dim, dtype=torch.float16)
-    variant = flash._variant(q, 1, n_k, False, (-1, -1), 0.0, None)
+    variant = flash._variant(q, 1, n_k, causal, (-1, -1), 0.0, None)
     reason = flash_hopper.scope(q, k, k, variant)
     assert reason == why if why is None else why in reason

@@ -3,7 +3,8 @@
 
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
-(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 128 (or 64 from 4096 keys), dense
+(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 128 (causal from 2048 keys) or 64
+(from 4096 keys, causal 8192), dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
 aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and not a
 flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
@@ -25,9 +26,9 @@ rows) + STAGES x (K + V):
   head_dim 256: BLOCK_N  64, 2 stages: 64 KB + 2 x 64 KB = 192 KB (compiled and checked, not used)
 Where it runs was decided by the H200 probe (benchmarks/probe_hopper.py; NOTES.md v5): at
 head_dim 128 the overlapped 3-stage kernel beat the portable one at every length timed (1024 to
-16384, causal and not); at 64 only from 4096 keys (at 1024 the portable kernel's smaller tiles,
-several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240); 256 was not timed, so the portable
-kernel keeps it.
+16384) but causal 512/1024; at 64 only from 4096 keys (8192 causal: at 1024 the portable
+kernel's smaller tiles, several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240); 256 was
+not timed, so the portable kernel keeps it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class HopperConfig:
     overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j); off until measured
     pingpong: bool = False  # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers)
     min_keys: int = 0  # shorter key sequences stay on the portable kernel (measured faster there)
+    min_keys_causal: int = 0  # the same for causal attention
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row
@@ -76,8 +78,11 @@ def smem_bytes(head_dim: int, cfg: HopperConfig) -> int:
 # 521 / 544, overlap (2 stages) 374 / 453 / 467, overlap with 3 stages 502 / 573 / 615, pingpong
 # 386 / 464 / 495, portable 453 / 513 / 543; head_dim 64 overlap (3 or 4 stages) 356-358 / 427-430
 # / 448, portable 367 / 409 / 433.
-CONFIGS = {64: HopperConfig(block_n=128, stages=4, overlap=True, min_keys=4096),
-           128: HopperConfig(block_n=128, stages=3, overlap=True),
+# The full sweep (NOTES v5) against v3's portable kernel: causal at 512/1024 keys the Gluon kernel
+# was 0.76-0.92x of it at head_dim 128 (a non-persistent grid of short causal tiles exposes each
+# tile's prologue and 3-stage fill), and at head_dim 64 slower up to 4096 causal keys.
+CONFIGS = {64: HopperConfig(block_n=128, stages=4, overlap=True, min_keys=4096, min_keys_causal=8192),
+           128: HopperConfig(block_n=128, stages=3, overlap=True, min_keys_causal=2048),
            256: HopperConfig(block_n=64, stages=2)}
 OVERRIDE: HopperConfig | None = None  # benchmarks/probe_hopper.py compares variants through this
 
@@ -146,8 +151,10 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | N
         return "packed sequences"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}"
-    if k.shape[2] < _config(q.shape[-1]).min_keys:
-        return f"fewer than {_config(q.shape[-1]).min_keys} keys at head_dim {q.shape[-1]}"
+    cfg = _config(q.shape[-1])
+    least = cfg.min_keys_causal if variant.causal else cfg.min_keys
+    if k.shape[2] < least:
+        return f"fewer than {least} keys at head_dim {q.shape[-1]}{' causal' if variant.causal else ''}"
     if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
         return "window/softcap/ALiBi"
     if not all(_aligned(t) for t in (q, k, v)):
