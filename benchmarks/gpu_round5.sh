@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_round5.sh final    # the shipped table, then issue 13's targets in one bench run
 #   bash benchmarks/gpu_round5.sh extra    # GQA 32/8, decode, short causal with and without the Gluon
 #                                          # forward, the GPU suite's shape cases
+#   bash benchmarks/gpu_round5.sh ab       # decode and causal backward: this code against the
+#                                          # session's start (.old/ = git archive f3f9b0d flashrun)
 set -u
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -57,5 +59,10 @@ case "${1:-}" in
     timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -n 15 -p no:cacheprovider -rfE \
       -k "flash_on_gpu or leak or autotuned or repeatable" > "$OUT/suite.log" 2>&1
     tail -4 "$OUT/suite.log" ;;
-  *) echo "usage: bash benchmarks/gpu_round5.sh probe1|probe2|final|extra" >&2; exit 2 ;;
+  ab)
+    for round in 1 2; do
+      PYTHONPATH=$PWD/.old:${PYTHONPATH:-} timeout 60 python3 benchmarks/ab_old_new.py old > "$OUT/ab-old-$round.json"
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 60 python3 benchmarks/ab_old_new.py new > "$OUT/ab-new-$round.json"
+    done ;;
+  *) echo "usage: bash benchmarks/gpu_round5.sh probe1|probe2|final|extra|ab" >&2; exit 2 ;;
 esac
