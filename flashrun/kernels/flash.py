@@ -10,15 +10,21 @@ Backward: ``delta_i = Σ_d dO_id O_id`` (a preprocess kernel), P is recomputed f
     dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  dQ = dS K · sm_scale,  dK = dSᵀ Q · sm_scale
 Per (query tile, key tile) pair that is 5 matmuls: S = Q Kᵀ, dV += Pᵀ dO, dP = dO Vᵀ, dK += dSᵀ Q,
 dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program order serves both:
-  * default (FlashAttention-2/3, cuDNN): one program per key block keeps K, V, dK, dV on chip,
-    loops over the query blocks (and over the query heads of a GQA group, summing dK/dV in
-    order), and adds each pair's dQ partial dS K · sm_scale into a zeroed float32 buffer with
-    atomics (``ATOMIC_DQ``); one cast to the output dtype follows. 5 matmuls. Float addition is
-    not associative and the atomics from different key blocks land in whatever order the
+  * ``deterministic=False`` (FlashAttention-2/3, cuDNN): one program per key block keeps K, V,
+    dK, dV on chip, loops over the query blocks (and over the query heads of a GQA group,
+    summing dK/dV in order), and adds each pair's dQ partial dS K · sm_scale into a zeroed
+    float32 buffer (``ATOMIC_DQ``: on Hopper one TMA reduce-add per tile, ``DQ_TMA``, else an
+    atomic per element); one cast to the output dtype follows. 5 matmuls. Float addition is
+    not associative and the partials from different key blocks land in whatever order the
     programs reach them, so dQ may differ in its last bits from run to run (dK, dV do not);
-  * ``deterministic=True``: the same dK/dV kernel without the atomics, then a dQ kernel per query
-    block looping over key blocks in a fixed order - bitwise repeatable, but it recomputes
-    Q Kᵀ and dO Vᵀ: 7 matmuls per pair, about 7/5 of the time.
+  * ``deterministic=True``, the default: the same dK/dV kernel without the atomics, then a dQ
+    kernel per query block looping over key blocks in a fixed order - bitwise repeatable. It
+    recomputes Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200: the
+    backward kernels are register-bound (benchmarks/NOTES.md v5), and the fifth matmul's
+    float32 partial costs more than the two matmuls it saves.
+Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash_hopper` applies
+(plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
+runs instead of ``_attn_fwd``, checked against it on its first use in the process.
 Keys past N_K in a key block load as zeros, and their dS is zeroed before it reaches dQ: against
 a very negative LSE their recomputed P would be exp2(0 − lse2) = inf, and inf · 0 is NaN.
 
