@@ -16,7 +16,6 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["FLASHRUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashrun-tune-")
