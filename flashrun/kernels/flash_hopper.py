@@ -57,8 +57,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 class HopperConfig:
     block_n: int
     stages: int
-    overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j); off until measured
-    pingpong: bool = False  # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers)
+    overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j): on in CONFIGS
+    # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers); measured
+    # slower than overlap alone (strict alternation serializes), kept for the probe to compare
+    pingpong: bool = False
     min_keys: int = 0  # shorter key sequences stay on the portable kernel (measured faster there)
     min_keys_causal: int = 0  # the same for causal attention
     consumer_regs: int = 240
