@@ -1,4 +1,4 @@
-"""One-shot H200 probe of the Gluon sm_90 forward (flashrun/kernels/flash_hopper.py).
+"""One-shot H200 probe of the Gluon sm_90 forward (flashrun/kernels/flash/hopper.py).
 
     python benchmarks/probe_hopper.py [--variants base,overlap,pingpong,overlap-s+1] [--budget-s 200]
 
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from flashrun.kernels import flash, flash_hopper  # noqa: E402
+from flashrun.kernels.flash import attention as flash, hopper as flash_hopper  # noqa: E402
 
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # flashrun/harness/judge.py's table
 FACTOR = 2.0
@@ -85,7 +85,7 @@ def gluon(q, k, v, causal, cfg):
 
 def portable(q, k, v, causal, launch=None):
     variant = flash._variant(q, q.shape[0], k.shape[2], causal, (-1, -1), 0.0, None)
-    return flash._attn_forward(q, k, v, q.shape[-1] ** -0.5, variant, launch, hopper=False)
+    return flash._attn_forward(q, k, v, q.shape[-1] ** -0.5, variant, launch, try_gluon=False)
 
 
 def reference(q, k, v, causal):

@@ -2,7 +2,7 @@
 
 The interpreter runs the kernels' arithmetic on the CPU but never compiles them, so an error
 that only the compiler sees (a type that changes in a loop, an unsupported construct) would
-wait for a GPU run. Here flash.py's launchers run as usual, but each kernel launch is caught
+wait for a GPU run. Here flash's launchers run as usual, but each kernel launch is caught
 and handed to ``triton.compile`` for the target instead; the variants are compiled with every
 flag on at once. Used by tests/test_variants.py; run it by hand as
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (read when flash.py is imported)
+os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (read when the kernels are imported)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashrun
 
 import torch  # noqa: E402
@@ -29,7 +29,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from flashrun.kernels import LaunchConfig, flash, flash_args  # noqa: E402
+from flashrun.kernels import LaunchConfig  # noqa: E402
+from flashrun.kernels.flash import args as flash_args, attention as flash  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200
 PTX = []  # (kernel name, its constexprs, its PTX) for every kernel compiled

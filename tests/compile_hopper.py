@@ -1,4 +1,4 @@
-"""Compile the Gluon sm_90 forward (flashrun/kernels/flash_hopper_jit.py) for a Hopper GPU on a
+"""Compile the Gluon sm_90 forward (flashrun/kernels/flash/hopper_jit.py) for a Hopper GPU on a
 machine without one, for every (dtype, head_dim, causal) it claims, and report what the PTX
 holds (wgmma, TMA, mbarrier, setmaxnreg) and the registers/spills ptxas reports.
 
@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from flashrun.kernels import flash_hopper  # noqa: E402
+from flashrun.kernels.flash import hopper as flash_hopper  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -35,7 +35,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 def compile_one(dtype, d, causal, cfg, group=1):
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from flashrun.kernels.flash_hopper_jit import _fa3_fwd
+    from flashrun.kernels.flash.hopper_jit import _fa3_fwd
 
     z, h, n = 1, 4, 256
     q = torch.empty(z, h, n, d, dtype=dtype)

@@ -21,10 +21,10 @@ from flashrun.harness.judge import Reference  # noqa: E402
 from flashrun.kernels import (  # noqa: E402
     LaunchConfig,
     alibi_slopes,
-    flash,
     flash_attention,
     flash_attention_varlen,
 )
+from flashrun.kernels.flash import attention as flash  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32

@@ -1,4 +1,4 @@
-"""The Gluon sm_90 forward's gate and first-use check (flashrun.kernels.flash_hopper).
+"""The Gluon sm_90 forward's gate and first-use check (flashrun.kernels.flash.hopper).
 
 No GPU here: the gate must be off (interpreter, CPU), and its fallback logic is tested by
 pretending the gate is on and injecting a failing or wrong kernel function as flash_hopper.RUN;
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrun.kernels import flash, flash_hopper
+from flashrun.kernels.flash import attention as flash, hopper as flash_hopper
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
 
     monkeypatch.setattr(flash_hopper, "RUN", bad_kernel)
     q, k, v = _inputs()
-    expected, expected_lse = flash._attn_forward(q, k, v, 0.125, flash.Variant(causal=True), hopper=False)
+    expected, expected_lse = flash._attn_forward(q, k, v, 0.125, flash.Variant(causal=True), try_gluon=False)
     caplog.set_level(logging.WARNING, logger="flashrun.hopper")
     for _ in range(3):  # the check runs once; every call falls back
         o, lse = flash.attention_forward(q, k, v, causal=True, sm_scale=0.125)
@@ -102,7 +102,7 @@ def test_passed_check_takes_the_path(monkeypatch, caplog):
 
     def good_kernel(q, k, v, sm_scale, causal):  # the portable kernel standing in for a correct one
         used.append(q.shape)
-        return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", hopper=False)
+        return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", try_gluon=False)
 
     monkeypatch.setattr(flash_hopper, "RUN", good_kernel)
     q, k, v = _inputs(n=33, h=4, h_kv=2)
@@ -112,7 +112,7 @@ def test_passed_check_takes_the_path(monkeypatch, caplog):
     assert flash_hopper.LAST_PATH == "gluon-sm90"
     assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
     assert len(used) == 2 + 1  # the check's two cases (causal and not), then the call
-    torch.testing.assert_close(o, flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(), hopper=False)[0])
+    torch.testing.assert_close(o, flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(), try_gluon=False)[0])
 
 
 def test_variants_and_decode_shapes_stay_portable(monkeypatch):

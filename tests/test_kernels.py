@@ -25,11 +25,11 @@ from flashrun.harness.shapes import Shape
 from flashrun.kernels import (
     LaunchConfig,
     attention_forward,
-    flash,
     flash_attention,
     get,
     minimal_attention,
 )
+from flashrun.kernels.flash import attention as flash
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 KERNELS = Path(__file__).parent / "kernels"

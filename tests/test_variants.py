@@ -22,11 +22,11 @@ from flashrun.kernels import (
     alibi_slopes,
     attention_forward,
     attention_forward_varlen,
-    flash,
     flash_attention,
     flash_attention_varlen,
 )
-from flashrun.kernels.flash_jit import _key_range, _query_range, _tanh
+from flashrun.kernels.flash import attention as flash
+from flashrun.kernels.flash.jit import _key_range, _query_range, _tanh
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 

@@ -137,7 +137,7 @@ def test_correct_user_kernel_passes_with_grad(workdir):
 def test_deterministic_reaches_the_backward_verify_checks(workdir, monkeypatch):
     # experiment.deterministic (default true) picks flash's atomic-free backward, false the atomic
     # one; flash-deterministic and flash-atomic fix the choice
-    from flashrun.kernels import flash
+    from flashrun.kernels.flash import attention as flash
 
     seen = []
     real = flash._attn_backward

@@ -70,7 +70,7 @@ def slopes(shape: Shape, device: torch.device | str) -> torch.Tensor | None:
     """The standard ALiBi slopes of the shape's heads (float32 (H,)), or None without ALiBi."""
     if not shape.alibi:
         return None
-    from flashrun.kernels.flash_args import (
+    from flashrun.kernels.flash.args import (
         alibi_slopes,  # callers have selected the device already
     )
 

@@ -33,14 +33,14 @@ from typing import Callable
 import torch
 
 from flashrun.errors import KernelError
-from flashrun.kernels import flash_hopper
 from flashrun.kernels.flash import (
+    alibi_slopes,
     attention_forward,
     attention_forward_varlen,
     flash_attention,
     flash_attention_varlen,
+    hopper,
 )
-from flashrun.kernels.flash_args import alibi_slopes
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
 from flashrun.limits import BUILTIN_KERNELS
@@ -94,7 +94,7 @@ def get(spec: str, launch: Launch = None, deterministic: bool = True) -> Kernel:
             return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
         return Kernel(spec, flash, supports_backward=True, accepts=frozenset(VARIANT_ARGS),
-                      path=lambda: flash_hopper.LAST_PATH)
+                      path=lambda: hopper.LAST_PATH)
     if spec == "minimal":
         return Kernel("minimal", minimal_attention, supports_backward=False)
     path, sep, func = spec.rpartition(":")

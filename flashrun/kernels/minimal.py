@@ -6,7 +6,7 @@ key blocks, so it is right only when every key fits in that one block: the launc
 longer sequences instead of returning wrong numbers. The article's version also left out the
 ``1/sqrt(head_dim)`` scale its own reference applied; here the scale is applied.
 
-Rung 2 is ``flash.py``: the same program streams K/V block by block with an online softmax
+Rung 2 is ``flash/``: the same program streams K/V block by block with an online softmax
 (running max and sum), so any length works and memory stays linear in the sequence.
 Forward only: no backward.
 """
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from flashrun.errors import KernelError
-from flashrun.kernels.flash_args import check_inputs, dot_options
-from flashrun.kernels.flash_jit import _dot
+from flashrun.kernels.flash.args import check_inputs, dot_options
+from flashrun.kernels.flash.jit import _dot
 
 BLOCK_M = 64
 BLOCK_N = 64  # the single key block: the longest key sequence this kernel can compute

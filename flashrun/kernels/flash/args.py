@@ -14,7 +14,7 @@ from triton.tools.tensor_descriptor import (
 )
 
 from flashrun.errors import ArgumentError, KernelError
-from flashrun.kernels.flash_jit import (
+from flashrun.kernels.flash.jit import (
     LOG2E,
     SUPPORTED_DTYPES,
     UNBOUNDED,

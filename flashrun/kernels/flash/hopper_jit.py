@@ -1,5 +1,5 @@
 """The FA3-style Hopper (sm_90) forward in Gluon, Triton 3.6's API: the kernel only. The gate,
-launcher and first-use check are in :mod:`flashrun.kernels.flash_hopper`; the maths in
+launcher and first-use check are in :mod:`flashrun.kernels.flash.hopper`; the maths in
 :mod:`flashrun.kernels.flash`.
 
 One program owns a 128-row query tile of one (batch, head) and runs three partitions

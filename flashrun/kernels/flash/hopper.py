@@ -1,4 +1,4 @@
-"""The Hopper (sm_90) forward path: an FA3-style Gluon kernel (:mod:`flash_hopper_jit`), used by
+"""The Hopper (sm_90) forward path: an FA3-style Gluon kernel (:mod:`.hopper_jit`), used by
 :func:`flashrun.kernels.flash._attn_forward` when it can be, the portable ``_attn_fwd`` otherwise.
 
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
@@ -137,7 +137,7 @@ def _aligned(t: torch.Tensor) -> bool:
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | None:
     """None when this call may take the Gluon path (before the first-use check), else why not."""
     if not ENABLED or _disabled_by_env():
-        return "turned off (FLASHRUN_HOPPER=0 or flash_hopper.ENABLED = False)"
+        return "turned off (FLASHRUN_HOPPER=0 or hopper.ENABLED = False)"
     if INTERPRETED:
         return "Triton's interpreter"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -186,7 +186,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashrun.kernels.flash_hopper_jit import BLOCK_M, HALF_M, LOG2E
+    from flashrun.kernels.flash.hopper_jit import BLOCK_M, HALF_M, LOG2E
 
     z, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
@@ -207,7 +207,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
 
 
 def _run_gluon(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from flashrun.kernels.flash_hopper_jit import _fa3_fwd
+    from flashrun.kernels.flash.hopper_jit import _fa3_fwd
 
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel's stores assume
     lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)

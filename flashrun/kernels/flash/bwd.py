@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashrun.kernels.flash_jit import (
+from flashrun.kernels.flash.jit import (
     LOG2E_C,
     NO_BLOCK,
     _alibi_slope2,

@@ -22,7 +22,7 @@ dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program ord
     recomputes Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200: the
     backward kernels are register-bound (benchmarks/NOTES.md v5), and the fifth matmul's
     float32 partial costs more than the two matmuls it saves.
-Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash_hopper` applies
+Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process.
 Keys past N_K in a key block load as zeros, and their dS is zeroed before it reaches dQ: against
@@ -82,8 +82,8 @@ import torch
 import triton
 
 from flashrun.errors import ArgumentError
-from flashrun.kernels import flash_hopper
-from flashrun.kernels.flash_args import (
+from flashrun.kernels.flash import hopper
+from flashrun.kernels.flash.args import (
     Variant,
     _block_d,
     _cu_seqlens_arg,
@@ -99,12 +99,12 @@ from flashrun.kernels.flash_args import (
     check_inputs,
     dot_options,
 )
-from flashrun.kernels.flash_bwd import (
+from flashrun.kernels.flash.bwd import (
     _attn_bwd_dkdv,
     _attn_bwd_dq,
     _attn_bwd_preprocess,
 )
-from flashrun.kernels.flash_fwd import (
+from flashrun.kernels.flash.fwd import (
     _attn_fwd,
     _attn_fwd_combine,
     _attn_fwd_split,
@@ -135,42 +135,42 @@ def _dims(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> tuple[int, int,
 
 
 def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> bool:
-    """Whether this forward takes the Gluon sm_90 path (flash_hopper): in its scope, not a
+    """Whether this forward takes the Gluon sm_90 path (:mod:`.hopper`): in its scope, not a
     flash-decoding shape, and its first-use check in this process passed."""
-    if flash_hopper.eligible(q, k, v, variant) is not None:
+    if hopper.eligible(q, k, v, variant) is not None:
         return False
     if not variant.varlen and _decode_splits(q, k, variant.key_span(q.shape[2], k.shape[2]))[0] > 1:
         return False  # few queries, many keys: flash-decoding's split fills the GPU better
-    return flash_hopper.ensure_checked(q.device, q.dtype, q.shape[-1], _portable_check)
+    return hopper.ensure_checked(q.device, q.dtype, q.shape[-1], _portable_check)
 
 
 def _portable_check(q, k, v, sm_scale, causal):
     """The portable forward on the first-use check's small inputs (fixed config, no tuning)."""
-    return _attn_forward(q, k, v, sm_scale, Variant(causal=causal), "default", hopper=False)
+    return _attn_forward(q, k, v, sm_scale, Variant(causal=causal), "default", try_gluon=False)
 
 
 def forward_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, *,
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  alibi_slopes: torch.Tensor | None = None) -> str:
     """Which forward kernel flash runs for these inputs: ``"gluon-sm90"`` (the FA3-style Hopper
-    kernel, flash_hopper) or ``"triton"`` (the portable ``_attn_fwd``, or flash-decoding). May
-    run the Gluon path's one-time first-use check. ``flash_hopper.LAST_PATH`` records the path
+    kernel, :mod:`.hopper`) or ``"triton"`` (the portable ``_attn_fwd``, or flash-decoding). May
+    run the Gluon path's one-time first-use check. ``hopper.LAST_PATH`` records the path
     the last forward took."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
-    return flash_hopper.GLUON_PATH if _hopper_ok(q, k, v, variant) else flash_hopper.TRITON_PATH
+    return hopper.GLUON_PATH if _hopper_ok(q, k, v, variant) else hopper.TRITON_PATH
 
 
 def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
-                  launch: Launch = None, hopper: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  launch: Launch = None, try_gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)``: lse (B, H, Nq), or (H, total_q) for packed sequences, natural log, float32.
-    ``hopper``: may take the Gluon sm_90 path (flash_hopper) where it applies; ``launch`` pins
+    ``try_gluon``: may take the Gluon sm_90 path (:mod:`.hopper`) where it applies; ``launch`` pins
     only the portable kernel's config."""
-    if hopper and _hopper_ok(q, k, v, variant):
-        out = flash_hopper.forward(q, k, v, sm_scale, variant.causal)
-        flash_hopper.LAST_PATH = flash_hopper.GLUON_PATH
+    if try_gluon and _hopper_ok(q, k, v, variant):
+        out = hopper.forward(q, k, v, sm_scale, variant.causal)
+        hopper.LAST_PATH = hopper.GLUON_PATH
         return out
-    flash_hopper.LAST_PATH = flash_hopper.TRITON_PATH
+    hopper.LAST_PATH = hopper.TRITON_PATH
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
