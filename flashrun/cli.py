@@ -419,6 +419,83 @@ def bench(
 
 
 # -- init ---------------------------------------------------------------------------------------
+@app.command("model")
+def model_cmd(
+    config: ConfigOpt = None,
+    settings: SettingsOpt = None,
+    sets: SetOpt = None,
+    arch: Annotated[Optional[str], typer.Option(
+        "--arch", help="llama | mistral | qwen2 | gemma2 (default model.arch = llama).", show_default=False)] = None,
+    size: Annotated[Optional[str], typer.Option(
+        "--size", help="mini (CPU-sized, 4 layers) | 1b (~1B parameters, for a GPU).", show_default=False)] = None,
+    model_path: Annotated[Optional[str], typer.Option(
+        "--model", help="A local checkpoint folder (or a hub id already in the local cache) instead of --arch/--size.",
+        show_default=False)] = None,
+    kernel: Annotated[Optional[str], typer.Option(
+        "--kernel", "-k", help="flash | flash-atomic | flash-deterministic | PATH.py:FUNCTION (default flash).",
+        show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence.", show_default=False)] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="Sequences per batch.", show_default=False)] = None,
+    device: DeviceOpt = None,
+    no_speed: Annotated[bool, typer.Option("--no-speed", help="Checks only, no timings (on a GPU).")] = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Also draw the speed and memory table into this image (e.g. model.png).",
+        show_default=False)] = None,
+    rerun: Annotated[Optional[str], typer.Option(
+        "--rerun", help="Repeat a recorded model run exactly (see `flashrun runs`).", show_default=False)] = None,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Swap a kernel into a transformers model and check that it is still the same model: logits,
+    one training step's gradients, a 20-step training run and greedy generation, each against a
+    float64/float32 reference and judged against the model's own attention (SDPA, or eager for
+    Gemma-2); on a GPU also prefill, training-step and decode speed and peak memory against sdpa,
+    eager, flex_attention (and flash_attention_2 where installed). Needs flashrun[model].
+
+    Exit 1 when a check fails, 2 on bad input.
+
+    Examples:
+
+      flashrun model                                  # a mini Llama, CPU interpreter where there is no GPU
+
+      flashrun model --arch gemma2 --json             # softcap + alternating windows, head_dim 256
+
+      flashrun model --arch mistral --set model.sliding_window=8
+
+      flashrun model --arch llama --size 1b --seq-len 2048 --batch 4 --plot llama.png   # on a GPU
+
+      flashrun model -k experiments/my_attention.py:attention --arch qwen2
+
+      flashrun model --model ~/checkpoints/my-llama --no-speed
+    """
+    from flashrun.model import run as model_run
+    from flashrun.records.runlog import find_record
+
+    flags = {"model.arch": arch, "model.size": size, "model.path": model_path, "model.kernel": kernel,
+             "model.seq_len": seq_len, "model.batch": batch, "experiment.device": device,
+             "model.speed": False if no_speed else None}
+    with _boundary(verbose):
+        if rerun is not None:
+            _refuse_rerun_conflicts(rerun, {"--arch": arch, "--size": size, "--model": model_path,
+                                            "--kernel": kernel, "--seq-len": seq_len, "--batch": batch,
+                                            "--device": device, "--no-speed": no_speed or None}, sets)
+        cfg = _setup(config, settings, sets, verbose, flags)
+        if plot is not None:
+            model_run.check_plot_target(plot)
+        if rerun is not None:
+            cfg, plan = model_run.plan_from_record(find_record(cfg.logging.log_dir, rerun))
+        else:
+            plan = model_run.make_plan(cfg)
+        report = model_run.run(cfg, plan, console=None if json_out else err, argv=sys.argv[1:])
+        if plot is not None and report.speed:
+            report.files.append(str(model_run.plot(report, plot)))
+        if json_out:
+            out.print_json(data=report.to_json())
+        else:
+            model_run.render(report, out)
+        raise typer.Exit(report.exit_code)
+
+
 @app.command()
 def init(
     directory: Annotated[Path, typer.Argument(help="Folder to scaffold (created if missing).")] = Path("."),

@@ -43,6 +43,10 @@ class ClusterError(FlashrunError):
     """Ray is not installed, or the Ray cluster cannot be started or reached."""
 
 
+class ModelError(FlashrunError):
+    """``flashrun model`` cannot build or load its model (transformers missing, no such checkpoint)."""
+
+
 class GatewayError(FlashrunError):
     """The LLM gateway could not be reached or answered with an error."""
 

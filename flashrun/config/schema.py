@@ -245,6 +245,34 @@ class ClusterConfig(_Section):
         return None if value is None else value.strip()
 
 
+class ModelConfig(_Section):
+    """``flashrun model``: a kernel swapped into a transformers model (flashrun[model])."""
+
+    arch: Literal["llama", "mistral", "qwen2", "gemma2"] = "llama"
+    size: Literal["mini", "1b"] = "mini"
+    # a local checkpoint folder (or a hub id already in the local cache) instead of arch/size
+    path: str | None = None
+    kernel: str = "flash"  # any verify kernel spec: flash, flash-atomic, PATH.py:FUNCTION
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"  # auto: float32 on the CPU, bfloat16 on a GPU
+    batch: PositiveInt | None = None  # None: the size's default (mini 2, 1b 4)
+    seq_len: PositiveInt | None = None  # None: the size's default (mini 32, 1b 2048)
+    sliding_window: PositiveInt | None = None  # overrides the family's window (mistral, gemma2)
+    checks: list[Literal["logits", "train-step", "training", "generate"]] = ["logits", "train-step", "training",
+                                                                             "generate"]
+    train_steps: PositiveInt = 20
+    lr: PositiveFloat = 1e-3
+    gen_tokens: PositiveInt | None = None  # None: the size's default (mini 16, 1b 64)
+    speed: bool = True  # on a GPU: prefill, train step, decode and memory against the baselines
+    baselines: list[Literal["sdpa", "eager", "flex_attention", "flash_attention_2"]] = [
+        "sdpa", "eager", "flex_attention", "flash_attention_2"]
+    reps: PositiveInt = 10  # timed repetitions per phase
+    out: PathField | None = None  # speed tables (CSV/JSON); default <log_dir>/model
+    seed: int = 0
+
+    _lists = field_validator("checks", "baselines", mode="before")(_as_list)
+    _dtype = field_validator("dtype", mode="before")(_full_dtype)
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "api": ApiConfig,
     "request": RequestConfig,
@@ -255,6 +283,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "cases": CasesConfig,
     "bench": BenchConfig,
     "cluster": ClusterConfig,
+    "model": ModelConfig,
 }
 
 
@@ -268,6 +297,7 @@ class Config(_Section):
     cases: CasesConfig = CasesConfig()
     bench: BenchConfig = BenchConfig()
     cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
 
     # Where the values came from (for messages and run records) and warnings to show the user.
     _files: list[str] = PrivateAttr(default_factory=list)

@@ -56,6 +56,7 @@ class Comparison:
     unwritten: int  # elements still holding the poison value
     first_bad: list[int] | None  # index of the worst element when failing
     passed: bool
+    rel_bound: float | None = None  # the rel-L2 allowed, where it depends on the yardstick (compare_scaled)
 
     @property
     def ratio(self) -> float | None:
@@ -70,6 +71,8 @@ class Comparison:
         if self.nonfinite:
             return f"{self.name}: {self.nonfinite} NaN/Inf value(s)"
         at = f" at {tuple(self.first_bad)}" if self.first_bad else ""
+        if self.max_abs <= self.bound and self.rel_bound is not None:
+            return f"{self.name}: rel-L2 error {self.rel_l2:.3g} > allowed {self.rel_bound:.3g}"
         return (f"{self.name}: max error {self.max_abs:.3g}{at} > allowed {self.bound:.3g} "
                 f"(rel-L2 {self.rel_l2:.3g})")
 
@@ -104,6 +107,42 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, yardstick: torch.Te
     if not passed and diff.numel():
         first_bad = [int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)]
     return Comparison(name, max_abs, rel_l2, yard_max, bound, nonfinite, unwritten, first_bad, passed)
+
+
+def compare_scaled(name: str, out: torch.Tensor, ref: torch.Tensor, yardstick: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> Comparison:
+    """Judge a whole model's tensors (logits, gradients, losses), whose scale is arbitrary and
+    whose error grows through the layers for any kernel: the same policy as :func:`compare` -
+    no worse than FACTOR x the yardstick's own error - applied to both measures, each floored at
+    the dtype's rounding relative to the tensor itself (a gradient of size 1e-4 gets no absolute
+    allowance of 1e-3):
+
+        max|out - ref|        <= FACTOR * max|yardstick - ref|  + atol * max|ref|
+        ||out - ref|| / ||ref|| <= FACTOR * ||yardstick - ref|| / ||ref|| + atol
+
+    Computed in float64 on the tensors' own device (a model's logits are too large to copy).
+    ``dtype``: the precision whose rounding floors the bounds, where ``out`` is not in it (a
+    bf16 model's losses, collected as float64 numbers)."""
+    atol = TOLERANCE[dtype or out.dtype].atol
+    ref64, out64, yard64 = (t.detach().to(ref.device, torch.float64) for t in (ref, out, yardstick))
+    finite_ref = torch.isfinite(ref64)
+    nonfinite = int((~torch.isfinite(out64) & finite_ref).sum())
+
+    def errors(x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+        diff = torch.where(finite_ref, (x - ref64).abs(), torch.zeros_like(x)).nan_to_num(nan=float("inf"))
+        ref_norm = float(ref64[finite_ref].norm()) or 1.0
+        return diff, float(diff.max()) if diff.numel() else 0.0, float(diff.norm()) / ref_norm
+
+    diff, max_abs, rel_l2 = errors(out64)
+    _, yard_max, yard_rel = errors(yard64)
+    ref_max = float(ref64[finite_ref].abs().max()) if finite_ref.any() else 0.0
+    bound = FACTOR * yard_max + atol * ref_max
+    rel_bound = FACTOR * yard_rel + atol
+    passed = not nonfinite and max_abs <= bound and rel_l2 <= rel_bound
+    first_bad = None
+    if not passed and diff.numel():
+        first_bad = [int(i) for i in torch.unravel_index(diff.argmax().cpu(), diff.shape)]
+    return Comparison(name, max_abs, rel_l2, yard_max, bound, nonfinite, 0, first_bad, passed, rel_bound)
 
 
 class Reference:

@@ -172,7 +172,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         return out
     hopper.LAST_PATH = hopper.TRITON_PATH
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty_like(q)  # laid out like q: a model's (B, N, H, D) view comes back as one
     lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
     var = variant.kernel_args(sm_scale)
     d0, d1 = _split_head_dim(D)  # the head dim's column blocks (d1 = 0: one block)

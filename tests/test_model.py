@@ -1,0 +1,234 @@
+"""``flashrun model``: a kernel swapped into transformers models, through the CPU interpreter.
+
+Every family's mini model passes every check with flash (plain, padded and packed batches); a
+kernel wrong in one variant fails the model and names the first layer that diverges; what a
+kernel cannot express fails with the reason; the variants the mini models carry visibly change
+their logits (so the checks above can see them at all); the command's exit codes, JSON,
+``--rerun``, local checkpoints and missing pieces.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="flashrun model needs transformers: pip install 'flashrun[model]'")
+
+from rich.console import Console  # noqa: E402
+
+from flashrun.config import load_config  # noqa: E402
+from flashrun.model import checks, data, families, swap  # noqa: E402
+from flashrun.model import run as model_run  # noqa: E402
+
+KERNELS = Path(__file__).parent / "kernels" / "model_kernels.py"
+EVERY_CHECK = ["logits", "logits-padded", "logits-packed", "train-step", "training", "generate"]
+
+
+@pytest.fixture(autouse=True)
+def no_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An empty Hugging Face cache and no network: nothing may be downloaded."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _run(*sets: str, kernel: str = "flash") -> model_run.Report:
+    cfg = load_config(None, None, {"model.kernel": kernel}, list(sets))
+    return model_run.run(cfg, model_run.make_plan(cfg))
+
+
+def _by_name(report: model_run.Report) -> dict:
+    return {c.name: c for c in report.checks}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", families.ARCHS)
+def test_every_family_passes_every_check_with_flash(arch):
+    # two rows and 40 tokens: a second, ragged query tile and left padding that differs per row
+    report = _run(f"model.arch={arch!r}", "model.batch=2", "model.seq_len=40", "model.train_steps=3",
+                  "model.gen_tokens=6")
+    assert [c.name for c in report.checks] == EVERY_CHECK
+    failed = {c.name: c.summary for c in report.checks if not c.passed}
+    assert not failed, failed
+    calls = report.model["kernel_calls"]
+    assert calls["dense"] and calls["packed"]  # the kernel ran, plain and packed (padding, position_ids)
+    for variant in families.family(arch).variants:
+        assert calls[variant], f"{arch}'s {variant} never reached the kernel"
+    assert report.model["baseline"] == families.family(arch).baseline
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize("arch, kernel, layer", [
+    ("mistral", "ignores_window", 0),
+    ("gemma2", "ignores_window", 0),  # layer 0 is a sliding one, layer 1 full
+    ("gemma2", "ignores_softcap", 0),
+    ("llama", "leaks_future", 0),
+])
+def test_a_kernel_wrong_in_one_variant_fails_the_model_at_its_first_layer(arch, kernel, layer):
+    report = _run(f"model.arch={arch!r}", "model.checks=['logits']", kernel=f"{KERNELS}:{kernel}")
+    logits = _by_name(report)["logits"]
+    assert not logits.passed
+    assert logits.detail["first_diverging_layer"] == layer
+    assert f"first diverging layer: {layer}" in logits.summary
+    assert report.exit_code == 1
+
+
+def test_a_good_user_kernel_passes():
+    report = _run("model.arch='gemma2'", "model.checks=['logits']", kernel=f"{KERNELS}:everything")
+    assert all(c.passed for c in report.checks), [c.summary for c in report.checks]
+
+
+def test_what_a_kernel_cannot_express_fails_with_the_reason():
+    mistral = _run("model.arch='mistral'", "model.checks=['logits']", kernel=f"{KERNELS}:plain")
+    assert not any(c.passed for c in mistral.checks)
+    assert "does not take window" in _by_name(mistral)["logits"].summary
+    llama = _by_name(_run("model.checks=['logits']", kernel=f"{KERNELS}:plain"))
+    assert llama["logits"].passed  # plain causal attention it can do
+    assert not llama["logits-padded"].passed and "cu_seqlens" in llama["logits-padded"].summary
+
+
+@pytest.mark.parametrize("arch, disable", [
+    ("mistral", {"sliding_window": 4096}),
+    ("gemma2", {"sliding_window": 4096}),
+    ("gemma2", {"attn_logit_softcapping": None}),
+])
+def test_the_mini_models_variants_visibly_change_their_logits(arch, disable):
+    # random weights hide variants (scores ~0.1 at init); the minis sharpen q/k and use a short
+    # window and softcap 5, so that a kernel ignoring one is caught far above float noise
+    config = families.build_config(arch, "mini")
+    model = families.build(config, torch.float64, "cpu", 0)
+    model.set_attn_implementation("eager")
+    ids = data.copy_task(config.vocab_size, 1, 32, 0).input_ids
+    with torch.no_grad():
+        with_variant = model(ids, use_cache=False).logits
+        for key, value in disable.items():
+            setattr(model.config, key, value)
+        model = type(model)(model.config).to(torch.float64).eval()
+        model.load_state_dict(families.build(config, torch.float64, "cpu", 0).state_dict())
+        model.set_attn_implementation("eager")
+        without = model(ids, use_cache=False).logits
+    relative = float((with_variant - without).norm() / with_variant.norm())
+    assert relative > 1e-2, relative  # the checks' float32 bounds are ~1e-5 relative
+
+
+def test_sharpened_scores_reach_the_target_spread():
+    small = families.build_config("llama", "mini")
+    model = families.build(small, torch.float64, "cpu", 0)
+    hidden = torch.randn(1, 64, small.hidden_size, dtype=torch.float64)  # what RMSNorm hands q_proj: ~unit scale
+    layer = model.model.layers[0].self_attn
+    with torch.no_grad():
+        q, k = layer.q_proj(hidden), layer.k_proj(hidden)
+    q = q.view(1, 64, -1, 64)[..., 0, :]
+    k = k.view(1, 64, -1, 64)[..., 0, :]
+    scores = (q @ k.transpose(-1, -2)) * 64 ** -0.5
+    assert 1.5 < float(scores.std()) < 6.0  # SCORE_STD = 3, from the init's analytic spread
+
+
+# -- the swap's conversions ---------------------------------------------------------------------
+
+
+class _Module:
+    is_causal = True
+    training = False
+
+
+def test_padding_with_holes_or_right_padding_against_a_cache_is_refused():
+    q = torch.randn(2, 2, 4, 16)
+    holes = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(swap.Unsupported, match="holes"):
+        swap._packing(holes, q, q, {})
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert swap._packing(right, q, q, {})["cu_seqlens_k"].tolist() == [0, 3, 7]  # training: fine
+    with pytest.raises(swap.Unsupported, match="right padding"):
+        swap._packing(right, q[:, :, :1], q, {})  # decode against a right-padded cache
+    with pytest.raises(swap.Unsupported, match="4-D"):
+        swap._packing(torch.ones(2, 1, 4, 4, dtype=torch.bool), q, q, {})
+
+
+def test_restarting_position_ids_become_packed_sequences():
+    q = torch.randn(1, 2, 6, 16)
+    packed = swap._packing(None, q, q, {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])})
+    assert packed["cu_seqlens_q"].tolist() == [0, 3, 5, 6] and packed["max_seqlen_q"] == 3
+    assert swap._packing(None, q, q, {"position_ids": torch.arange(6)[None]}) is None
+
+
+def test_dropout_is_refused_not_ignored():
+    module = _Module()
+    module.training = True
+    fn = swap.Swap(None)
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(swap.Unsupported, match="dropout"):
+        fn(module, q, q, q, None, dropout=0.1)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_default_passes_and_prints_every_check_as_json(flashrun):
+    result = flashrun("model", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "6 passed, 0 failed" and report["passed"] == 6 and report["failed"] == 0
+    assert [c["name"] for c in report["checks"]] == EVERY_CHECK
+    assert all(c["passed"] is True for c in report["checks"])
+    assert report["model"]["transformers"] and report["plan"]["dtype"] == "float32"
+
+
+def test_a_failing_kernel_exits_1_and_bad_input_exits_2(cli):
+    failing = cli("model", "--arch", "mistral", "-k", f"{KERNELS}:ignores_window", "--set", "model.checks=['logits']",
+                  "--json")
+    assert failing.exit_code == 1
+    assert json.loads(failing.stdout)["failed"] >= 1
+    unknown = cli("model", "--arch", "gpt5")
+    assert unknown.exit_code == 2 and "model.arch" in unknown.stderr
+    missing = cli("model", "-k", "nowhere.py:attention")
+    assert missing.exit_code == 2 and "not found" in missing.stderr
+
+
+def test_a_hub_id_that_is_not_cached_says_how_to_fetch_it(cli):
+    result = cli("model", "--model", "someone/some-model")
+    assert result.exit_code == 2
+    assert "neither a local folder nor a model in the local Hugging Face cache" in result.stderr
+    assert "hf download someone/some-model" in result.stderr
+
+
+def test_without_transformers_it_says_how_to_install_it(python):
+    code = ("import sys; sys.modules['transformers'] = None; sys.argv = ['flashrun', 'model']\n"
+            "from flashrun.cli import main; main()")
+    result = python("-c", code)
+    assert result.returncode == 2
+    assert "needs transformers" in result.stderr and "flashrun[model]" in result.stderr
+
+
+def test_a_local_checkpoint_loads_from_its_folder(cli, tmp_path):
+    config = families.build_config("qwen2", "mini")
+    families.build(config, torch.float32, "cpu", 3).save_pretrained(tmp_path / "ckpt")
+    result = cli("model", "--model", str(tmp_path / "ckpt"), "--set", "model.checks=['logits']", "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"]["weights"] == "checkpoint" and report["model"]["model_type"] == "qwen2"
+
+
+def test_rerun_repeats_the_recorded_plan(cli):
+    first = cli("model", "--arch", "mistral", "--set", "model.sliding_window=8", "--set", "model.checks=['logits']",
+                "--json")
+    assert first.exit_code == 0
+    recorded = json.loads(first.stdout)
+    again = cli("model", "--rerun", recorded["run_id"], "--json")
+    assert again.exit_code == 0
+    repeated = json.loads(again.stdout)
+    assert repeated["plan"] == recorded["plan"] and repeated["model"]["sliding_window"] == 8
+    refused = cli("model", "--rerun", recorded["run_id"], "--arch", "llama")
+    assert refused.exit_code == 2 and "--arch" in refused.stderr
+
+
+def test_the_table_is_whole_at_80_columns():
+    report = _run("model.checks=['logits']")
+    console = Console(width=80, record=True, force_terminal=False)
+    model_run.render(report, console)
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    for check in report.checks:
+        assert check.name in text
+    assert report.run_id in text
