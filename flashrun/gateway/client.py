@@ -34,6 +34,19 @@ if TYPE_CHECKING:
 # Asked for in this order; a gateway that answers 400 to one falls back to the next.
 MODES = ("json_schema", "json_object", "plain")
 
+_LENGTHS = {"type": ["array", "null"], "items": {"type": "integer"}}
+# Strict structured outputs want every key required: the optional ones may be null (= not set).
+_CASE_PROPERTIES: dict[str, Any] = {
+    "seq_len": {"type": "integer"},
+    "head_dim": {"type": "integer"},
+    "seq_len_k": {"type": ["integer", "null"]},
+    "causal": {"type": ["boolean", "null"]},
+    "window": _LENGTHS,
+    "softcap": {"type": ["number", "null"]},
+    "alibi": {"type": ["boolean", "null"]},
+    "seqlens": _LENGTHS,
+    "seqlens_k": _LENGTHS,
+}
 CASES_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -41,8 +54,8 @@ CASES_SCHEMA: dict[str, Any] = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"seq_len": {"type": "integer"}, "head_dim": {"type": "integer"}},
-                "required": ["seq_len", "head_dim"],
+                "properties": _CASE_PROPERTIES,
+                "required": list(_CASE_PROPERTIES),
                 "additionalProperties": False,
             },
         }
