@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from flashrun.config import Config, base_url_root, key_variable, resolve_api_key
 from flashrun.errors import FlashrunError, GatewayError
+from flashrun.gateway.replies import CASES_SCHEMA
 from flashrun.records.redact import MASK, redact, register_secret
 
 if TYPE_CHECKING:
@@ -33,36 +34,6 @@ if TYPE_CHECKING:
 
 # Asked for in this order; a gateway that answers 400 to one falls back to the next.
 MODES = ("json_schema", "json_object", "plain")
-
-_LENGTHS = {"type": ["array", "null"], "items": {"type": "integer"}}
-# Strict structured outputs want every key required: the optional ones may be null (= not set).
-_CASE_PROPERTIES: dict[str, Any] = {
-    "seq_len": {"type": "integer"},
-    "head_dim": {"type": "integer"},
-    "seq_len_k": {"type": ["integer", "null"]},
-    "causal": {"type": ["boolean", "null"]},
-    "window": _LENGTHS,
-    "softcap": {"type": ["number", "null"]},
-    "alibi": {"type": ["boolean", "null"]},
-    "seqlens": _LENGTHS,
-    "seqlens_k": _LENGTHS,
-}
-CASES_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "cases": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": _CASE_PROPERTIES,
-                "required": list(_CASE_PROPERTIES),
-                "additionalProperties": False,
-            },
-        }
-    },
-    "required": ["cases"],
-    "additionalProperties": False,
-}
 
 _PROBE_TIMEOUT = 10.0  # seconds; a /models probe only helps explain another failure
 _MODEL_WORDS = re.compile(

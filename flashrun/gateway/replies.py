@@ -24,6 +24,38 @@ from flashrun.harness.cases import CaseSpec
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 
+# The keys of a case item and their JSON types, in the order they are checked (the first problem
+# is the reason given); anything else a model adds ("note", "why") is ignored.
+_TYPES = {"seq_len": "integer", "head_dim": "integer", "seq_len_k": "integer", "causal": "boolean",
+          "window": "array", "softcap": "number", "alibi": "boolean", "seqlens": "array", "seqlens_k": "array"}
+
+
+def _property(key: str, kind: str) -> dict[str, Any]:
+    if key in ("seq_len", "head_dim"):
+        return {"type": kind}
+    # strict structured outputs want every key required: the optional ones may be null (= not set)
+    return {"type": [kind, "null"], **({"items": {"type": "integer"}} if kind == "array" else {})}
+
+
+# What the gateway is asked to answer in (``response_format: json_schema``, strict).
+CASES_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "cases": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {key: _property(key, kind) for key, kind in _TYPES.items()},
+                "required": list(_TYPES),
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["cases"],
+    "additionalProperties": False,
+}
+
+
 @dataclass(frozen=True)
 class Rejected:
     item: Any  # as the model wrote it (JSON data, or an excerpt of the reply)
@@ -135,12 +167,12 @@ def _shown(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
-def _length(name: str, raw: Any, low: int, max_seq_len: int) -> int | str:
+def _length(name: str, raw: Any, max_seq_len: int) -> int | str:
     value = _as_int(raw)
     if value is None:
         return f"{name} {_shown(raw)} is not an integer"
-    if not low <= value <= max_seq_len:
-        return f"{name} {value} is outside {low}..{max_seq_len} (max_seq_len)"
+    if not 1 <= value <= max_seq_len:
+        return f"{name} {value} is outside 1..{max_seq_len} (max_seq_len)"
     return value
 
 
@@ -187,15 +219,10 @@ def _seqlens(name: str, raw: Any, max_seq_len: int) -> tuple[int, ...] | str:
     return tuple(lengths)
 
 
-# The keys of an item, in the order they are checked (the first problem is the reason given);
-# anything else a model adds ("note", "why") is ignored.
-_FIELDS = ("seq_len", "head_dim", "seq_len_k", "causal", "window", "softcap", "alibi", "seqlens", "seqlens_k")
-
-
 def _field(name: str, raw: Any, max_seq_len: int) -> Any:
     """The value of one key, or why it is unusable (a str)."""
     if name in ("seq_len", "seq_len_k"):
-        return _length(name, raw, 1, max_seq_len)
+        return _length(name, raw, max_seq_len)
     if name == "head_dim":
         return _head_dim(raw)
     if name in ("causal", "alibi"):
@@ -227,7 +254,7 @@ def _packed(fields: dict[str, Any]) -> str | None:
 def _check(item: Any, max_seq_len: int) -> CaseSpec | str:
     """The case an item describes, or why it is unusable."""
     if isinstance(item, dict):
-        given = {k: v for k, v in item.items() if k in _FIELDS and v is not None}  # null: not set (strict schemas)
+        given = {k: v for k, v in item.items() if k in _TYPES and v is not None}  # null: not set (strict schemas)
         needed = ("head_dim",) if "seqlens" in given else ("seq_len", "head_dim")  # packed: seq_len follows
         missing = [k for k in needed if k not in given]
         if missing:
@@ -237,7 +264,7 @@ def _check(item: Any, max_seq_len: int) -> CaseSpec | str:
     else:
         return "expected {\"seq_len\": N, \"head_dim\": D} or a [seq_len, head_dim] pair"
     fields: dict[str, Any] = {}
-    for name in _FIELDS:
+    for name in _TYPES:
         if name in given:
             value = _field(name, given[name], max_seq_len)
             if isinstance(value, str):
