@@ -294,7 +294,7 @@ def gen_cases(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Ask gateway models for (seq_len, head_dim) test cases, validate them, save them with provenance.
+    """Ask gateway models for test cases (shapes and variants), validate them, save them with provenance.
 
     Examples:
 

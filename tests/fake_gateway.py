@@ -5,6 +5,8 @@ like a web server in front of an API would answer (or an HTML 200, with ``spa=Tr
 single-page app that serves its index for every path). Chat answers follow a script: a list of
 :class:`Reply` (or callables taking the request body and returning one) per model; the last entry
 repeats, so ``[rate_limited()]`` means "429 forever". Every request is recorded with its time.
+A reply with ``hang=True`` is never sent while the server runs: the client's own timeout is the
+only way out, however slow or loaded the machine (no race between a delay and a timeout).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class Reply:
     status: int = 200
     body: Any = None  # dict/list -> JSON; str -> sent as is
     headers: dict[str, str] = field(default_factory=dict)
-    delay: float = 0.0
+    hang: bool = False  # answer only when the server stops (long after the client gave up)
     content_type: str = "application/json"
 
 
@@ -86,6 +88,7 @@ class FakeGateway:
         self.scripts: dict[str, Script] = {}
         self.seen: list[Seen] = []
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
@@ -110,6 +113,7 @@ class FakeGateway:
         return self
 
     def stop(self) -> None:
+        self._stopped.set()  # releases hanging replies
         self._server.shutdown()
         self._server.server_close()
 
@@ -146,8 +150,8 @@ def _handler(gateway: FakeGateway) -> type[BaseHTTPRequestHandler]:
                 gateway.seen.append(Seen(method, self.path, {k.lower(): v for k, v in self.headers.items()}, body,
                                          time.monotonic()))
             reply = gateway.answer(method, self.path, body)
-            if reply.delay:
-                time.sleep(reply.delay)
+            if reply.hang:
+                gateway._stopped.wait()
             payload = reply.body if isinstance(reply.body, str) else json.dumps(reply.body)
             data = payload.encode("utf-8")
             try:

@@ -59,13 +59,15 @@ def gateway() -> Iterator[FakeGateway]:
     server.stop()
 
 
-def write_config(tmp_path: Path, base_url: str, **api: Any) -> Path:
-    """Fast-failing settings: 1 retry, sub-second timeouts; logs under tmp_path."""
-    settings = {"models": ["good-model", "other-model", "missing-model"], "timeout": 2, "max_retries": 1, **api}
+def write_config(tmp_path: Path, base_url: str, request_timeout: float = 60, **api: Any) -> Path:
+    """1 retry; logs under tmp_path. Timeouts are generous, so that a loaded machine cannot turn a
+    local reply into a timeout; the timeout tests make the gateway hang and pass a short one."""
+    settings = {"models": ["good-model", "other-model", "missing-model"], "timeout": 60, "max_retries": 1, **api}
     lines = [f'base_url = "{base_url}"', f'api_key_env = "{KEY_VAR}"', 'default_model = "good-model"']
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     path = tmp_path / "config.toml"
-    path.write_text("[api]\n" + "\n".join(lines) + '\n\n[request]\ntimeout = 0.5\n\n[logging]\nlog_dir = "logs"\n')
+    path.write_text("[api]\n" + "\n".join(lines) + f"\n\n[request]\ntimeout = {request_timeout}\n\n"
+                    '[logging]\nlog_dir = "logs"\n')
     return path
 
 
@@ -142,6 +144,125 @@ def test_rejected_items_say_why(gateway: FakeGateway, isolated: Path) -> None:
     assert "head_dim 8 is outside" in result.stderr
 
 
+# --------------------------------------------------------------------------------------------
+# Variants: seq_len_k, causal, window, softcap, alibi, packed seqlens/seqlens_k
+
+# (item as a model writes it, the case kept as verify reads it back)
+VARIANT_ITEMS = [
+    ({"seq_len": 97, "head_dim": 64, "window": [0, 0]}, {"seq_len": 97, "head_dim": 64, "window": (0, 0)}),
+    ({"seq_len": 17, "seq_len_k": 97, "head_dim": 40, "causal": True, "window": [8, 0]},
+     {"seq_len": 17, "seq_len_k": 97, "head_dim": 40, "causal": True, "window": (8, 0)}),
+    ({"seq_len": 33, "head_dim": 64, "window": [64, -1], "causal": False},  # wider than the sequence
+     {"seq_len": 33, "head_dim": 64, "causal": False, "window": (64, -1)}),
+    ({"seq_len": 65, "head_dim": 64, "window": [16, 0], "softcap": 2, "alibi": True},
+     {"seq_len": 65, "head_dim": 64, "window": (16, 0), "softcap": 2.0, "alibi": True}),
+    ({"head_dim": 32, "seqlens": [0, 1, 17, 5], "seqlens_k": [3, 1, 17, 0]},  # packed: seq_len follows
+     {"seq_len": 17, "head_dim": 32, "seqlens": (0, 1, 17, 5), "seqlens_k": (3, 1, 17, 0)}),
+    ({"seq_len": 9, "head_dim": 16, "seqlens": [9, 0], "seq_len_k": 9},
+     {"seq_len": 9, "seq_len_k": 9, "head_dim": 16, "seqlens": (9, 0)}),
+    # a strict JSON schema makes models write every key: null is "not set"
+    ({"seq_len": 33, "head_dim": 32, "seq_len_k": None, "causal": None, "window": None, "softcap": None,
+      "alibi": None, "seqlens": None, "seqlens_k": None}, {"seq_len": 33, "head_dim": 32}),
+]
+
+
+def test_variant_fields_are_asked_for_kept_and_saved(gateway: FakeGateway, isolated: Path) -> None:
+    gateway.script("good-model", completion(json.dumps({"cases": [item for item, _ in VARIANT_ITEMS]})))
+    result = gen(write_config(isolated, gateway.base_url), "--json")
+    assert result.exit_code == 0, result.output
+    expected = [case for _, case in VARIANT_ITEMS]
+    assert load_cases(isolated / "cases.json") == expected
+    written = json.loads((isolated / "cases.json").read_text())
+    assert written["models"][0]["rejected"] == []
+    # on disk as JSON: pairs and lengths are lists; each case names its model
+    assert written["cases"][4] == {"seq_len": 17, "head_dim": 32, "seqlens": [0, 1, 17, 5],
+                                   "seqlens_k": [3, 1, 17, 0], "model": "good-model"}
+    # the request: every optional key in the strict schema (nullable), described in the system
+    # message with its limits; the default prompt asks for the variants' edge cases
+    body = gateway.chats()[0].body
+    item = body["response_format"]["json_schema"]["schema"]["properties"]["cases"]["items"]
+    optional = ["seq_len_k", "causal", "window", "softcap", "alibi", "seqlens", "seqlens_k"]
+    assert sorted(item["required"]) == sorted(["seq_len", "head_dim", *optional]) == sorted(item["properties"])
+    assert all("null" in item["properties"][key]["type"] for key in optional)
+    system, user = (m["content"] for m in body["messages"])
+    assert all(f'"{key}"' in system for key in optional) and "-1 is unbounded" in system
+    assert "at most 16384" in system
+    for edge in ("window of 0", "wider than the sequence", "seq_len_k different from seq_len", "softcap together "
+                 "with a window", "ALiBi", "empty and length-1 sequences"):
+        assert edge in user
+
+
+# (item, why it is dropped); each item is otherwise valid
+BAD_VARIANTS = [
+    ({"window": [-2, 0]}, "window [-2, 0]: a side is a number of keys >= 0, or -1 for unbounded"),
+    ({"window": [8]}, "window [8] is not a [left, right] pair of integers"),
+    ({"window": "8,0"}, 'window "8,0" is not a [left, right] pair of integers'),
+    ({"window": [8, "left"]}, 'window [8, "left"] is not a [left, right] pair of integers'),
+    ({"softcap": -1.5}, "softcap -1.5 is not a number >= 0 (0: no softcap)"),
+    ({"softcap": "high"}, 'softcap "high" is not a number'),
+    ({"softcap": True}, "softcap true is not a number"),
+    ({"alibi": "yes"}, 'alibi "yes" is not true or false'),
+    ({"alibi": 1}, "alibi 1 is not true or false"),
+    ({"causal": "false"}, 'causal "false" is not true or false'),
+    ({"seq_len_k": 0}, "seq_len_k 0 is outside 1..100 (max_seq_len)"),
+    ({"seq_len_k": 101}, "seq_len_k 101 is outside 1..100 (max_seq_len)"),
+    ({"seqlens": [3, -1]}, "seqlens [3, -1] is not a list of lengths (integers >= 0)"),
+    ({"seqlens": [3, 1.5]}, "seqlens [3, 1.5] is not a list of lengths (integers >= 0)"),
+    ({"seqlens": []}, "seqlens [] is not a list of lengths (integers >= 0)"),
+    ({"seqlens": 5}, "seqlens 5 is not a list of lengths (integers >= 0)"),
+    ({"seqlens": [0, 0]}, "packed sequences need at least one non-empty sequence"),
+    ({"seqlens": [3, 101]}, "seqlens [3, 101]: 101 is over 100 (max_seq_len)"),
+    ({"seqlens": [3, 4], "seqlens_k": [3]}, "seqlens_k must give as many lengths as seqlens (2), got 1"),
+    ({"seqlens": [3, 4], "seqlens_k": [3, 101]}, "seqlens_k [3, 101]: 101 is over 100 (max_seq_len)"),
+    ({"seqlens_k": [3, 4]}, "seqlens_k needs seqlens (the query lengths of the packed sequences)"),
+    ({"seqlens": [3, 4], "seq_len": 10}, "seq_len 10 is not the longest of seqlens (4); packed cases may leave "
+                                         "seq_len out"),
+    ({"seqlens": [3, 4], "seqlens_k": [5, 0], "seq_len": 4, "seq_len_k": 4},
+     "seq_len_k 4 is not the longest of seqlens_k (5); packed cases may leave seq_len_k out"),
+]
+
+
+def test_bad_variant_fields_drop_that_case_with_the_reason(gateway: FakeGateway, isolated: Path) -> None:
+    items = [{"seq_len": 7, "head_dim": 16, **fields} for fields, _ in BAD_VARIANTS]
+    items.append({"seq_len": 7, "head_dim": 16, "window": [2, 0]})  # the one valid case
+    gateway.script("good-model", completion(json.dumps({"cases": items})))
+    result = gen(write_config(isolated, gateway.base_url), "--max-seq-len", "100")
+    assert result.exit_code == 0, result.output
+    assert load_cases(isolated / "cases.json") == [{"seq_len": 7, "head_dim": 16, "window": (2, 0)}]
+    rejected = json.loads((isolated / "cases.json").read_text())["models"][0]["rejected"]
+    assert [r["reason"] for r in rejected] == [why for _, why in BAD_VARIANTS]
+    assert [r["item"] for r in rejected] == items[:-1]  # kept as the model wrote them
+    assert "rejected from good-model:" in result.stderr and "not true or false" in result.stderr
+
+
+def test_only_bad_variants_are_asked_again_with_the_reasons(gateway: FakeGateway, isolated: Path) -> None:
+    bad = json.dumps({"cases": [{"seq_len": 7, "head_dim": 16, "softcap": -1}]})
+    good = json.dumps({"cases": [{"seq_len": 7, "head_dim": 16, "softcap": 1}]})
+    gateway.script("good-model", completion(bad), completion(good))
+    result = gen(write_config(isolated, gateway.base_url))
+    assert result.exit_code == 0, result.output
+    assert "softcap -1 is not a number >= 0" in gateway.chats()[1].body["messages"][-1]["content"]
+    assert load_cases(isolated / "cases.json") == [{"seq_len": 7, "head_dim": 16, "softcap": 1.0}]
+
+
+def test_saved_variant_cases_run_in_verify(gateway: FakeGateway, isolated: Path) -> None:
+    """The file gen-cases writes is what `verify --cases` reads: tiny cases, through the interpreter."""
+    items = [{"seq_len": 5, "seq_len_k": 9, "head_dim": 16, "causal": True, "window": [2, 0]},
+             {"seq_len": 7, "head_dim": 16, "window": [0, 0], "softcap": 1.5, "alibi": True},
+             {"head_dim": 16, "seqlens": [0, 1, 6], "seqlens_k": [2, 0, 6]}]
+    gateway.script("good-model", completion(json.dumps({"cases": items})))
+    config = write_config(isolated, gateway.base_url)
+    assert gen(config).exit_code == 0
+    result = CliRunner().invoke(app, ["verify", "--config", str(config), "--cases", "cases.json", "--json",
+                                      "--set", "experiment.batch_size=1", "--set", "experiment.num_heads=2"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["verdict"] == "3 passed, 0 failed"
+    assert [r["label"] for r in data["results"]] == [
+        "B1 H2 N5x9 D16 fp16 causal w2,0", "B1 H2 N7 D16 fp16 w0,0 cap1.5 alibi",
+        "B3 H2 N6 D16 fp16 varlen[0,1,6]x[2,0,6]"]
+
+
 def test_json_schema_refused_falls_back_and_is_remembered(gateway: FakeGateway, isolated: Path) -> None:
     gateway.script("good-model", refuses_json_schema(completion("no cases here"), completion(GOOD)))
     result = gen(write_config(isolated, gateway.base_url))
@@ -185,6 +306,7 @@ def test_reask_with_reasons_then_success(gateway: FakeGateway, isolated: Path) -
 # Failures: one line + hint, exit code, nothing written, no key anywhere
 
 ECHO_KEY = api_error(401, f"Incorrect API key provided: {KEY}. Also known as {KEY[:8]}****{KEY[-4:]}.")
+HANG = Reply(hang=True)  # never answers: the request times out on any machine
 
 
 @pytest.mark.parametrize(
@@ -203,7 +325,8 @@ ECHO_KEY = api_error(401, f"Incorrect API key provided: {KEY}. Also known as {KE
                      "after 1 retry, honouring retry-after (0.1 s)", "raise api.max_retries", id="429-forever"),
         pytest.param([api_error(503, "overloaded")], [], "failed (HTTP 503) on model 'good-model' after 1 retry",
                      "try again later", id="5xx-forever"),
-        pytest.param([Reply(delay=3, body={})], [], "within 0.5 s (after 1 retry)", "request.timeout", id="slow"),
+        pytest.param([HANG], ["--set", "request.timeout=0.5"], "within 0.5 s (after 1 retry)", "request.timeout",
+                     id="slow"),
         pytest.param([Reply(body={"error": {"message": "upstream provider unavailable"}})], [],
                      "answered HTTP 200 carrying an error for model 'good-model'", "try again", id="200-error-object"),
         pytest.param([completion('{"cases": [{"seq_len": 1', finish_reason="length")], [],
@@ -303,7 +426,7 @@ def test_key_never_leaks_from_a_real_process(gateway: FakeGateway, isolated: Pat
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "flashrun", "gen-cases", "--config",
                            str(write_config(isolated, gateway.base_url))],
-                          capture_output=True, text=True, env=env, timeout=60, check=False)
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: the gateway rejected the API key")
     assert gateway.chats()[0].headers["authorization"] == f"Bearer {KEY}"  # the key did go to the gateway
@@ -407,14 +530,15 @@ def test_json_output_on_failure(gateway: FakeGateway, isolated: Path) -> None:
         pytest.param([api_error(403, "forbidden")], "/v1", id="403"),
         pytest.param([], "/v1", id="404-model"),
         pytest.param([], "", id="html-404-base-url"),
-        pytest.param([Reply(delay=3, body={})], "/v1", id="slow"),
+        pytest.param([HANG], "/v1", id="slow"),
         pytest.param([api_error(503, "overloaded")], "/v1", id="5xx"),
     ],
 )
 def test_check_online_matches_gen_cases(gateway: FakeGateway, isolated: Path, script: list[Reply], path: str) -> None:
     if script:
         gateway.script("good-model", *script)
-    cfg = load_config(write_config(isolated, gateway.root + path), None, None, None)
+    timeout = 0.5 if HANG in script else 60  # the hanging gateway: both must give up the same way
+    cfg = load_config(write_config(isolated, gateway.root + path, request_timeout=timeout), None, None, None)
     error = gencases.run(cfg, out=isolated / "cases.json").error
     assert error is not None
     assert check_online(cfg) == ("fail", error.message, error.hint)

@@ -4,13 +4,12 @@ and out-of-memory: each test here fails without the fix it guards."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from typer.testing import CliRunner
+from watched import PATIENCE_S, Watched
 
 from flashrun.cli import app
 from flashrun.harness.check import interpreter_seconds
@@ -19,10 +18,11 @@ from flashrun.harness.shapes import Shape
 ROOT = Path(__file__).resolve().parent.parent
 
 SLOW_KERNEL = '''
-import time, torch
+import pathlib, time, torch
 def attention(q, k, v, causal=False, sm_scale=None):
-    if q.shape[2] == 5:  # the second case: long enough to be interrupted
-        time.sleep(60)
+    if q.shape[2] == 5:  # the second case: says it started, then waits to be interrupted
+        pathlib.Path({marker!r}).touch()
+        time.sleep(3600)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], 1); v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     s = (q.float() @ k.float().transpose(-2, -1)) * (sm_scale or q.shape[-1] ** -0.5)
     if causal:
@@ -53,7 +53,7 @@ def test_table_keeps_every_number_whole_at_80_columns_piped(isolated: Path) -> N
     (isolated / "config.toml").write_text('[experiment]\nnum_heads = 4\nnum_kv_heads = 2\nhead_dim = 32\n'
                                           '[verify]\nseq_len = [1, 97]\ncausal = [false, true]\n')
     proc = subprocess.run([sys.executable, "-m", "flashrun", "verify", "-k", "flash,minimal", "--grad"],
-                          capture_output=True, text=True, env=_env(COLUMNS="80"), timeout=300)
+                          capture_output=True, text=True, env=_env(COLUMNS="80"), timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stderr
     table = [line for line in proc.stdout.splitlines() if not line.startswith("  ")]  # notes below are indented
     assert max(len(line) for line in table) <= 80, proc.stdout
@@ -99,21 +99,14 @@ def test_cases_over_the_interpreter_budget_are_skipped_up_front(isolated: Path) 
 
 
 def test_ctrl_c_keeps_the_finished_checks_in_the_record(isolated: Path) -> None:
-    (isolated / "slow.py").write_text(SLOW_KERNEL)
+    started = isolated / "second-case-started"
+    (isolated / "slow.py").write_text(SLOW_KERNEL.format(marker=str(started)))
     (isolated / "config.toml").write_text(CONFIG)
-    proc = subprocess.Popen([sys.executable, "-m", "flashrun", "verify", "-k", "slow.py:attention"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until the first case has finished
-        line = proc.stderr.readline()
-        lines.append(line)
-        if line.startswith("PASS"):
-            break
-    time.sleep(1.0)  # now inside the second (sleeping) case
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, "".join(lines) + err
+    with Watched(["verify", "-k", "slow.py:attention"], _env(), isolated / "stdout.txt") as run:
+        # the cases run one after the other: the second one started, so the first is done and kept
+        run.wait_for("start of the second case", started.exists)
+        code, out, err = run.interrupt()
+    assert code == 130, err
     assert "Traceback" not in err
     assert "1 passed, 0 failed (interrupted: 1 of 3 checks ran)" in out  # the table of what finished
     record = json.loads((isolated / "logs" / "runs.jsonl").read_text().splitlines()[-1])

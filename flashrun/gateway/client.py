@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from flashrun.config import Config, base_url_root, key_variable, resolve_api_key
 from flashrun.errors import FlashrunError, GatewayError
+from flashrun.gateway.replies import CASES_SCHEMA
 from flashrun.records.redact import MASK, redact, register_secret
 
 if TYPE_CHECKING:
@@ -33,23 +34,6 @@ if TYPE_CHECKING:
 
 # Asked for in this order; a gateway that answers 400 to one falls back to the next.
 MODES = ("json_schema", "json_object", "plain")
-
-CASES_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "cases": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {"seq_len": {"type": "integer"}, "head_dim": {"type": "integer"}},
-                "required": ["seq_len", "head_dim"],
-                "additionalProperties": False,
-            },
-        }
-    },
-    "required": ["cases"],
-    "additionalProperties": False,
-}
 
 _PROBE_TIMEOUT = 10.0  # seconds; a /models probe only helps explain another failure
 _MODEL_WORDS = re.compile(

@@ -1,5 +1,6 @@
-"""``flashrun gen-cases``: ask gateway models for ``(seq_len, head_dim)`` cases, keep the valid
-ones, save them with provenance; or write the built-in edge cases with ``--offline``.
+"""``flashrun gen-cases``: ask gateway models for test cases (``seq_len``, ``head_dim`` and, when a
+model sets them, ``seq_len_k``, ``causal`` and the variants), keep the valid ones, save them with
+provenance; or write the built-in edge cases with ``--offline``.
 
 Each model is asked on its own: one model's failure is reported in its row and does not lose the
 others' cases. A model whose reply holds no valid case is asked once more, with the reasons
@@ -32,7 +33,10 @@ DEFAULT_PROMPT = (
     "Choose the sequence lengths and head dimensions most likely to expose bugs in a tiled Triton "
     "attention kernel with block sizes from 16 to 128: length 1, lengths one below and one above a "
     "block size, primes, powers of two, the largest allowed length, and head dimensions that are not "
-    "powers of two."
+    "powers of two. Make about half of the cases variants, at their edges: a window of 0 (each query "
+    "sees one key), windows wider than the sequence, seq_len_k different from seq_len (both ways) with "
+    "a window and with causal, softcap together with a window, ALiBi, and packed batches that hold "
+    "empty and length-1 sequences."
 )
 
 
@@ -41,7 +45,18 @@ def build_messages(prompt: str, count: int, max_seq_len: int) -> list[dict[str, 
     system = (
         "You write test cases for FlashAttention-style attention kernels. Reply with JSON only, no prose: "
         '{"cases": [{"seq_len": <integer>, "head_dim": <integer>}, ...]} with exactly '
-        f"{count} distinct cases, 1 <= seq_len <= {max_seq_len}, {MIN_HEAD_DIM} <= head_dim <= {MAX_HEAD_DIM}."
+        f"{count} distinct cases, 1 <= seq_len <= {max_seq_len}, {MIN_HEAD_DIM} <= head_dim <= {MAX_HEAD_DIM}. "
+        "A case may also set these keys (null or left out: not set): "
+        f'"seq_len_k": <integer> (key/value length, 1..{max_seq_len}; default seq_len), '
+        '"causal": <true|false> (bottom-right aligned when seq_len_k != seq_len), '
+        '"window": [<left>, <right>] (sliding window: query i sees keys i + seq_len_k - seq_len - left '
+        "through i + seq_len_k - seq_len + right; -1 is unbounded, otherwise >= 0), "
+        '"softcap": <number >= 0> (scores s become softcap * tanh(s / softcap); 0 is off), '
+        '"alibi": <true|false> (ALiBi biases with the standard slopes), '
+        '"seqlens": [<integer >= 0>, ...] (packed sequences with these query lengths, 0 allowed, at least '
+        "one non-zero; seq_len is then the longest of them), "
+        '"seqlens_k": [<integer >= 0>, ...] (their key lengths, as many as seqlens; default seqlens). '
+        f"Every length is at most {max_seq_len}."
     )
     return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
 
@@ -233,8 +248,10 @@ def render(report: GenReport, out: Console, err: Console) -> None:
     """One table for the models (skipped for a lone failed model: the CLI prints its error)."""
     if report.generator == "offline":
         dims = sorted({c["head_dim"] for c in report.cases})
+        lengths = [c["seq_len"] for c in report.cases]
+        variants = sum(1 for c in report.cases if set(c) - {"seq_len", "head_dim"})
         out.print(f"wrote {len(report.cases)} offline cases to {escape(str(report.out))} (seq_len "
-                  f"{report.cases[0]['seq_len']}..{report.cases[-1]['seq_len']}, head_dim {escape(str(dims))})")
+                  f"{min(lengths)}..{max(lengths)}, head_dim {escape(str(dims))}; {variants} of them variants)")
         return
     if report.error is not None and len(report.results) == 1:
         return

@@ -379,13 +379,12 @@ def _raylet_notes_to_log(ray: Any) -> Iterator[dict[str, str]]:
 
 def checks(pool: Pool, jobs: list[Any], reporter: Any, run_job: Callable[[Any], Any]) -> Iterator[Any]:
     """verify's checks on the pool, with the contract of verify's serial executor: each
-    :class:`~flashrun.harness.check.CaseResult` is reported and yielded as it finishes (in
-    any order; the caller sorts by ``index``). A check whose worker died twice is an ``error``
-    (``oom`` when Ray's memory monitor stopped it) with the reason."""
+    :class:`~flashrun.harness.check.CaseResult` is yielded as it finishes (in any order; the
+    caller sorts by ``index``, and reports it once kept). A check whose worker died twice is an
+    ``error`` (``oom`` when Ray's memory monitor stopped it) with the reason."""
     from flashrun.harness.check import CaseResult
 
     for job, outcome in pool.map(run_job, jobs, label=lambda job: f"check-{job.index}", started=reporter.started):
         if isinstance(outcome, Fault):
             outcome = CaseResult(job.kernel, job.case, outcome.status, message=outcome.reason, index=job.index)
-        reporter.finished(outcome)
         yield outcome

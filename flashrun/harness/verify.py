@@ -197,6 +197,7 @@ def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | Non
         try:
             for result in execute(todo, reporter, run_job):
                 results.append(result)
+                reporter.finished(result)  # shown once kept: a Ctrl-C never drops a check already shown
         except KeyboardInterrupt:
             report.interrupted = True
     report.results = sorted(results, key=lambda r: r.index)
@@ -208,9 +209,7 @@ def _serial(jobs: list[Job], reporter: _Reporter, run_job: Any) -> Iterator[Case
     """Run the jobs one after the other in this process, yielding each result as it finishes."""
     for job in jobs:
         reporter.started(job)
-        result = run_job(job)
-        reporter.finished(result)
-        yield result
+        yield run_job(job)
 
 
 def _over_budget(job: Job, budget_s: float) -> CaseResult:
