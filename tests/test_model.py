@@ -8,10 +8,12 @@ their logits (so the checks above can see them at all); the command's exit codes
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from watched import Watched
 
 pytest.importorskip("transformers", reason="flashrun model needs transformers: pip install 'flashrun[model]'")
 
@@ -232,3 +234,30 @@ def test_the_table_is_whole_at_80_columns():
     for check in report.checks:
         assert check.name in text
     assert report.run_id in text
+
+
+STALLS_ON_PADDING = '''
+import pathlib, time
+from flashrun.kernels import flash_attention
+
+
+def attention(q, k, v, causal, sm_scale, cu_seqlens_q=None, cu_seqlens_k=None):
+    if cu_seqlens_q is not None:  # the padded batch: the logits check before it has finished
+        pathlib.Path({marker!r}).touch()
+        time.sleep(3600)
+    return flash_attention(q, k, v, causal, sm_scale)
+'''
+
+
+def test_ctrl_c_keeps_the_finished_checks(isolated: Path) -> None:
+    started = isolated / "padded-started"
+    (isolated / "stalls.py").write_text(STALLS_ON_PADDING.format(marker=str(started)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    with Watched(["model", "-k", "stalls.py:attention", "--json"], env, isolated / "stdout.txt") as run:
+        run.wait_for("the padded batch's kernel call", started.exists)
+        code, stdout, stderr = run.interrupt()
+    assert code == 130, stderr
+    report = json.loads(stdout)
+    assert report["interrupted"] is True and [c["name"] for c in report["checks"]] == ["logits"]
+    recorded = [json.loads(line) for line in (isolated / "logs" / "runs.jsonl").read_text().splitlines()]
+    assert recorded[-1]["command"] == "model" and recorded[-1]["results"]["interrupted"] is True
