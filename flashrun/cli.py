@@ -398,6 +398,7 @@ def bench(
       flashrun bench --cluster auto --per-gpu-type -k flash -p sdpa-cudnn   # each GPU type of a cluster
     """
     from flashrun.harness import bench as bench_mod
+    from flashrun.harness import bench_table
 
     with _boundary(verbose):
         flags = {
@@ -414,7 +415,7 @@ def bench(
         if json_out:
             out.print_json(data=report.to_json())
         else:
-            bench_mod.render(report, out)
+            bench_table.render(report, out)
         raise typer.Exit(report.exit_code)
 
 
