@@ -30,6 +30,7 @@ from flashrun.config import Config
 from flashrun.env.fingerprint import fingerprint
 from flashrun.errors import DeviceError, InputError
 from flashrun.harness import results
+from flashrun.harness.metrics import Ceilings
 from flashrun.harness.shapes import Shape, bench_shapes
 from flashrun.harness.sweep import Here, ShapeJob, Sweep, resolve, row_env
 from flashrun.records.runlog import append_record, make_record, now_iso
@@ -47,6 +48,8 @@ class BenchReport:
     device: str
     ceiling_tflops: float | None
     notices: list[str] = field(default_factory=list)
+    ceiling_gbps: float | None = None
+    metrics: bool = False  # --metrics: the rows carry what harness.probe read, and render shows it
     compare_file: str | None = None
     ratios: list[results.Ratio] = field(default_factory=list)
     baseline: str = "sdpa"
@@ -64,7 +67,8 @@ class BenchReport:
         if self.gpu_types:
             rows = [{**row, "gpu_type": gpu_type} for row, gpu_type in zip(rows, self.row_types)]
         data: dict[str, Any] = {
-            "device": self.device, "ceiling_tflops": self.ceiling_tflops, "baseline": self.baseline,
+            "device": self.device, "ceiling_tflops": self.ceiling_tflops, "ceiling_gbps": self.ceiling_gbps,
+            "baseline": self.baseline,
             "files": self.files, "notices": self.notices, "rows": rows,
         }
         if self.gpu_types:
@@ -84,12 +88,14 @@ def provider_names(cfg: Config, kernels: tuple[str, ...]) -> list[str]:
 
 
 def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, compare: Path | None = None,
-        argv: tuple[str, ...] = (), console: Console | None = None, per_gpu_type: bool = False) -> BenchReport:
+        argv: tuple[str, ...] = (), console: Console | None = None, per_gpu_type: bool = False,
+        metrics: bool = False, profile: Path | None = None) -> BenchReport:
     """Check and time every provider on every shape of the sweep; write CSV, JSON, run record.
     ``kernels`` are added to ``[bench].providers``; ``console`` None: no progress output.
     With ``[cluster]`` workers > 1 or an address, each shape is a Ray task
     (:mod:`~flashrun.harness.cluster`); ``per_gpu_type`` runs the sweep once on each GPU type
-    of the cluster."""
+    of the cluster. ``metrics``: each timed call is then profiled (:mod:`~flashrun.harness.probe`);
+    ``profile``: so is it with its traces written to that folder (``metrics`` implied)."""
     from flashrun.harness import cluster
     from flashrun.harness import providers as providers_mod  # torch from here on
 
@@ -102,7 +108,8 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
     if per_gpu_type and not cluster.wanted(cfg.cluster):
         raise InputError("--per-gpu-type runs the sweep on each GPU type of a Ray cluster",
                          hint="add --cluster ADDRESS (or --workers N for the GPUs of this machine)")
-    inputs = (names, shapes, earlier, plot, compare, argv, console, per_gpu_type)
+    inputs = (names, shapes, earlier, plot, compare, argv, console, per_gpu_type, metrics or profile is not None,
+              profile)
     if not cluster.wanted(cfg.cluster):
         return _run(cfg, *inputs, pool=None)
     if cfg.cluster.address is None:
@@ -113,11 +120,16 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
 
 def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[str, Any]] | None,
          plot: Path | None, compare: Path | None, argv: tuple[str, ...], console: Console | None,
-         per_gpu_type: bool, pool: Any) -> BenchReport:
+         per_gpu_type: bool, metrics: bool, profile: Path | None, pool: Any) -> BenchReport:
     from flashrun.harness import providers as providers_mod
 
     bench = cfg.bench
     device = _device(cfg.experiment.device, pool)
+    if metrics and device.type == "cpu":
+        option = "--metrics" if profile is None else "--profile"
+        raise InputError(f"{option} reads the compiled Triton kernels and the GPU's profiler: a CPU run has neither",
+                         hint="run it on a machine with a CUDA GPU (--device cpu times only the plain PyTorch "
+                              "providers, without it)")
     notices = [] if pool is None else [f"running on {pool.description}", *pool.notices]
     if device.type == "cpu":
         notices.append(f"CPU run: only {', '.join(providers_mod.CPU_PROVIDERS)} are timed, on the CPU; "
@@ -146,34 +158,51 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
     paths = _result_paths(out_dir, env["measured_on"])
     header = {"command": "flashrun " + shlex.join(argv), "argv": list(argv), "started": now_iso(),
               "device": device.type, "env": env, "bench": bench.model_dump(mode="json"),
-              "seed": cfg.experiment.seed, "ceiling_tflops": None,
+              "seed": cfg.experiment.seed, "ceiling_tflops": None, "ceiling_gbps": None,
               "tolerance": {"factor": FACTOR, **{str(dtype).removeprefix("torch."): dataclasses.asdict(tol)
                                                  for dtype, tol in TOLERANCE.items()}}}
+    kernels_path = None
+    if profile is not None:
+        kernels_path = profile / f"{paths[0].stem}-kernels.csv"
+        try:
+            profile.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--profile {profile}: cannot make the folder: {exc.strerror or exc}",
+                             hint="pick a folder you can write to") from None
     try:  # the empty files now: an unwritable --out must fail before the GPU works, not after
-        results.write(*paths, [], header, complete=False)
+        results.write(*paths, [], header, complete=False, kernels_path=kernels_path)
     except OSError as exc:
         raise InputError(f"cannot write the results to {out_dir}: {exc.strerror or exc}",
                          hint="pick a writable folder with --out or [bench].out") from None
     timing = Timing(bench.warmup_ms, bench.rep_ms)
     jobs = [ShapeJob(index, shape, tuple(names), tuple(dict.fromkeys(bench.mode)), device.type, cfg.experiment.seed,
-                     bench.baseline, timing, len(shapes), gpu_type)
+                     bench.baseline, timing, len(shapes), gpu_type, metrics, str(profile) if profile else None)
             for index, (gpu_type, shape) in enumerate((t, s) for t in (gpu_types or [None]) for s in shapes)]
-    sweep = Sweep(jobs, header, paths)
+    sweep = Sweep(jobs, header, paths, kernels_path)
+    here_ceilings = Ceilings(None, None)
     if pool is None:
-        from flashrun.harness.measure import matmul_ceiling
+        from flashrun.harness.measure import ceilings
 
-        header["ceiling_tflops"] = matmul_ceiling(device, timing)  # measured once, before the sweep
-        parts = sweep.run(console, Here(resolved, header["ceiling_tflops"], row_env(env, device.type)))
+        here_ceilings = ceilings(device, timing)  # measured once, before the sweep
+        header["ceiling_tflops"], header["ceiling_gbps"] = here_ceilings.tflops, here_ceilings.gbps
+        parts = sweep.run(console, Here(resolved, here_ceilings, row_env(env, device.type)))
     else:
         parts = sweep.run_on(pool, console)
     rows = [row for part in parts for row in part.rows]
-    ceilings = {part.gpu: part.ceiling for part in parts if part.ceiling is not None}
-    ceiling = next(iter(ceilings.values())) if len(ceilings) == 1 else header["ceiling_tflops"]
+    measured = {part.gpu: part.ceilings for part in parts if part.ceilings.tflops is not None}
+    roofs = next(iter(measured.values())) if len(measured) == 1 else here_ceilings
     files = {"csv": str(paths[0]), "json": str(paths[1])}
+    if kernels_path is not None:
+        files["kernels"] = str(kernels_path)
+        files["profile"] = str(profile)
     if plot is not None:
         files["plot"] = str(results.plot(rows, plot))
-    report = BenchReport(rows, files, device.type, ceiling, notices, baseline=bench.baseline,
-                         seed=cfg.experiment.seed)
+        if roofs.ridge is not None:
+            files["roofline"] = str(results.plot_roofline(rows, roofs, results.roofline_path(plot)))
+        else:
+            notices.append("no roofline plot: it needs one GPU's measured ceilings (a CPU run, or several GPU types)")
+    report = BenchReport(rows, files, device.type, roofs.tflops, notices, ceiling_gbps=roofs.gbps, metrics=metrics,
+                         baseline=bench.baseline, seed=cfg.experiment.seed)
     if gpu_types:
         report.gpu_types = gpu_types
         report.row_types = [part.gpu_type or "" for part in parts for _ in part.rows]
@@ -230,6 +259,7 @@ def _summary(rows: list[results.Row], resolved: list[Provider], report: BenchRep
         "best_tflops": best.tflops if best else None,
         "best_provider": best.provider if best else None,
         "rows": len(rows), "wrong": sum(r.status == "wrong" for r in rows),
-        "ceiling_tflops": report.ceiling_tflops, "device": report.device, "files": report.files,
+        "ceiling_tflops": report.ceiling_tflops, "ceiling_gbps": report.ceiling_gbps, "device": report.device,
+        "files": report.files,
     }
 

@@ -10,6 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from flashrun.harness import results
 
@@ -33,35 +34,18 @@ def render(report: BenchReport, console: Console) -> None:
     shown = [r for r in rows if r.status != "n/a"]
     optional = {"% peak": any(r.pct_peak is not None for r in rows), "MB": any(r.peak_mem_mb is not None for r in rows)}
     gpus = list(dict.fromkeys(r.gpu for r in rows if r.gpu))  # several on a mixed Ray cluster
-    # At 80 columns or in a pipe only the shape label wraps: every other cell keeps its full width
-    # (a provider name or a number cut to "sdpa-c…" or "123…" would be another one).
-    table = Table(title=f"flashrun bench ({', '.join(gpus) if gpus else report.device})", title_justify="left",
-                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
-    columns = [c for c in ("shape", "provider", "mode", "ms", "TFLOP/s", "% peak", "MB", "speedup", "check")
+    columns = [c for c in ("provider", "mode", "ms", "TFLOP/s", "% peak", "MB", "speedup", "check")
                if optional.get(c, True)]
-    cells = []
-    previous = None
-    for r in shown:
-        shape = r.shape.label
-        values = {"shape": shape if shape != previous else "", "provider": r.provider, "mode": r.mode,
-                  "ms": _fmt(r.ms, 3), "TFLOP/s": _tflops(r.tflops), "% peak": _fmt(r.pct_peak, 0),
-                  "MB": _fmt(r.peak_mem_mb, 0), "speedup": _fmt(r.speedup, 2) + ("x" if r.speedup is not None else ""),
-                  "check": r.status.upper() if r.status != "ok" else "ok"}
-        cells.append((shape != previous and previous is not None, r.status, [values[c] for c in columns]))
-        previous = shape
-    for i, column in enumerate(columns):
-        if column == "shape":
-            table.add_column(column, overflow="fold")
-        else:
-            width = max([len(column)] + [len(row[i]) for _, _, row in cells])
-            table.add_column(column, justify="left" if column in ("provider", "mode", "check") else "right",
-                             no_wrap=True, min_width=width)
     style = {"ok": "green", "wrong": "bold red", "OOM": "yellow", "error": "bold red"}
-    for section, status, row in cells:
-        if section:
-            table.add_section()
-        row[-1] = f"[{style[status]}]{escape(row[-1])}[/]"
-        table.add_row(*[escape(c) for c in row[:-1]], row[-1])
+    sections: dict[str, list[list[str | Text]]] = {}
+    for r in shown:
+        values = {"provider": r.provider, "mode": r.mode, "ms": _fmt(r.ms, 3), "TFLOP/s": _tflops(r.tflops),
+                  "% peak": _fmt(r.pct_peak, 0), "MB": _fmt(r.peak_mem_mb, 0),
+                  "speedup": _fmt(r.speedup, 2) + ("x" if r.speedup is not None else ""),
+                  "check": Text(r.status.upper() if r.status != "ok" else "ok", style=style[r.status])}
+        sections.setdefault(r.shape.label, []).append([values[c] for c in columns])
+    table = _table(columns, sections, first_width=24)
+    table.title, table.title_justify = f"flashrun bench ({', '.join(gpus) if gpus else report.device})", "left"
     if report.gpu_types:
         _render_per_type(report, console)
     elif shown:
@@ -94,6 +78,8 @@ def render(report: BenchReport, console: Console) -> None:
     if report.ceiling_tflops is not None:
         console.print(f"% peak: of a bf16 8192³ matrix product measured in this run, "
                       f"{report.ceiling_tflops:.0f} TFLOP/s")
+    if report.metrics:
+        _render_metrics(report, console)
     for notice in report.notices:
         console.print(f"[yellow]note:[/] {notice}")
     wrong = sorted({r.provider for r in rows if r.status == "wrong"})
@@ -104,6 +90,63 @@ def render(report: BenchReport, console: Console) -> None:
         _render_compare(report, console)
     for kind, path in report.files.items():
         console.print(f"wrote {kind}: {path}")
+
+
+_LIMITERS = {"registers": "regs", "shared": "smem", "threads": "threads", "programs": "blocks"}
+
+
+def _table(columns: list[str], sections: dict[str, list[list[str | Text]]], first_width: int) -> Table:
+    """Rows under a bold heading row per section (a shape). At 80 columns or in a pipe only the
+    first column wraps - the headings, and names longer than ``first_width`` - while every other
+    cell keeps its full width: a number cut to "123…" would be another number."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    body = [row for rows in sections.values() for row in rows]
+    table.add_column(columns[0], overflow="fold",
+                     min_width=min(first_width, max([len(columns[0])] + [len(row[0]) for row in body])))
+    for i, column in enumerate(columns[1:], 1):
+        table.add_column(column, justify="left" if column in ("mode", "bound", "check") else "right", no_wrap=True,
+                         min_width=max([len(column)] + [len(row[i]) for row in body]))
+    for n, (heading, rows) in enumerate(sections.items()):
+        if n:
+            table.add_section()
+        table.add_row(Text(heading, style="bold"))
+        for row in rows:
+            table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in row))
+    return table
+
+
+def _render_metrics(report: BenchReport, console: Console) -> None:
+    """--metrics: per timed cell, where it sits on the roofline and how much of its wall time the
+    GPU was busy; then every Triton kernel it launched, as compiled and launched."""
+    rows = [r for r in report.rows if r.valid]
+    why: dict[str, list[list[str | Text]]] = {}
+    kernels: dict[str, list[list[str | Text]]] = {}
+    for r in rows:
+        why.setdefault(r.shape.label, []).append(
+            [r.provider, r.mode, _fmt(r.gbps, 0), _intensity(r.intensity), r.bound, _fmt(r.pct_roof, 0),
+             _fmt(r.gpu_us, 1), _fmt(r.wall_us, 1)])
+        if r.kernels:
+            kernels[f"{r.shape.label}  {r.provider} {r.mode}"] = [
+                [k.name + (f" x{k.launches}" if k.launches > 1 else ""), "x".join(map(str, k.grid)), str(k.regs),
+                 str(k.spill_bytes), f"{k.shared / 1024:.1f}", str(k.num_warps),
+                 f"{k.occupancy_pct:.0f} {_LIMITERS.get(k.limiter, k.limiter)}", _fmt(k.waves, 2)]
+                for k in r.kernels]
+    if not why:
+        return
+    console.print(_table(["provider", "mode", "GB/s", "FLOP/B", "bound", "% roof", "GPU µs", "wall µs"], why, 24))
+    if report.ceiling_gbps is not None and report.ceiling_tflops is not None:
+        ridge = report.ceiling_tflops * 1e3 / report.ceiling_gbps
+        console.print(f"% roof: of min(matmul TFLOP/s, FLOP/B x {report.ceiling_gbps:,.0f} GB/s), the copy bandwidth "
+                      f"measured in this run: below {ridge:,.0f} FLOP/B a call is memory-bound. GPU µs: the "
+                      "profiler's kernel time per call; wall µs: calls back to back")
+    if kernels:
+        console.print(_table(["kernel", "grid", "regs", "spill", "KiB", "warps", "occ %", "waves"], kernels, 20))
+        console.print("per Triton kernel launched: registers and spilled (local) bytes per thread, shared KiB per "
+                      "program, theoretical occupancy of an SM and what limits it, waves of programs over the SMs")
+
+
+def _intensity(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.2g}"
 
 
 def _render_per_type(report: BenchReport, console: Console) -> None:

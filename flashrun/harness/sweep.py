@@ -26,6 +26,7 @@ from rich.progress import (
 from flashrun.env.fingerprint import fingerprint
 from flashrun.errors import is_oom
 from flashrun.harness import results
+from flashrun.harness.metrics import Ceilings, bytes_moved
 from flashrun.harness.shapes import Shape, flops
 from flashrun.records.runlog import now_iso
 
@@ -52,6 +53,8 @@ class ShapeJob:
     timing: Timing
     n_shapes: int  # shapes in the sweep: FlexAttention may compile once per shape
     gpu_type: str | None = None  # --per-gpu-type: the accelerator type this job asked for
+    metrics: bool = False  # --metrics: each timed call profiled afterwards (harness.probe)
+    profile: str | None = None  # --profile DIR: its traces go there
 
 
 @dataclass
@@ -60,22 +63,22 @@ class ShapeRows:
 
     index: int
     rows: list[results.Row]
-    ceiling: float | None  # the matmul TFLOP/s of the GPU that ran it (% peak)
+    ceilings: Ceilings  # of the GPU that ran it (% peak, % roof)
     gpu: str  # its name, or "cpu"
     gpu_type: str | None = None
 
 
 @dataclass(frozen=True)
 class Here:
-    """What the rows of a process share: its providers, the % peak bar of its GPU, and what
-    every row says about where it was measured (gpu, torch, triton, where)."""
+    """What the rows of a process share: its providers, its GPU's ceilings (% peak, % roof), and
+    what every row says about where it was measured (gpu, torch, triton, where)."""
 
     providers: list[Provider]
-    ceiling: float | None
+    ceilings: Ceilings
     env: dict[str, Any]
 
 
-_worker_ceilings: dict[tuple[str, Any], float | None] = {}  # a Ray worker measures its GPU once
+_worker_ceilings: dict[tuple[str, Any], Ceilings] = {}  # a Ray worker measures its GPU once
 
 
 def resolve(names: tuple[str, ...], device_type: str) -> list[Provider]:
@@ -94,13 +97,13 @@ def row_env(env: dict[str, Any], device_type: str) -> dict[str, Any]:
 
 
 def _in_worker(job: ShapeJob, device: torch.device) -> Here:
-    """A Ray worker's :class:`Here` for ``job``: providers resolved here, its GPU's bar measured
-    once per worker process."""
-    from flashrun.harness.measure import matmul_ceiling
+    """A Ray worker's :class:`Here` for ``job``: providers resolved here, its GPU's ceilings
+    measured once per worker process."""
+    from flashrun.harness.measure import ceilings
 
     key = (device.type, job.timing)
     if key not in _worker_ceilings:
-        _worker_ceilings[key] = matmul_ceiling(device, job.timing)
+        _worker_ceilings[key] = ceilings(device, job.timing)
     return Here(resolve(job.providers, device.type), _worker_ceilings[key], row_env(fingerprint(), device.type))
 
 
@@ -120,9 +123,14 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
 
     device = torch.device(chosen.kind if job.device == "cuda" else "cpu")
     here = here or _in_worker(job, device)
-    providers, ceiling, env = here.providers, here.ceiling, here.env
+    providers, env = here.providers, here.env
     advance = advance or (lambda description, n: None)
     shape, rows = job.shape, []
+    probe = None
+    if job.metrics:
+        from flashrun.harness.probe import Probe
+
+        probe = Probe.on(device, job.profile, prefix=f"{job.index:03d} {shape.label}")
     # Only FlexAttention compiles; importing dynamo for nothing costs seconds.
     compiles = device.type == "cuda" and any(p.name == "flex" for p in providers)
     with compile_settings(job.n_shapes) if compiles else nullcontext():
@@ -141,11 +149,11 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
                 cells = [Cell(mode, "OOM", None, note="the inputs and reference alone ran out of memory")
                          for mode in job.modes]
             else:
-                cells = measure(provider, shape, sets, ref, list(job.modes), device, job.timing)
+                cells = measure(provider, shape, sets, ref, list(job.modes), device, job.timing, probe)
             for cell in cells:
                 if provider.name == job.baseline and cell.status == "ok" and cell.ms:
                     baseline_ms[cell.mode] = cell.ms[0]
-                rows.append(_row(provider.name, shape, cell, baseline_ms.get(cell.mode), ceiling, env))
+                rows.append(_row(provider.name, shape, cell, baseline_ms.get(cell.mode), here.ceilings, env))
             if any(cell.status == "OOM" for cell in cells):
                 free_memory(device)
             if measured is not None:
@@ -153,24 +161,32 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
             advance(f"{shape.label}  {provider.name}", len(job.modes))
         del sets, ref
         free_memory(device)
-    return ShapeRows(job.index, rows, ceiling, env["gpu"], job.gpu_type)
+    return ShapeRows(job.index, rows, here.ceilings, env["gpu"], job.gpu_type)
 
 
-def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, ceiling: float | None,
+def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, ceilings: Ceilings,
          env: dict[str, Any]) -> results.Row:
     ms, p20, p80 = cell.ms if cell.ms else (None, None, None)
-    tflops = flops(shape, cell.mode) / ms / 1e9 if ms else None  # FLOPs per ms -> TFLOP/s
+    work, moved = flops(shape, cell.mode), bytes_moved(shape, cell.mode)
+    tflops = work / ms / 1e9 if ms else None  # FLOPs per ms -> TFLOP/s
+    intensity = work / moved
+    roof = ceilings.roof(intensity)
+    metrics = cell.metrics
     return results.Row(
         provider=provider, mode=cell.mode, dtype=shape.dtype, causal=shape.causal, batch=shape.batch_size,
         heads=shape.num_heads, kv_heads=shape.num_kv_heads, seq_len=shape.seq_len, head_dim=shape.head_dim,
         ms=ms, ms_p20=p20, ms_p80=p80, tflops=tflops,
-        pct_peak=100 * tflops / ceiling if tflops and ceiling else None,
+        pct_peak=100 * tflops / ceilings.tflops if tflops and ceilings.tflops else None,
         peak_mem_mb=cell.peak_mem_mb,
         speedup=baseline_ms / ms if ms and baseline_ms else None,
         correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
         note=cell.note, setup_s=cell.setup_s, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
         timestamp=now_iso(), where=env["where"], window=shape.window, softcap=shape.softcap, alibi=shape.alibi,
         seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path,
+        gbps=moved / ms / 1e6 if ms else None, intensity=intensity,  # bytes per ms -> GB/s
+        pct_roof=100 * tflops / roof if tflops and roof else None, bound=ceilings.bound(intensity) or "",
+        gpu_us=metrics.gpu_us if metrics else None, wall_us=metrics.wall_us if metrics else None,
+        kernels=metrics.kernels if metrics else (), gpu_kernels=metrics.gpu_kernels if metrics else (),
     )
 
 
@@ -179,7 +195,7 @@ def _fault_rows(job: ShapeJob, fault: Any) -> list[results.Row]:
     from flashrun.harness.measure import Cell
 
     env = {"gpu": "", "torch": None, "triton": None, "where": ""}  # where it died is not known
-    return [_row(name, job.shape, Cell(mode, "error", None, note=fault.reason), None, None, env)
+    return [_row(name, job.shape, Cell(mode, "error", None, note=fault.reason), None, Ceilings(None, None), env)
             for name in job.providers for mode in job.modes]
 
 
@@ -190,6 +206,7 @@ class Sweep:
     jobs: list[ShapeJob]
     header: dict[str, Any]
     paths: tuple[Path, Path]  # CSV, JSON
+    kernels_path: Path | None = None  # --profile: the per-kernel CSV
 
     @property
     def cells(self) -> int:
@@ -232,7 +249,7 @@ class Sweep:
             tasks = pool.map(run_shape, jobs, label=lambda job: f"shape-{job.index}", resources=resources)
             for job, outcome in tasks:
                 if isinstance(outcome, Fault):
-                    outcome = ShapeRows(job.index, _fault_rows(job, outcome), None, "", job.gpu_type)
+                    outcome = ShapeRows(job.index, _fault_rows(job, outcome), Ceilings(None, None), "", job.gpu_type)
                 done[job.index] = outcome
                 where = outcome.rows[0].where if outcome.rows and outcome.rows[0].where else "?"
                 advance(f"{job.shape.label}  on {where}", len(job.providers) * len(job.modes))
@@ -254,7 +271,7 @@ class Sweep:
             self._write(rows(), complete)
 
     def _write(self, rows: list[results.Row], complete: bool) -> None:
-        results.write(*self.paths, rows, self.header, complete=complete)
+        results.write(*self.paths, rows, self.header, complete=complete, kernels_path=self.kernels_path)
 
 
 @contextmanager
