@@ -98,6 +98,8 @@ def test_sm_limits_come_from_the_device_properties() -> None:
                           shared_memory_per_multiprocessor=102400, warp_size=32, regs_per_multiprocessor=65536)
     limits = metrics.sm_limits(ada)
     assert (limits.max_programs, limits.max_warps, limits.shared_bytes) == (24, 48, 102400)
+    older_torch = SimpleNamespace(**{k: v for k, v in vars(h200).items() if k != "shared_memory_per_multiprocessor"})
+    assert metrics.sm_limits(older_torch) == H200  # what sm_90 has, from the table
 
 
 PTXAS_OLD = """\
@@ -214,6 +216,27 @@ def test_the_trace_is_written_whole(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         probe.write_trace(Broken(), tmp_path / "traces" / "broken.trace.json")
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_probe_pass_writes_its_trace_and_says_what_it_could_not_see(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe.gather's own mechanics, on the CPU (no GPU to synchronize, no kernel to launch): the
+    calls run, the trace is written, and a profile without GPU activity says so."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    calls = []
+    leaf = torch.ones(3, requires_grad=True)
+    leaf.grad = torch.ones(3)
+
+    def call() -> None:
+        assert leaf.grad is None  # reset before every call, as the timing did
+        calls.append(1)
+
+    got = probe.Probe(H200, tmp_path, "007 B1 H2 N16 D16 fp16").gather(call, [leaf], "sdpa-bwd", ms=10.0)
+    assert len(calls) == 1 + 5 + 3  # one captured; 50 ms of 10 ms calls back to back; 20 ms profiled, 3 at least
+    assert got.kernels == () and got.gpu_us is None and got.wall_us > 0
+    assert "the profiler recorded no GPU activity" in got.note
+    assert json.loads((tmp_path / "007_B1_H2_N16_D16_fp16-sdpa-bwd.trace.json").read_text())["traceEvents"]
 
 
 def test_file_names_keep_labels_and_provider_paths_readable() -> None:

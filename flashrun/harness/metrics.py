@@ -55,8 +55,10 @@ class SMLimits:
         return self.max_threads // self.warp_size
 
 
-# Resident programs per SM where it is not 32 (CUDA C Programming Guide, compute capabilities).
+# Resident programs per SM where it is not 32, and shared memory per SM, for a torch that does not
+# report it (CUDA C Programming Guide, compute capabilities).
 MAX_PROGRAMS = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
+SHARED_PER_SM = {(7, 0): 98304, (8, 0): 167936, (8, 7): 167936, (9, 0): 233472, (10, 0): 233472}
 
 
 def sm_limits(props: Any) -> SMLimits:
@@ -65,8 +67,8 @@ def sm_limits(props: Any) -> SMLimits:
     return SMLimits(
         sms=props.multi_processor_count, max_threads=props.max_threads_per_multi_processor,
         max_programs=MAX_PROGRAMS.get(capability, 32),
-        registers=getattr(props, "regs_per_multiprocessor", 65536),
-        shared_bytes=props.shared_memory_per_multiprocessor,
+        registers=getattr(props, "regs_per_multiprocessor", None) or 65536,
+        shared_bytes=getattr(props, "shared_memory_per_multiprocessor", None) or SHARED_PER_SM.get(capability, 102400),
         reserved_shared=1024 if props.major >= 8 else 0, warp_size=props.warp_size,
     )
 
