@@ -397,7 +397,7 @@ def bench(
 
       flashrun bench -k flash -p sdpa-cudnn,sdpa-flash --seq-lens 1 --seq-lens-k 4096,16384
 
-      flashrun bench -k flash -p sdpa-cudnn --seq-lens 4096 --metrics --profile prof   # why is it slow?
+      flashrun bench -k flash -p sdpa-cudnn --seq-lens 4096 --metrics --profile prof
 
       flashrun bench -k experiments/my_attention.py:attention --compare logs/bench/earlier.json
 

@@ -178,10 +178,14 @@ def _proton(call: Callable[[], None], calls: int, stem: Path) -> list[str]:
         return []
     try:
         session = proton.start(str(stem), hook="triton")
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-        proton.finalize(session)
+        if session is None:  # Proton switched off (TRITON_PROTON_DISABLE, or run under proton's CLI)
+            return []
+        try:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        finally:
+            proton.finalize(session)  # its launch hook must not outlive the pass
     except Exception as exc:  # noqa: BLE001 - an optional view: say why it is missing
         return [f"Proton: {type(exc).__name__}: {exc}"]
     return []
