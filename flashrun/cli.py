@@ -362,10 +362,18 @@ def bench(
     out_dir: Annotated[Optional[Path], typer.Option(
         "--out", help="Folder for the CSV and JSON results (default <log_dir>/bench).", show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option(
-        "--plot", help="Also draw TFLOP/s against sequence length into this image (e.g. bench.png).",
+        "--plot", help="Also draw TFLOP/s against sequence length into this image (e.g. bench.png), and on a "
+        "GPU the roofline next to it (bench-roofline.png).",
         show_default=False)] = None,
     compare: Annotated[Optional[Path], typer.Option(
         "--compare", help="Print ratios against an earlier results file (.csv or .json).", show_default=False)] = None,
+    metrics: Annotated[bool, typer.Option(
+        "--metrics", help="After timing each cell, read why: each Triton kernel's registers, spills, shared "
+        "memory, grid, occupancy and waves; GPU against wall time per call; GB/s and the roofline. GPU only.")] = False,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", help="Also write a Chrome/Perfetto trace of each cell's timed calls and a per-kernel CSV "
+        "(and Proton's view, where triton.profiler is present) into this folder; implies --metrics.",
+        show_default=False)] = None,
     workers: WorkersOpt = None,
     cluster: ClusterOpt = None,
     per_gpu_type: Annotated[bool, typer.Option(
@@ -389,6 +397,8 @@ def bench(
 
       flashrun bench -k flash -p sdpa-cudnn,sdpa-flash --seq-lens 1 --seq-lens-k 4096,16384
 
+      flashrun bench -k flash -p sdpa-cudnn --seq-lens 4096 --metrics --profile prof
+
       flashrun bench -k experiments/my_attention.py:attention --compare logs/bench/earlier.json
 
       flashrun bench --device cpu -p torch-naive,sdpa --seq-lens 128 --set bench.tokens=256
@@ -398,6 +408,7 @@ def bench(
       flashrun bench --cluster auto --per-gpu-type -k flash -p sdpa-cudnn   # each GPU type of a cluster
     """
     from flashrun.harness import bench as bench_mod
+    from flashrun.harness import bench_table
 
     with _boundary(verbose):
         flags = {
@@ -410,11 +421,12 @@ def bench(
         }
         cfg = _setup(config, settings, sets, verbose, flags)
         report = bench_mod.run(cfg, tuple(_split(kernel)), plot, compare, tuple(sys.argv[1:]),
-                               console=None if json_out else err, per_gpu_type=per_gpu_type)
+                               console=None if json_out else err, per_gpu_type=per_gpu_type,
+                               metrics=metrics, profile=profile)
         if json_out:
             out.print_json(data=report.to_json())
         else:
-            bench_mod.render(report, out)
+            bench_table.render(report, out)
         raise typer.Exit(report.exit_code)
 
 

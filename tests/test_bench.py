@@ -630,7 +630,8 @@ def test_the_table_keeps_providers_and_numbers_whole_at_80_columns() -> None:
     """A GPU run's table (with % peak and MB) printed to a pipe: only the shape label may wrap."""
     from rich.console import Console
 
-    from flashrun.harness.bench import BenchReport, render
+    from flashrun.harness.bench import BenchReport
+    from flashrun.harness.bench_table import render
 
     def row(provider: str, ms: float, path: str = "") -> results.Row:
         return results.Row(provider=provider, mode="fwd", dtype="bfloat16", causal=True, batch=16, heads=32,
@@ -654,7 +655,8 @@ def test_bench_says_which_forward_path_flash_ran(tmp_path) -> None:
     from rich.console import Console
 
     from flashrun import device
-    from flashrun.harness.bench import BenchReport, render
+    from flashrun.harness.bench import BenchReport
+    from flashrun.harness.bench_table import render
 
     device.select("cpu")
     from flashrun import kernels

@@ -98,7 +98,9 @@ def test_bench_on_workers_keeps_the_shape_order_and_adds_where_last(ray_cluster,
     assert {r["speedup"] for r in two if r["provider"] == "sdpa"} == {1.0}  # the baseline, per shape and worker
     with open(json.loads(spread.stdout)["files"]["csv"], newline="") as handle:
         header = next(csv.reader(handle))
-    assert header == [*results.COLUMNS, *results.EXTRA_COLUMNS] and header[-2:] == ["where", "path"]  # appended, never moved
+    assert header == [*results.COLUMNS, *results.EXTRA_COLUMNS]
+    where = header.index("where")  # appended after the variants, then path, and never moved
+    assert header[where - 1:where + 2] == ["seqlens_k", "where", "path"]
 
 
 def test_per_gpu_type_runs_the_sweep_on_each_type(ray_cluster, isolated: Path) -> None:

@@ -307,3 +307,51 @@ def test_varlen_on_gpu(name, h, h_kv, d, dtype, causal, variants, q_scale, deter
         grads = torch.autograd.grad(out, (q, k, v), do)
     _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                      **variants), out, grads)
+
+
+# -- bench --metrics: what the driver says of a launched kernel is what ptxas -v says ------------------
+def test_metrics_read_a_launched_kernel_as_ptxas_reports_it_on_gpu():
+    """The article's @triton.jit kernel (a user's kernel, as bench would launch it): its launch is
+    captured with the grid, and the registers and local memory the driver reports agree with
+    ptxas -v on the same PTX (tests/test_metrics.py reads the same kernel from a fixture)."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashrun.harness.metrics import sm_limits
+    from flashrun.harness.probe import kernel_launches, launches, ptxas_usage
+
+    path = Path(__file__).parent / "kernels" / "article_kernel.py"
+    spec = importlib.util.spec_from_file_location("article_kernel_gpu", path)
+    article = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(article)
+    q = torch.randn(2, 4, 200, 64, device="cuda", dtype=FP16)
+    article.flash_attention_forward(q, q, q)  # compiled outside the capture, as bench's timing would have
+    with launches() as seen:
+        article.flash_attention_forward(q, q, q)
+        torch.cuda.synchronize()
+    ((compiled, grid),) = seen
+    (launch,) = kernel_launches(seen, sm_limits(torch.cuda.get_device_properties(0)))
+    assert (launch.name, launch.grid, launch.launches, launch.num_warps) == ("_article_fwd", (4, 8, 1), 1, 4)
+    usage = ptxas_usage(compiled.asm["ptx"], compiled.metadata)["_article_fwd"]
+    assert (launch.regs, launch.spill_bytes) == (usage.regs, usage.stack_bytes)
+    assert launch.shared == compiled.metadata.shared and 0 < launch.occupancy_pct <= 100
+
+
+def test_probe_gathers_flash_on_gpu(tmp_path):
+    """One --metrics pass over flash's forward and backward: its kernels with their grids, GPU time
+    below wall time, the profiler's kernels naming every Triton kernel, and the trace file."""
+    import json
+
+    from flashrun.harness.probe import Probe
+
+    q, k, v, do = _inputs(2, 8, 2, 1024, 1024, 128, BF16)
+    probe = Probe.on(torch.device("cuda"), str(tmp_path), prefix="000 test")
+    out = flash_attention(q, k, v, causal=True)
+    for name, fn in (("fwd", lambda: flash_attention(q, k, v, causal=True)),
+                     ("bwd", lambda: out.backward(do, retain_graph=True))):
+        fn()
+        got = probe.gather(fn, [q, k, v], name, ms=1.0)
+        assert got.kernels and all(kernel.regs > 0 and kernel.grid[0] > 0 for kernel in got.kernels), got
+        assert 0 < got.gpu_us < got.wall_us * 1.05, got
+        assert {kernel.name for kernel in got.kernels} <= {kernel.name for kernel in got.gpu_kernels}, got
+        assert json.loads((tmp_path / f"000_test-{name}.trace.json").read_text())["traceEvents"]

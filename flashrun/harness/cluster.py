@@ -15,7 +15,7 @@ ARCHITECTURE
 
   :meth:`Pool.map` runs one picklable unit per task - a :class:`~flashrun.harness.check.Job`
   through :func:`~flashrun.harness.check.run_job` (verify), a shape through
-  :func:`~flashrun.harness.bench.run_shape` (bench) - with one GPU per task on GPUs
+  :func:`~flashrun.harness.sweep.run_shape` (bench) - with one GPU per task on GPUs
   (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES``) or one CPU per task otherwise, at most
   ``slots`` at once, and yields each outcome as it finishes. The callers submit the longest
   work first (so the run does not end waiting on one long task) and sort the results by index,

@@ -6,7 +6,10 @@ Order of work for a provider and a case (a *cell* is one mode):
 2. one forward (and, when a backward mode is asked, one backward) on the first input set,
    compared with the reference - the first try is also how an unsupported shape shows up;
    a wrong provider is flagged and not timed;
-3. per mode: peak memory from one untimed call, then the timing.
+3. per mode: peak memory from one untimed call, then the timing;
+4. with ``--metrics``, after each mode's timing, what its call does on the GPU
+   (:meth:`flashrun.harness.probe.Probe.gather`): outside the timed loop, so the timed numbers
+   are those of a run without it.
 
 Timing on a GPU is ``triton.testing.do_bench`` (warm-up, L2 cleared before every call, CUDA
 events; median and p20/p80). Backward is timed alone: the forward runs once outside the timed
@@ -29,7 +32,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -38,6 +41,10 @@ from flashrun.harness.inputs import Inputs, make_inputs
 from flashrun.harness.judge import Comparison, Reference
 from flashrun.harness.providers import Attention, Provider, failure_reason
 from flashrun.harness.shapes import Shape
+
+if TYPE_CHECKING:
+    from flashrun.harness.metrics import CallMetrics, Ceilings
+    from flashrun.harness.probe import Probe
 
 log = logging.getLogger("flashrun.harness.bench")
 
@@ -92,6 +99,7 @@ class Cell:
     note: str = ""
     setup_s: float | None = None  # prepare + the checked first call: compiling and autotuning show here
     path: str = ""  # which implementation of the provider ran its forward (flash: gluon-sm90 or triton)
+    metrics: CallMetrics | None = None  # --metrics: read after the timing (harness.probe)
 
 
 def _verdict(checks: list[Comparison]) -> Verdict:
@@ -103,17 +111,21 @@ def _verdict(checks: list[Comparison]) -> Verdict:
 
 def _failure(name: str, shape: Shape, exc: BaseException, caught: list[warnings.WarningMessage]) -> Verdict:
     """What a failed call means for the cell: OOM, n/a with the reason, or a broken GPU."""
-    text = str(exc)
     if is_oom(exc):
         return Verdict("OOM", "out of memory")
-    if isinstance(exc, RuntimeError) and any(marker in text for marker in _FATAL):
+    _stop_if_fatal(name, shape, exc, caught)
+    if isinstance(exc, KernelError):
+        return Verdict("n/a", exc.message)
+    return Verdict("n/a", failure_reason(name, exc, caught))
+
+
+def _stop_if_fatal(name: str, shape: Shape, exc: BaseException, caught: list[warnings.WarningMessage]) -> None:
+    """A CUDA error that poisons the context ends the run: nothing after it could be trusted."""
+    if isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _FATAL):
         raise GPUFault(
             f"{name} on {shape.label} left the GPU unusable: {failure_reason(name, exc, caught)}",
             hint="the rows measured before it are written; run `flashrun verify` on this kernel and shape",
         ) from None
-    if isinstance(exc, KernelError):
-        return Verdict("n/a", exc.message)
-    return Verdict("n/a", failure_reason(name, exc, caught))
 
 
 def check(provider: Provider, attn: Attention, shape: Shape, inputs: Inputs, ref: Reference, grads: bool,
@@ -235,7 +247,8 @@ def _peak_mem_mb(attn: Attention, inputs: Inputs, mode: str, device: torch.devic
 
 
 def _time_mode(provider: Provider, attn: Attention, shape: Shape, sets: list[Inputs], mode: str, verdict: Verdict,
-               device: torch.device, timing: Timing, caught: list[warnings.WarningMessage]) -> Cell:
+               device: torch.device, timing: Timing, caught: list[warnings.WarningMessage],
+               probe: Probe | None) -> Cell:
     start = len(caught)
     try:
         peak = _peak_mem_mb(attn, sets[0], mode, device)
@@ -246,12 +259,23 @@ def _time_mode(provider: Provider, attn: Attention, shape: Shape, sets: list[Inp
         return Cell(mode, failed.status, True, max_err=verdict.max_err, note=_join(attn.note, failed.note))
     finally:
         reset_grads(sets)
-    return Cell(mode, "ok", True, ms, peak, verdict.max_err, attn.note)
+    metrics, note = None, attn.note
+    if probe is not None:  # after the timing: nothing of it is in the timed numbers
+        try:
+            metrics = probe.gather(fn, leaves, f"{provider.name}-{mode}", ms[0])
+            note = _join(note, metrics.note)
+        except Exception as exc:  # noqa: BLE001 - the timing stands; the row says what is missing
+            _stop_if_fatal(provider.name, shape, exc, caught[start:])
+            note = _join(note, f"metrics: {type(exc).__name__}: {exc}")
+        finally:
+            reset_grads(sets)
+    return Cell(mode, "ok", True, ms, peak, verdict.max_err, note, metrics=metrics)
 
 
 def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference, modes: list[str],
-            device: torch.device, timing: Timing) -> list[Cell]:
-    """Every mode of ``provider`` on ``shape``: checked first, then timed (see module doc)."""
+            device: torch.device, timing: Timing, probe: Probe | None = None) -> list[Cell]:
+    """Every mode of ``provider`` on ``shape``: checked first, then timed (see module doc); with a
+    ``probe`` (``--metrics``), each timed mode's call is then profiled."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         started = time.perf_counter()
@@ -281,7 +305,7 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
                     cell = Cell(mode, verdict.status, correct, max_err=verdict.max_err,
                                 note=_join(attn.note, verdict.note))
                 else:
-                    cell = _time_mode(provider, attn, shape, sets, mode, verdict, device, timing, caught)
+                    cell = _time_mode(provider, attn, shape, sets, mode, verdict, device, timing, caught, probe)
                 cells.append(dataclasses.replace(cell, setup_s=setup_s, path=path))
     for message in caught:
         log.debug("%s on %s: %s", provider.name, shape.label, message.message)
@@ -299,12 +323,22 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def matmul_ceiling(device: torch.device, timing: Timing) -> float | None:
-    """TFLOP/s of a bf16 8192x8192x8192 matrix product on this GPU now: the % of peak bar."""
+def ceilings(device: torch.device, timing: Timing) -> Ceilings:
+    """This GPU's two roofs now (None on the CPU): the TFLOP/s of a bf16 8192x8192x8192 matrix
+    product (the % of peak bar), and the GB/s of a device-to-device copy of 512 MiB, far more than
+    L2 holds (the HBM bar of memory-bound shapes: read once, written once)."""
+    from flashrun.harness.metrics import Ceilings
+
     if device.type != "cuda":
-        return None
+        return Ceilings(None, None)
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     median = time_call(lambda: torch.matmul(a, b), device, timing)[0]
-    return 2 * n**3 / median / 1e9  # 2 FLOPs per multiply-add; ms -> TFLOP/s
+    tflops = 2 * n**3 / median / 1e9  # 2 FLOPs per multiply-add; ms -> TFLOP/s
+    del a, b
+    size = 512 << 20
+    src = torch.empty(size, device=device, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    median = time_call(lambda: dst.copy_(src), device, timing)[0]
+    return Ceilings(tflops, 2 * size / median / 1e6)  # bytes per ms -> GB/s

@@ -1,8 +1,9 @@
-"""Bench results: rows, the CSV/JSON files, ``--compare`` and ``--plot``. No torch here.
+"""Bench results: rows, the CSV/JSON files (and ``--profile``'s per-kernel CSV), ``--compare`` and
+``--plot`` (TFLOP/s, and the roofline). No torch here.
 
-CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS` (the variant columns
-``window, softcap, alibi, seqlens, seqlens_k`` last: files written before them keep their
-columns; lists are written as JSON, ``[128, 0]``, empty for plain attention). The JSON file holds
+CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS` (new columns are
+appended, so files written before them keep their columns; lists are written as JSON, ``[128, 0]``,
+empty for plain attention, and so are the kernels of ``--metrics``). The JSON file holds
 the same rows plus the environment fingerprint, the command and the settings of the run. Both
 are rewritten atomically after every provider, so an interrupted run leaves the rows measured
 so far (its JSON says ``"complete": false``).
@@ -13,11 +14,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from flashrun.errors import InputError
+from flashrun.harness.metrics import Ceilings, KernelLaunch, KernelTime
 from flashrun.harness.shapes import MODES, Shape
 from flashrun.records.files import atomic_write_json, atomic_write_text
 from flashrun.records.redact import redact, redact_data
@@ -25,7 +27,9 @@ from flashrun.records.redact import redact, redact_data
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
-                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path")  # new columns go at the end
+                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path",
+                 "gbps", "intensity", "pct_roof", "bound", "gpu_us", "wall_us", "kernels", "gpu_kernels",
+                 )  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
        "window", "softcap", "alibi", "seqlens", "seqlens_k")
@@ -66,6 +70,18 @@ class Row:
     seqlens_k: tuple[int, ...] | None = None
     where: str = ""  # the node and device that measured it (flashrun.device.where)
     path: str = ""  # which implementation of the provider ran the forward (flash: gluon-sm90 or triton)
+    # the roofline (harness.metrics): bytes_moved / ms, FLOP per byte, TFLOP/s over the roof of
+    # this intensity, and which roof that is (memory | compute; GPU runs)
+    gbps: float | None = None
+    intensity: float | None = None
+    pct_roof: float | None = None
+    bound: str = ""
+    # --metrics (harness.probe): GPU and wall time per call, the Triton kernels it launched as
+    # compiled, and every GPU kernel as profiled
+    gpu_us: float | None = None
+    wall_us: float | None = None
+    kernels: tuple[KernelLaunch, ...] = ()
+    gpu_kernels: tuple[KernelTime, ...] = ()
 
     @property
     def valid(self) -> bool:
@@ -91,8 +107,8 @@ def _csv_value(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, (tuple, list)):
-        return json.dumps(list(value))
+    if isinstance(value, (tuple, list)):  # the kernels' columns: a list of objects
+        return json.dumps([asdict(v) if is_dataclass(v) else v for v in value])
     if isinstance(value, float):
         return f"{value:.6g}"  # beyond the timer's precision; the JSON keeps every digit
     return str(value)
@@ -107,12 +123,48 @@ def to_csv(rows: list[Row]) -> str:
     return buffer.getvalue()
 
 
-def write(csv_path: Path, json_path: Path, rows: list[Row], header: dict[str, Any], complete: bool) -> None:
-    """Both files, with the key masked: the header holds the command line, a row's note an error text."""
+def write(csv_path: Path, json_path: Path, rows: list[Row], header: dict[str, Any], complete: bool,
+          kernels_path: Path | None = None) -> None:
+    """Both files, with the key masked: the header holds the command line, a row's note an error text.
+    With ``kernels_path`` (``--profile DIR``), the per-kernel breakdown as well."""
     document = {**header, "complete": complete, "columns": list(COLUMNS + EXTRA_COLUMNS),
                 "rows": [row.to_json() for row in rows]}
     atomic_write_text(csv_path, redact(to_csv(rows)))
     atomic_write_json(json_path, redact_data(document))
+    if kernels_path is not None:
+        atomic_write_text(kernels_path, redact(kernels_csv(rows)))
+
+
+KERNEL_COLUMNS = ("shape", "provider", "mode", "kernel", "launches", "gpu_us", "share_pct", "grid", "regs",
+                  "spill_bytes", "shared", "num_warps", "occupancy_pct", "waves", "limiter")
+
+
+def kernels_csv(rows: list[Row]) -> str:
+    """Every GPU kernel of every profiled call, one line each, longest first within a call: its
+    launches and GPU time per call (torch.profiler) and, for a Triton kernel, how it was compiled
+    and launched (the launch metadata; several grids are joined with ``;``). A Triton kernel the
+    profiler did not see gets a line with its time empty."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(KERNEL_COLUMNS)
+    for row in rows:
+        total = sum(k.us for k in row.gpu_kernels)
+        timed = {k.name: k for k in row.gpu_kernels}
+        names = list(timed) + [k.name for k in row.kernels if k.name not in timed]
+        for name in dict.fromkeys(names):
+            time = timed.get(name)
+            launched = [k for k in row.kernels if k.name == name]
+
+            def joined(field: str) -> str:
+                return ";".join(dict.fromkeys(_csv_value(getattr(k, field)) for k in launched))
+
+            writer.writerow([row.shape.label, row.provider, row.mode, name,
+                             _csv_value(time.launches if time else None), _csv_value(time.us if time else None),
+                             _csv_value(100 * time.us / total if time and total else None),
+                             ";".join("x".join(map(str, k.grid)) for k in launched),
+                             *(joined(field) for field in ("regs", "spill_bytes", "shared", "num_warps",
+                                                           "occupancy_pct", "waves", "limiter"))])
+    return buffer.getvalue()
 
 
 # -- earlier results (--compare) -------------------------------------------------------------------
@@ -246,6 +298,50 @@ def plot(rows: list[Row], path: Path) -> Path:
                 ax.legend(fontsize="small")
             else:
                 ax.text(0.5, 0.5, "no valid measurement", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def roofline_path(plot_path: Path) -> Path:
+    """Where ``--plot bench.png`` puts the roofline: ``bench-roofline.png``."""
+    return plot_path.with_name(f"{plot_path.stem}-roofline{plot_path.suffix}")
+
+
+def plot_roofline(rows: list[Row], ceilings: Ceilings, path: Path) -> Path:
+    """Each valid row as a point, (FLOP/B, TFLOP/s) on log axes, under the GPU's two measured roofs:
+    ``GB/s x intensity`` to the ridge point, the matmul's TFLOP/s after it. A colour per provider,
+    a marker per mode."""
+    check_plot_target(path)
+    from matplotlib.figure import Figure
+
+    points = [r for r in rows if r.valid and r.tflops and r.intensity]
+    ridge = ceilings.ridge
+    assert ridge is not None, "a roofline needs both ceilings"
+    spread = [r.intensity for r in points] + [ridge]
+    lo, hi = min(spread) / 4, max(spread) * 4
+    fig = Figure(figsize=(7.5, 5))
+    ax = fig.add_subplot()
+    ax.plot([lo, ridge, hi], [ceilings.roof(lo), ceilings.tflops, ceilings.tflops], color="black", lw=1.5,
+            label=f"roof: copy {ceilings.gbps:,.0f} GB/s, bf16 matmul {ceilings.tflops:,.0f} TFLOP/s")
+    ax.axvline(ridge, color="grey", ls=":", lw=1)
+    providers = list(dict.fromkeys(r.provider for r in points))
+    markers = {"fwd": "o", "bwd": "s", "fwd_bwd": "^"}
+    for i, provider in enumerate(providers):
+        for mode, marker in markers.items():
+            mine = [r for r in points if r.provider == provider and r.mode == mode]
+            if mine:
+                ax.scatter([r.intensity for r in mine], [r.tflops for r in mine], marker=marker,
+                           color=f"C{i % 10}", label=f"{provider} {mode}", alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of HBM traffic)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"roofline (ridge at {ridge:,.0f} FLOP/B: memory-bound left of it)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
