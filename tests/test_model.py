@@ -261,3 +261,36 @@ def test_ctrl_c_keeps_the_finished_checks(isolated: Path) -> None:
     assert report["interrupted"] is True and [c["name"] for c in report["checks"]] == ["logits"]
     recorded = [json.loads(line) for line in (isolated / "logs" / "runs.jsonl").read_text().splitlines()]
     assert recorded[-1]["command"] == "model" and recorded[-1]["results"]["interrupted"] is True
+
+
+def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
+    # speed is timed on a GPU only; here CPU clocks stand in for CUDA events and memory stats, so
+    # that the phases (prefill into a DynamicCache, train step, decode against the cache) and the
+    # rows' arithmetic run against this transformers' API
+    import time
+
+    from flashrun import kernels
+    from flashrun.model import speed
+
+    def timed(fn, reps):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e3
+
+    monkeypatch.setattr(speed, "_timed", timed)
+    monkeypatch.setattr(speed, "_peak", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(speed, "DECODE_STEPS", 2)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    swap.register(kernels.get("flash"))
+    config = families.build_config("mistral", "mini")
+    model = families.build(config, torch.float32, "cpu", 0)
+    batch = data.copy_task(config.vocab_size, 2, 24, 0)
+    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2"], "sdpa", {}, batch, reps=1)
+    assert [r.attention for r in rows] == ["flash", "sdpa", "flash_attention_2"]
+    flash, sdpa, fa2 = rows
+    assert flash.status == sdpa.status == "ok", (flash.note, sdpa.note)
+    assert flash.train_tok_s == pytest.approx(48 / flash.train_ms * 1e3)
+    assert flash.decode_tok_s == pytest.approx(2 / flash.decode_ms * 1e3)
+    assert sdpa.speedup_train == pytest.approx(1.0) and flash.speedup_train == pytest.approx(sdpa.train_ms / flash.train_ms)
+    assert fa2.status == "n/a" and "flash-attn" in fa2.note
