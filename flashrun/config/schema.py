@@ -260,7 +260,7 @@ class ModelConfig(_Section):
     checks: list[Literal["logits", "train-step", "training", "generate"]] = ["logits", "train-step", "training",
                                                                              "generate"]
     train_steps: PositiveInt = 20
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat | None = None  # None: the size's default (mini 1e-3, 1b 1e-4)
     gen_tokens: PositiveInt | None = None  # None: the size's default (mini 16, 1b 64)
     speed: bool = True  # on a GPU: prefill, train step, decode and memory against the baselines
     baselines: list[Literal["sdpa", "eager", "flex_attention", "flash_attention_2"]] = [

@@ -220,6 +220,9 @@ def check_training(subject: Subject, batch: Batch, steps: int, lr: float) -> Che
     result = compare_scaled("loss curve", as_tensor["kernel"], as_tensor["reference"], as_tensor["yardstick"],
                             dtype=subject.dtype)
     kernel = curves["kernel"]
+    if not all(math.isfinite(loss) for loss in curves["reference"]):
+        return Check("training", False, f"the reference run diverged (loss {curves['reference']}): nothing to judge "
+                     "against", {"reference_losses": curves["reference"], "hint": "lower model.lr"})
     detail = {"steps": steps, "lr": lr, "losses": kernel, "reference_losses": curves["reference"],
               "baseline_losses": curves["yardstick"], **_numbers(result)}
     fell = f"loss {kernel[0]:.3f} -> {kernel[-1]:.3f}" if kernel else "no steps"
@@ -254,10 +257,10 @@ def check_generate(subject: Subject, batch: Batch, tokens: int) -> Check:
         return Check("generate", True, f"{prompt.shape[0]} x {tokens} greedy tokens equal to {subject.baseline}'s "
                      f"(float32, prompt {prompt.shape[1]})", detail)
     row, position = (int(i) for i in differ[differ[:, 1].argmin()])
-    top = base_logits[row, position].float().topk(2).values
+    top, ker_top = (logits[row, position].float().topk(2).values for logits in (base_logits, ker_logits))
     detail.update(row=row, position=position, baseline_token=int(base_tokens[row, position]),
                   kernel_token=int(ker_tokens[row, position]), baseline_margin=float(top[0] - top[1]),
-                  differing=int(len(differ)))
+                  kernel_margin=float(ker_top[0] - ker_top[1]), differing=len(differ))
     return Check("generate", False, f"tokens differ from {subject.baseline}'s first at row {row}, new token "
                  f"{position} ({detail['kernel_token']} vs {detail['baseline_token']}; {subject.baseline}'s top-2 "
                  f"logit margin there {detail['baseline_margin']:.3g})", detail)

@@ -43,6 +43,7 @@ class Size:
     batch: int  # defaults of the run at this size
     seq_len: int
     gen_tokens: int
+    lr: float  # the training check's AdamW learning rate
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class Family:
         return "sdpa" if self.faithful_sdpa else "eager"
 
 
-_MINI_RUN = dict(batch=1, seq_len=32, gen_tokens=16)
-_1B_RUN = dict(batch=4, seq_len=2048, gen_tokens=64)
+_MINI_RUN = dict(batch=1, seq_len=32, gen_tokens=16, lr=1e-3)
+_1B_RUN = dict(batch=4, seq_len=2048, gen_tokens=64, lr=1e-4)  # bf16 at 1B: a gentler step
 # mini: 4 layers, 2 query heads sharing 1 KV head (GQA 2:1), vocab 1024 - the interpreter's cost
 # is per program (batch x heads x tiles), so few heads keep a 20-step training run under a minute
 _MINI = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,

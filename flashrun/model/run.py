@@ -63,8 +63,8 @@ def make_plan(cfg: Config) -> Plan:
     size = FAMILIES[m.arch].sizes[m.size]
     return Plan(None if m.path else m.arch, None if m.path else m.size, m.path, m.kernel, m.dtype,
                 cfg.experiment.device, m.batch or size.batch, m.seq_len or size.seq_len,
-                m.gen_tokens or size.gen_tokens, m.sliding_window, tuple(m.checks), m.train_steps, m.lr, m.speed,
-                tuple(m.baselines), m.reps, m.seed)
+                m.gen_tokens or size.gen_tokens, m.sliding_window, tuple(m.checks), m.train_steps,
+                m.lr or size.lr, m.speed, tuple(m.baselines), m.reps, m.seed)
 
 
 def plan_from_record(record: dict[str, Any]) -> tuple[Config, Plan]:
@@ -133,7 +133,7 @@ def run(cfg: Config, plan: Plan, console: Console | None = None, argv: list[str]
     import torch
 
     from flashrun import kernels
-    from flashrun.model import checks, data, families, speed, swap
+    from flashrun.model import checks, data, speed, swap
 
     plan = replace(plan, device=dev.kind, dtype=_dtype(plan.dtype, dev))
     report = Report(plan)

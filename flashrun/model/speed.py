@@ -93,7 +93,8 @@ def measure(model: Any, impl: str, label: str, batch: Batch, reps: int) -> Speed
 
     def prefill() -> Any:
         with torch.no_grad():
-            return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: DynamicCache(config=model.config)})
+            cache = {cache_arg: DynamicCache(config=model.config)}
+            return model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache)
 
     def train_step() -> None:
         model.zero_grad(set_to_none=True)
@@ -119,8 +120,9 @@ def measure(model: Any, impl: str, label: str, batch: Batch, reps: int) -> Speed
     except swap.Unsupported as exc:
         row.status, row.note = "n/a", exc.message
     except Exception as exc:  # noqa: BLE001 - one implementation's failure is its row, not the run's
-        row.status, row.note = ("OOM", "out of memory") if is_oom(exc) else ("error", f"{type(exc).__name__}: "
-                                                                             f"{str(exc).splitlines()[0][:200]}")
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        row.status, row.note = (("OOM", "out of memory") if is_oom(exc)
+                                else ("error", f"{type(exc).__name__}: {first_line}"))
     finally:
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
