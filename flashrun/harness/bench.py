@@ -48,6 +48,8 @@ from flashrun.records.runlog import append_record, make_record, now_iso
 if TYPE_CHECKING:  # torch is imported only once a bench really runs: option errors answer at once
     import torch
 
+    from flashrun.harness import precompile
+
     from flashrun.harness.measure import Cell, Timing
     from flashrun.harness.providers import Provider
 
@@ -65,6 +67,7 @@ class BenchReport:
     seed: int = 0
     gpu_types: list[str] = field(default_factory=list)  # --per-gpu-type: the sweep ran once on each
     row_types: list[str] = field(default_factory=list)  # ... and the type each row's sweep asked for
+    compiled: precompile.Compiled | None = None  # our kernels compiled before the sweep (None: nothing)
 
     @property
     def exit_code(self) -> int:
@@ -78,6 +81,7 @@ class BenchReport:
         data: dict[str, Any] = {
             "device": self.device, "ceiling_tflops": self.ceiling_tflops, "baseline": self.baseline,
             "files": self.files, "notices": self.notices, "rows": rows,
+            "compile": self.compiled.to_json() if self.compiled is not None else None,
         }
         if self.gpu_types:
             data["gpu_types"] = self.gpu_types
@@ -126,6 +130,7 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
 def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[str, Any]] | None,
          plot: Path | None, compare: Path | None, argv: tuple[str, ...], console: Console | None,
          per_gpu_type: bool, pool: Any) -> BenchReport:
+    from flashrun.harness import precompile
     from flashrun.harness import providers as providers_mod
 
     bench = cfg.bench
@@ -170,6 +175,8 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
     jobs = [ShapeJob(index, shape, tuple(names), tuple(dict.fromkeys(bench.mode)), device.type, cfg.experiment.seed,
                      bench.baseline, timing, len(shapes), gpu_type)
             for index, (gpu_type, shape) in enumerate((t, s) for t in (gpu_types or [None]) for s in shapes)]
+    # every kernel of ours the sweep launches, compiled at once before the first timing
+    compiled = precompile.for_bench(jobs, device, pool, console, tune=cfg.triton.tune)
     sweep = _Sweep(jobs, header, paths)
     if pool is None:
         from flashrun.harness.measure import matmul_ceiling
@@ -185,7 +192,7 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
     if plot is not None:
         files["plot"] = str(results.plot(rows, plot))
     report = BenchReport(rows, files, device.type, ceiling, notices, baseline=bench.baseline,
-                         seed=cfg.experiment.seed)
+                         seed=cfg.experiment.seed, compiled=compiled)
     if gpu_types:
         report.gpu_types = gpu_types
         report.row_types = [part.gpu_type or "" for part in parts for _ in part.rows]
@@ -365,7 +372,7 @@ def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, cei
         correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
         note=cell.note, setup_s=cell.setup_s, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
         timestamp=now_iso(), where=env["where"], window=shape.window, softcap=shape.softcap, alibi=shape.alibi,
-        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path,
+        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path, config=cell.config,
     )
 
 
@@ -552,6 +559,8 @@ def render(report: BenchReport, console: Console) -> None:
     if setup:
         spent = ", ".join(f"{name} {sum(shapes.values()):.1f} s" for name, shapes in setup.items())
         console.print(f"setup (prepare + first checked call, compiling and autotuning included): {spent}")
+    if report.compiled is not None:
+        console.print(f"{report.compiled.line()}, before the sweep (not in the setup times)", highlight=False)
     if shown:
         console.print(f"speedup: against {report.baseline}, same shape and mode")
     if report.ceiling_tflops is not None:

@@ -25,7 +25,7 @@ from flashrun.records.redact import redact, redact_data
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
-                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path")  # new columns go at the end
+                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path", "config")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
        "window", "softcap", "alibi", "seqlens", "seqlens_k")
@@ -66,6 +66,9 @@ class Row:
     seqlens_k: tuple[int, ...] | None = None
     where: str = ""  # the node and device that measured it (flashrun.device.where)
     path: str = ""  # which implementation of the provider ran the forward (flash: gluon-sm90 or triton)
+    # our kernels' launch configs and where each came from: "fwd 128x64 w4 s3 (table); ..." (table, tuned,
+    # heuristic, pinned, default)
+    config: str = ""
 
     @property
     def valid(self) -> bool:
