@@ -42,10 +42,12 @@ from flashrun.kernels.flash import (
     flash_attention_varlen,
     hopper,
 )
-from flashrun.kernels import tuning
+from flashrun.kernels import tuning, warmup
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
 from flashrun.limits import BUILTIN_KERNELS
+
+warmup.prime()  # Triton hashes its own installation before its first compile: start that now
 
 __all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
            "flash_attention_varlen", "get", "minimal_attention"]

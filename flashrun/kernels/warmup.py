@@ -16,6 +16,12 @@ would otherwise do in the caller's thread. :meth:`Batch.wait` blocks until the g
 are ready and puts them into their kernel's in-memory cache, where the real launches find them.
 Triton's caches stay the store: nothing here is kept.
 
+Before its first compile or cache lookup, each process hashes Triton's own installation
+(``triton_key``: ~400-500 MB of libtriton, 0.3-1.5 s). :func:`prime` starts that in a background
+thread when the kernels are imported (hashing releases the GIL), so it overlaps the CUDA
+context's start and the first inputs instead of delaying the first kernel; a batch waits for it
+rather than hashing a second time.
+
 The mode is entered in a copy of the caller's context, so launches the caller makes while
 kernels compile (a run working through the cases whose kernels are ready) run as usual instead
 of joining the mode (Triton 3.6 cannot launch inside it). A kernel that fails to compile here is
@@ -60,6 +66,27 @@ def pool() -> ThreadPoolExecutor:
     return _pool
 
 
+_primer: threading.Thread | None = None
+
+
+def prime() -> None:
+    """Start hashing Triton's installation (its cache key) in the background, once per process."""
+    global _primer
+    if _primer is not None or tuning.INTERPRETED:
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: its first compile hashes what it hashes, as before
+        return
+    _primer = threading.Thread(target=triton_key, name="flashrun-triton-key", daemon=True)
+    _primer.start()
+
+
+def _primed() -> None:
+    if _primer is not None:
+        _primer.join()
+
+
 def available() -> bool:
     """Whether kernels can be compiled ahead here: a GPU build (not the interpreter) of a Triton
     with ``AsyncCompileMode`` (3.5+)."""
@@ -86,6 +113,7 @@ class Batch:
         self.started = time.perf_counter()
         self.finished: float | None = None  # when the last kernel so far became ready
         self.on_ready = on_ready
+        _primed()
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._context = contextvars.copy_context()
         self._mode = triton.AsyncCompileMode(pool(), ignore_errors=True)

@@ -25,6 +25,9 @@ dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program ord
 Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process.
+First calls: every launch goes through :func:`flashrun.kernels.tuning.launch`, so a call can be
+made in compile-only mode; the first call of each kind in a process compiles the forward's and
+backward's kernels at once (:func:`_compile_ahead`, :mod:`flashrun.kernels.warmup`).
 Keys past N_K in a key block load as zeros, and their dS is zeroed before it reaches dQ: against
 a very negative LSE their recomputed P would be exp2(0 − lse2) = inf, and inf · 0 is NaN.
 
