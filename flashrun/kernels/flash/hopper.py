@@ -304,7 +304,7 @@ def ensure_checked(device, dtype, head_dim, portable) -> bool:
         log.info("forward path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
                  GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
         if verdict is not None:
-            _remember_pass(verdict, dtype, head_dim)
+            _remember_pass(verdict, device, dtype, head_dim)
     return _checked[key] is None
 
 
@@ -364,12 +364,13 @@ def _passed() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _remember_pass(verdict: str, dtype, head_dim: int) -> None:
+def _remember_pass(verdict: str, device, dtype, head_dim: int) -> None:
     from flashrun.records.files import atomic_write_json
 
     passed = _passed()
     passed[verdict] = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
-                       "gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+                       "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+                       "triton": triton.__version__,
                        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         atomic_write_json(_verdicts_path(), passed)
