@@ -136,6 +136,8 @@ class Batch:
         needed: dict[int, Compile] = {}
 
         def hand_over(kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+            if self._device is None and torch.cuda.is_initialized():  # the device the launches are for
+                self._device = torch.cuda.current_device()
             try:
                 handle = self._context.run(kernel.warmup, *args, grid=grid, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the real launch will say what is wrong
