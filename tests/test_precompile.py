@@ -74,8 +74,12 @@ def test_on_ray_the_driver_compiles_everything_before_dispatch_only_for_workers_
     case = Shape(1, 2, 1, 17, 17, 64, "float16", True)
     jobs = [Job(0, "flash", case, 0, True, False, "cuda"), Job(1, "mine.py:attention", case, 0, True, False, "cuda")]
     here = SimpleNamespace(gpus=True, same_host=True)
-    precompile.for_verify(jobs, "cuda", here, None)
+    ahead = precompile.for_verify(jobs, "cuda", here, None)
     assert started == [1] and waited == [None]  # flash's launches only (a user's kernel compiles itself); all, first
+    ahead.batch, ahead.all_ready = SimpleNamespace(kernels={0: "compiled"}), True  # as after its wait for all
+    assert ahead.active  # ... yet the workers get run_job itself (a wrapper would not pickle)
+    run_job = object()
+    assert ahead.run(run_job) is run_job
     precompile.for_verify(jobs, "cuda", None, None)  # in this process: each check waits for its own
     assert started == [1, 1] and waited == [None]
     for elsewhere in (SimpleNamespace(gpus=True, same_host=False), SimpleNamespace(gpus=False, same_host=True)):

@@ -49,7 +49,6 @@ if TYPE_CHECKING:  # torch is imported only once a bench really runs: option err
     import torch
 
     from flashrun.harness import precompile
-
     from flashrun.harness.measure import Cell, Timing
     from flashrun.harness.providers import Provider
 

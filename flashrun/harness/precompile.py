@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -78,6 +79,7 @@ class Ahead:
         self.needs = needs  # unit index -> its kernels
         self.cases = cases
         self.waited_s = 0.0
+        self.all_ready = False  # wait() for every unit has returned
 
     @property
     def active(self) -> bool:
@@ -89,10 +91,12 @@ class Ahead:
             return
         kernels = list(self.batch.kernels.values()) if index is None else self.needs.get(index, [])
         self.waited_s += self.batch.wait(kernels)
+        self.all_ready = self.all_ready or index is None
 
     def run(self, run_job: Callable[[Job], CaseResult]) -> Callable[[Job], CaseResult]:
-        """``run_job`` that first waits for the job's own kernels."""
-        if not self.active:
+        """``run_job`` that first waits for the job's own kernels (``run_job`` itself when all are
+        ready: a Ray pool ships it to its workers, which have no batch to wait for)."""
+        if not self.active or self.all_ready:
             return run_job
 
         def run(job: Job) -> CaseResult:
@@ -127,12 +131,14 @@ def _start(units: list[tuple[int, Callable[[], None]]], progress: Progress | Non
 
     if not units or not warmup.available():
         return Ahead(None, {}, 0)
-    counts = {"ready": 0}
+    counts, lock = {"ready": 0}, threading.Lock()
 
-    def ready(_: Compile) -> None:
-        counts["ready"] += 1
-        if progress is not None:
-            progress(counts["ready"], batch.submitted, warmup.workers())
+    def ready(compile_: Compile) -> None:  # from the compile threads too
+        if compile_.submitted:
+            with lock:
+                counts["ready"] += 1
+            if progress is not None:
+                progress(counts["ready"], batch.submitted, warmup.workers())
 
     batch = warmup.Batch(on_ready=ready)
     needs: dict[int, list[Compile]] = {}
