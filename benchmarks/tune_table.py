@@ -19,6 +19,7 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["FLASHRUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashrun-tune-")
+os.environ["FLASHRUN_TUNE"] = "1"  # tune every key the table misses (the default takes a heuristic config)
 
 import torch  # noqa: E402
 import triton  # noqa: E402

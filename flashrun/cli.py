@@ -64,6 +64,10 @@ WorkersOpt = Annotated[
                  "a local Ray cluster started for the command, one GPU (or CPU) each; with --cluster, a cap "
                  "(default \\[cluster].workers = 1: in this process, no Ray).", show_default=False),
 ]
+TuneOpt = Annotated[
+    bool, typer.Option("--tune", help="Tune flash's launch config for shapes the shipped tuned table misses (10-20 s "
+                       "per new shape; default: a heuristic config at once; verify: check tuned configs, not each "
+                       "kernel's default).")]
 ClusterOpt = Annotated[
     Optional[str],
     typer.Option("--cluster", help="Run on an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
@@ -163,6 +167,7 @@ def verify(
     rerun: Annotated[Optional[str], typer.Option(
         "--rerun", help="Repeat a recorded run exactly (see `flashrun runs`); options that would change its plan "
         "are refused.", show_default=False)] = None,
+    tune: TuneOpt = False,
     workers: WorkersOpt = None,
     cluster: ClusterOpt = None,
     json_out: JsonOpt = False,
@@ -189,12 +194,12 @@ def verify(
 
     flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
              "verify.grad": grad or None, "verify.diagnose": diagnose or None, "verify.budget_s": budget,
-             "cluster.workers": workers, "cluster.address": cluster}
+             "triton.tune": tune or None, "cluster.workers": workers, "cluster.address": cluster}
     with _boundary(verbose):
         if rerun is not None:
             _refuse_rerun_conflicts(rerun, {"--kernel": kernel, "--cases": cases, "--grad": grad or None,
-                                            "--diagnose": diagnose or None, "--device": device, "--seed": seed},
-                                    sets)
+                                            "--diagnose": diagnose or None, "--device": device, "--seed": seed,
+                                            "--tune": tune or None}, sets)
         cfg = _setup(config, settings, sets, verbose, flags)
         if rerun is not None:
             if config is not None or settings is not None:  # they only say where the record is
@@ -378,6 +383,7 @@ def bench(
     cluster: ClusterOpt = None,
     per_gpu_type: Annotated[bool, typer.Option(
         "--per-gpu-type", help="On Ray: run the sweep once on each GPU type of the cluster, side by side.")] = False,
+    tune: TuneOpt = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -417,7 +423,7 @@ def bench(
             "bench.seq_len": _ints("--seq-lens", seq_lens), "bench.seq_len_k": _ints("--seq-lens-k", seq_lens_k),
             "bench.head_dim": _ints("--head-dims", head_dims), "bench.causal": _causal(causal),
             "bench.out": str(out_dir) if out_dir is not None else None, "experiment.device": device,
-            "cluster.workers": workers, "cluster.address": cluster,
+            "triton.tune": tune or None, "cluster.workers": workers, "cluster.address": cluster,
         }
         cfg = _setup(config, settings, sets, verbose, flags)
         report = bench_mod.run(cfg, tuple(_split(kernel)), plot, compare, tuple(sys.argv[1:]),

@@ -101,6 +101,27 @@ def test_bench_on_workers_keeps_the_shape_order_and_adds_where_last(ray_cluster,
     assert header == [*results.COLUMNS, *results.EXTRA_COLUMNS]
     where = header.index("where")  # appended after the variants, then path, and never moved
     assert header[where - 1:where + 2] == ["seqlens_k", "where", "path"]
+    assert header[-1] == "config"  # the last one appended
+
+
+def test_workers_on_this_host_share_the_drivers_caches_and_switches(ray_cluster, isolated: Path, monkeypatch) -> None:
+    """A kernel compiles once per host: workers here get the driver's Triton and flashrun caches
+    (Ray was started before these were set, as in a notebook), and --tune reaches them."""
+    from flashrun.config import ClusterConfig
+    from flashrun.harness import cluster
+
+    names = ("TRITON_CACHE_DIR", "FLASHRUN_CACHE_DIR", "FLASHRUN_TUNE")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(isolated / "triton-cache"))
+    monkeypatch.setenv("FLASHRUN_CACHE_DIR", str(isolated / "flashrun-cache"))
+    with cluster.connect(ClusterConfig(workers=2), "cpu", cap=True) as pool:
+        assert pool.same_host
+        monkeypatch.setenv("FLASHRUN_TUNE", "1")  # as bench --tune sets it, after connecting
+
+        def seen(_: int) -> dict[str, str | None]:
+            return {name: os.environ.get(name) for name in names}
+
+        outcomes = [outcome for _, outcome in pool.map(seen, [0, 1], label=lambda i: f"env-{i}")]
+    assert outcomes == [{name: os.environ[name] for name in names}] * 2
 
 
 def test_per_gpu_type_runs_the_sweep_on_each_type(ray_cluster, isolated: Path) -> None:

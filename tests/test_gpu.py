@@ -151,8 +151,17 @@ def test_heads_do_not_leak_into_each_other_on_gpu(deterministic):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_autotuned_path(causal):
-    _check(*_inputs(2, 8, 2, 2048, 2048, 64, BF16), causal)
+def test_autotuned_path(causal):  # GQA 4: not in the shipped table, so tuned here ("tune")
+    _check(*_inputs(2, 8, 2, 2048, 2048, 64, BF16), causal, launch="tune")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_heuristic_path(causal):  # the same key untuned: its heuristic config, said as such
+    from flashrun.kernels import tuning
+
+    tuning.chosen()
+    _check(*_inputs(2, 8, 2, 1000, 1000, 111, BF16), causal)
+    assert {c["source"] for c in tuning.chosen().values()} <= {"heuristic", "table", "tuned"}
 
 
 def _space():
@@ -254,7 +263,7 @@ def test_flash_decoding_with_variants_on_gpu(variants):
 def test_autotuned_path_with_variants(causal):
     q, k, v, do, variants = _variant_inputs((2, 8, 2, 2048, 2048, 64), BF16,
                                             {"window": (256, 64), "softcap": 30.0, "alibi_slopes": "BH"}, 30)
-    _check(q, k, v, do, causal, **variants)
+    _check(q, k, v, do, causal, launch="tune", **variants)
 
 
 # Every config the tuner may pick, with every variant at once (ragged lengths, GQA, bf16).

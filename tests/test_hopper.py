@@ -6,6 +6,7 @@ the "portable" side of the check and the fallback are the real interpreted ``_at
 Whether the kernel compiles for sm_90 is tests/compile_hopper.py's job (run below).
 """
 
+import json
 import logging
 from pathlib import Path
 
@@ -113,6 +114,54 @@ def test_passed_check_takes_the_path(monkeypatch, caplog):
     assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
     assert len(used) == 2 + 1  # the check's two cases (causal and not), then the call
     torch.testing.assert_close(o, flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(), try_gluon=False)[0])
+
+
+def test_a_passed_check_is_remembered_across_processes(monkeypatch, tmp_path):
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setenv("FLASHRUN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: f"{dtype}-{head_dim}")
+    runs = []
+
+    def good_kernel(q, k, v, sm_scale, causal):
+        runs.append(q.shape)
+        return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", try_gluon=False)
+
+    monkeypatch.setattr(flash_hopper, "RUN", good_kernel)
+    q, k, v = _inputs()
+    assert flash.forward_path(q, k, v) == "gluon-sm90" and len(runs) == 2  # the check ran: causal and not
+    assert set(json.loads((tmp_path / "hopper-checks.json").read_text())) == {"torch.float32-64"}
+    flash_hopper.reset()  # a new process: same GPU, driver, Triton, sources (the same verdict key)
+    assert flash.forward_path(q, k, v) == "gluon-sm90" and len(runs) == 2  # taken from the file, nothing ran
+    flash_hopper.reset()
+    monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: "another driver")
+    assert flash.forward_path(q, k, v) == "gluon-sm90" and len(runs) == 4  # anything else changed: checked again
+
+
+def test_a_failed_check_is_not_remembered(monkeypatch, tmp_path):
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setenv("FLASHRUN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: "key")
+    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    q, k, v = _inputs()
+    assert flash.forward_path(q, k, v) == "triton"
+    assert not (tmp_path / "hopper-checks.json").exists()
+
+
+def test_compiling_ahead_runs_no_check(monkeypatch):
+    """In compile-only mode the check's launches are handed over and nothing is compared; the
+    check itself runs on the first real call."""
+    from flashrun.kernels import tuning
+
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    handed = []
+    q, k, v = _inputs()
+    with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel.__name__)):
+        assert flash_hopper.ensure_checked(q.device, q.dtype, 64, flash._portable_check)
+    assert handed == ["_attn_fwd", "_attn_fwd"]  # the portable side of the check, causal and not
+    assert flash_hopper._checked == {}  # no verdict yet: a wrong kernel is still caught ...
+    assert flash.forward_path(q, k, v) == "triton"  # ... on the first real call
 
 
 def test_variants_and_decode_shapes_stay_portable(monkeypatch):

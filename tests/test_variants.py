@@ -357,7 +357,7 @@ def test_tuning_keys_tell_variants_apart(monkeypatch, tmp_path):
                                    70, 90)
     packed_q, packed_k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (N, H, D): the shapes choose() sees
     for variant, (tq, tk) in ((plain, (q, k)), (window, (q, k)), (packed, (packed_q, packed_k))):
-        tuning.choose("fwd", tq, tk, variant.causal, None, lambda cfg: None, **variant.tuning(70, 90))
+        tuning.choose("fwd", tq, tk, variant.causal, "tune", lambda cfg: None, **variant.tuning(70, 90))
     assert sorted(tuning._memory) == ["fwd|float16|d64|full|g2|nq128|nk128",
                                       "fwd|float16|d64|full|g2|nq128|nk128|window+softcap+alibi",
                                       "fwd|float16|d64|full|g2|nq128|nk128|window+softcap+alibi+varlen"]

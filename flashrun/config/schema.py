@@ -149,8 +149,12 @@ class ExperimentConfig(_Section):
 
 
 class TritonConfig(_Section):
-    """Launch overrides for our kernels; unset means autotuned (GPU) or a fixed small config (CPU)."""
+    """Launch overrides for our kernels; unset means the tuned table's config, else a heuristic one
+    (GPU), or a fixed small config (CPU)."""
 
+    # A key the tuned table misses is tuned on first use (10-20 s of compiling and timing per key)
+    # instead of taking the heuristic config; verify then checks the table's/tuned configs.
+    tune: bool = False
     num_warps: PositiveInt | None = None
     num_stages: PositiveInt | None = None
     block_m: PositiveInt | None = None

@@ -38,6 +38,7 @@ from flashrun.records.runlog import append_record, make_record, now_iso
 if TYPE_CHECKING:  # torch is imported only once a bench really runs: option errors answer at once
     import torch
 
+    from flashrun.harness import precompile
     from flashrun.harness.providers import Provider
 
 
@@ -56,6 +57,7 @@ class BenchReport:
     seed: int = 0
     gpu_types: list[str] = field(default_factory=list)  # --per-gpu-type: the sweep ran once on each
     row_types: list[str] = field(default_factory=list)  # ... and the type each row's sweep asked for
+    compiled: precompile.Compiled | None = None  # our kernels compiled before the sweep (None: nothing)
 
     @property
     def exit_code(self) -> int:
@@ -70,6 +72,7 @@ class BenchReport:
             "device": self.device, "ceiling_tflops": self.ceiling_tflops, "ceiling_gbps": self.ceiling_gbps,
             "baseline": self.baseline,
             "files": self.files, "notices": self.notices, "rows": rows,
+            "compile": self.compiled.to_json() if self.compiled is not None else None,
         }
         if self.gpu_types:
             data["gpu_types"] = self.gpu_types
@@ -121,6 +124,7 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
 def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[str, Any]] | None,
          plot: Path | None, compare: Path | None, argv: tuple[str, ...], console: Console | None,
          per_gpu_type: bool, metrics: bool, profile: Path | None, pool: Any) -> BenchReport:
+    from flashrun.harness import precompile
     from flashrun.harness import providers as providers_mod
 
     bench = cfg.bench
@@ -178,6 +182,8 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
     jobs = [ShapeJob(index, shape, tuple(names), tuple(dict.fromkeys(bench.mode)), device.type, cfg.experiment.seed,
                      bench.baseline, timing, len(shapes), gpu_type, metrics, str(profile) if profile else None)
             for index, (gpu_type, shape) in enumerate((t, s) for t in (gpu_types or [None]) for s in shapes)]
+    # every kernel of ours the sweep launches, compiled at once before the first timing
+    compiled = precompile.for_bench(jobs, device, pool, console, tune=cfg.triton.tune)
     sweep = Sweep(jobs, header, paths, kernels_path)
     here_ceilings = Ceilings(None, None)
     if pool is None:
@@ -202,7 +208,7 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
         else:
             notices.append("no roofline plot: it needs one GPU's measured ceilings (a CPU run, or several GPU types)")
     report = BenchReport(rows, files, device.type, roofs.tflops, notices, ceiling_gbps=roofs.gbps, metrics=metrics,
-                         baseline=bench.baseline, seed=cfg.experiment.seed)
+                         baseline=bench.baseline, seed=cfg.experiment.seed, compiled=compiled)
     if gpu_types:
         report.gpu_types = gpu_types
         report.row_types = [part.gpu_type or "" for part in parts for _ in part.rows]

@@ -72,6 +72,8 @@ def render(report: BenchReport, console: Console) -> None:
     if setup:
         spent = ", ".join(f"{name} {sum(shapes.values()):.1f} s" for name, shapes in setup.items())
         console.print(f"setup (prepare + first checked call, compiling and autotuning included): {spent}")
+    if report.compiled is not None:
+        console.print(f"{report.compiled.line()}, before the sweep (not in the setup times)", highlight=False)
     if shown:
         console.print(f"speedup: against {report.baseline}, same shape and mode")
     if report.ceiling_tflops is not None:

@@ -8,7 +8,9 @@ The check: fresh seeded inputs (:mod:`flashrun.harness.inputs`); the kernel gets
 cannot corrupt what the reference sees) and runs with every fresh floating-point allocation
 poisoned, so an element it never writes shows up; :class:`~flashrun.harness.judge.Reference`
 judges the output (and, with ``grad``, dq, dk, dv). The first call is timed with compiling
-included (``first_call_s``); on a GPU the forward is then timed again, compiled (``ms``).
+included (``first_call_s``: what was not compiled ahead, :mod:`flashrun.harness.precompile`);
+on a GPU the forward is then timed again, compiled (``ms``). The result also says which launch
+config each Triton kernel of flashrun's ran and where it came from (``configs``).
 """
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ class CaseResult:
     traceback: str | None = None  # the full traceback when the kernel raised (shown with -v)
     index: int = 0
     where: str = ""  # the node and device that ran it (device.where); "" when it never ran
+    # launch config of each Triton kernel the call ran, and where it came from (tuning.chosen())
+    configs: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = {
             "kernel": self.kernel, "case": asdict(self.case), "label": self.case.label, "status": self.status,
             "message": self.message, "first_call_s": _round(self.first_call_s), "ms": _round(self.ms),
             "notes": self.notes, "logit_range": list(self.logits) if self.logits else None,
-            "checks": [c.to_json() for c in self.checks], "where": self.where,
+            "checks": [c.to_json() for c in self.checks], "where": self.where, "launch_configs": self.configs,
         }
         if self.traceback is not None:
             data["traceback"] = self.traceback
@@ -159,6 +163,8 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
                             f"{case.causal} and scale 1/sqrt({case.head_dim})")
     # the kernel works on clones; the reference on the originals
     kq, kk, kv = (t.clone().requires_grad_(job.grad) for t in (q, k, v))
+    if kernel.configs is not None:
+        kernel.configs()  # from here on: what this check's calls choose
     start = time.perf_counter()
     try:
         with _poisoned_allocations():
@@ -187,6 +193,8 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         result.traceback = "".join(tb_module.format_exception(exc))
         return result
     result.first_call_s = time.perf_counter() - start
+    if kernel.configs is not None:
+        result.configs = kernel.configs()
 
     if grads is not None:
         for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):

@@ -27,6 +27,15 @@ ARCHITECTURE
   which counts the same. A second death becomes a :class:`Fault` with the reason, and the run
   goes on. Ctrl-C cancels the tasks that have not finished and keeps the results that have.
 
+  Compiles: a kernel should compile once per host, not once per worker. Workers on the
+  driver's host (:attr:`Pool.same_host`) get the driver's ``TRITON_CACHE_DIR`` and
+  ``FLASHRUN_CACHE_DIR`` (Triton's compiled kernels; tuned configs and first-use verdicts), and
+  every worker the switches ``FLASHRUN_TUNE`` and ``FLASHRUN_HOPPER`` as the driver has them
+  when it submits (:meth:`Pool.map`). When the driver has a GPU and the pool's GPUs are on its
+  host, verify and bench compile every kernel of flashrun's that the run launches in the driver,
+  all at once, before the first task (:mod:`.precompile`): the workers then load them from
+  Triton's cache. Workers on other hosts compile their own, as before.
+
   Ray's own chatter stays off the terminal: worker output is not forwarded
   (``log_to_driver=False``), Ray logs only errors, and the raylet's notes about dead workers
   (printed to *stdout* by Ray, where they would corrupt ``--json``) go to flashrun's debug log
@@ -64,6 +73,10 @@ INSTALL_HINT = "pip install 'flashrun[ray]'"
 RETRIES = 1  # a task whose worker died runs once more, on a fresh worker
 OBJECT_STORE_BYTES = 256 << 20  # results are small rows; Ray's default would claim 30% of RAM
 REASON_WAIT_S = 2.0  # how long a died task waits for the reason its worker gave (it comes separately)
+# The driver's switches every worker follows (read when tasks are submitted) ...
+FORWARDED = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER")
+# ... and its cache folders, for workers on its own host (a path means nothing elsewhere)
+HOST_CACHES = ("TRITON_CACHE_DIR", "FLASHRUN_CACHE_DIR")
 _LEAVING = "flashrun task "  # how a worker that ends itself starts its last words
 
 T = TypeVar("T")
@@ -94,6 +107,15 @@ class Pool:
     task_env: dict[str, Any] | None = None  # per-task runtime_env (Ray initialized before us)
     notices: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # task label -> why its worker ended itself
+    same_host: bool = False  # workers run on the driver's host: they share its caches on disk
+    job_env: dict[str, str] = field(default_factory=dict)  # env_vars the job was started with (ours)
+
+    def env(self) -> dict[str, str]:
+        """The environment variables tasks get: the job's, the driver's cache folders for
+        workers on its host, and its switches (:data:`FORWARDED`) as they are now."""
+        names = FORWARDED + (HOST_CACHES if self.same_host else ())
+        base = dict((self.task_env or {}).get("env_vars", {})) or dict(self.job_env)
+        return {**base, **{name: os.environ[name] for name in names if os.environ.get(name)}}
 
     @property
     def kind(self) -> str:
@@ -111,8 +133,9 @@ class Pool:
         remote = self.ray.remote(_execute)
         options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1 if self.gpus else 0, "max_retries": RETRIES,
                                    "retry_exceptions": False}
-        if self.task_env:
-            options["runtime_env"] = self.task_env
+        env = self.env()
+        if self.task_env or env != self.job_env:  # a task env unlike the job's starts workers of its own
+            options["runtime_env"] = {**(self.task_env or {}), "env_vars": env}
         queue = collections.deque(items)
         pending: dict[Any, T] = {}
         try:
@@ -228,12 +251,24 @@ def _source_root() -> str | None:
 
 
 def _local_env() -> dict[str, Any]:
-    """Workers on this machine import the driver's flashrun: its folder first on PYTHONPATH."""
+    """Workers on this machine import the driver's flashrun (its folder first on PYTHONPATH) and
+    share its caches and switches (:data:`HOST_CACHES`, :data:`FORWARDED`)."""
+    env = {name: os.environ[name] for name in FORWARDED + HOST_CACHES if os.environ.get(name)}
     root = _source_root()
-    if root is None:
-        return {}
-    paths = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root)]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
+    if root is not None:
+        paths = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return {"env_vars": env} if env else {}
+
+
+def _same_host(ray: Any) -> bool:
+    """Whether a node of the cluster runs on this machine (the driver's node address)."""
+    try:
+        here = ray.util.get_node_ip_address()
+        return any(node.get("Alive") and node.get("NodeManagerAddress") == here for node in ray.nodes())
+    except Exception as exc:  # noqa: BLE001 - not knowing means not sharing
+        log.debug("cannot tell whether the Ray nodes share this host: %s", exc)
+        return False
 
 
 def _check_reachable(address: str) -> None:
@@ -310,12 +345,15 @@ def connect(cfg: ClusterConfig, device: str, cap: bool) -> Iterator[Pool]:
     ray = _import_ray(local)
     owned = not ray.is_initialized()
     task_env = None
+    job_env: dict[str, str] = {}
     if not owned:
         where = "the Ray this process already runs"
         task_env = _local_env() or None
     elif local:
         # The CPUs are the workers (one task each); GPUs, if any, are Ray's to detect.
-        _init(ray, num_cpus=cfg.workers, object_store_memory=OBJECT_STORE_BYTES, runtime_env=_local_env())
+        runtime_env = _local_env()
+        job_env = dict(runtime_env.get("env_vars", {}))
+        _init(ray, num_cpus=cfg.workers, object_store_memory=OBJECT_STORE_BYTES, runtime_env=runtime_env)
         where = "a local Ray cluster"
     else:
         _check_reachable(cfg.address)
@@ -332,7 +370,8 @@ def connect(cfg: ClusterConfig, device: str, cap: bool) -> Iterator[Pool]:
             slots = min(cfg.workers, capacity) if cap or (owned and local) else capacity
             unit = "GPU" if gpus else "CPU"
             pool = Pool(ray, slots, gpus, _accelerator_types(ray), f"{where}: {slots} {unit}{'s' if slots > 1 else ''} "
-                        "at once", task_env, reasons=reasons)
+                        "at once", task_env, reasons=reasons, same_host=(owned and local) or _same_host(ray),
+                        job_env=job_env)
             if cap and cfg.workers > capacity:
                 pool.notices.append(f"{cfg.workers} workers asked, the cluster has {capacity} {unit}s: "
                                     f"{capacity} at once")

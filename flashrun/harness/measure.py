@@ -100,6 +100,7 @@ class Cell:
     setup_s: float | None = None  # prepare + the checked first call: compiling and autotuning show here
     path: str = ""  # which implementation of the provider ran its forward (flash: gluon-sm90 or triton)
     metrics: CallMetrics | None = None  # --metrics: read after the timing (harness.probe)
+    config: str = ""  # the launch config of each of its Triton kernels and where it came from (ours)
 
 
 def _verdict(checks: list[Comparison]) -> Verdict:
@@ -285,6 +286,8 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
             verdict = _failure(provider.name, shape, exc, caught)
             return [Cell(mode, verdict.status, None, note=verdict.note) for mode in modes]
         backward_asked = any(mode != "fwd" for mode in modes)
+        if attn.configs is not None:
+            attn.configs()  # from here on: what the checked calls choose
         with attn.scope():
             try:
                 forward, backward = check(provider, attn, shape, sets[0], ref, backward_asked and provider.backward,
@@ -295,6 +298,7 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
                 forward = backward = Verdict("n/a", f"could not check this provider: {type(exc).__name__}: {exc}")
             setup_s = time.perf_counter() - started  # the check ends on .item(): the GPU is done
             path = (attn.path() or "") if attn.path else ""
+            config = _config_text(attn.configs()) if attn.configs else ""
             if backward_asked and not provider.backward:
                 backward = Verdict("n/a", f"{provider.name} has no backward")
             cells = []
@@ -306,10 +310,15 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
                                 note=_join(attn.note, verdict.note))
                 else:
                     cell = _time_mode(provider, attn, shape, sets, mode, verdict, device, timing, caught, probe)
-                cells.append(dataclasses.replace(cell, setup_s=setup_s, path=path))
+                cells.append(dataclasses.replace(cell, setup_s=setup_s, path=path, config=config))
     for message in caught:
         log.debug("%s on %s: %s", provider.name, shape.label, message.message)
     return cells
+
+
+def _config_text(configs: dict[str, dict[str, str]]) -> str:
+    """``fwd 128x64 w4 s3 (table); bwd_dkdv 32x128 w4 s3 (heuristic)``."""
+    return "; ".join(f"{kind} {c['config']} ({c['source']})" for kind, c in configs.items())
 
 
 def _join(*notes: str) -> str:

@@ -29,7 +29,7 @@ COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", 
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
                  "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path",
                  "gbps", "intensity", "pct_roof", "bound", "gpu_us", "wall_us", "kernels", "gpu_kernels",
-                 )  # new columns go at the end
+                 "config")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
        "window", "softcap", "alibi", "seqlens", "seqlens_k")
@@ -82,6 +82,9 @@ class Row:
     wall_us: float | None = None
     kernels: tuple[KernelLaunch, ...] = ()
     gpu_kernels: tuple[KernelTime, ...] = ()
+    # our kernels' launch configs and where each came from: "fwd 128x64 w4 s3 (table); ..." (table, tuned,
+    # heuristic, pinned, default)
+    config: str = ""
 
     @property
     def valid(self) -> bool:

@@ -13,9 +13,11 @@ recorded, like a serial one. :func:`render` prints the table.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from rich import box
 from rich.console import Console
@@ -33,6 +35,9 @@ from flashrun.config import Config
 from flashrun.errors import InputError
 from flashrun.harness.check import CaseResult, Job, interpreter_seconds
 from flashrun.harness.shapes import FIELDS, PLAIN, VARIANT_FIELDS, Shape, verify_shapes
+
+if TYPE_CHECKING:
+    from flashrun.harness.precompile import Compiled
 
 SLOW_CASE_S = 30.0  # say so before an interpreter case expected to take longer than this
 
@@ -86,6 +91,8 @@ class Report:
     planned: int = 0  # (case, kernel) checks in the plan
     interrupted: bool = False  # Ctrl-C: ``results`` holds the checks that finished
     interpreter: bool = False
+    compiled: Compiled | None = None  # flashrun's kernels compiled ahead (None: nothing to compile)
+    run_s: float | None = None  # wall time of the checks, waits for their kernels included
 
     @property
     def passed(self) -> int:
@@ -112,7 +119,10 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "device": self.device, "notices": self.notices, "verdict": self.verdict,
                 "passed": self.passed, "failed": self.failed, "skipped": self.skipped,
-                "interrupted": self.interrupted, "results": [r.to_json() for r in self.results]}
+                "interrupted": self.interrupted,
+                "compile": self.compiled.to_json() if self.compiled is not None else None,
+                "run_s": None if self.run_s is None else round(self.run_s, 3),
+                "results": [r.to_json() for r in self.results]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +144,10 @@ def run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | None
     # [triton] pins flash's launch config; otherwise verify uses each kernel's default config
     # rather than autotuning: every case would compile the tuner's whole space (minutes on a GPU
     # for a sweep), while the GPU suite (tests/test_gpu.py) checks every config it may pick.
+    # --tune ([triton] tune) checks what a tuned call runs: the table's config, else tuned now.
     pinned = kernels.LaunchConfig(cfg.triton.block_m, cfg.triton.block_n, cfg.triton.num_warps, cfg.triton.num_stages)
-    launch = pinned if any(v is not None for v in vars(pinned).values()) else "default"
+    launch = (pinned if any(v is not None for v in vars(pinned).values())
+              else "tune" if cfg.triton.tune else "default")
     for spec in plan.kernels:
         load_kernel(spec, launch, cfg.experiment.deterministic)  # a bad kernel spec is an input error: exit 2, before any case runs
 
@@ -150,7 +162,7 @@ def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | Non
     """The checks of ``plan``, in this process (``pool`` None) or on a Ray pool."""
     from functools import partial
 
-    from flashrun.harness import cluster
+    from flashrun.harness import cluster, precompile
     from flashrun.harness.check import interpreter_bf16_dot_ok, run_job
 
     # The workers' device decides, not this process's: a CPU driver may steer a GPU cluster.
@@ -194,12 +206,18 @@ def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | Non
     with _Reporter(console, len(jobs)) as reporter:
         for result in results:
             reporter.finished(result)
+        # flashrun's kernels for every check, compiled at once; each check starts when its own are ready
+        ahead = precompile.for_verify(todo, dev.kind, pool, reporter.compiling)
+        started = time.perf_counter()
         try:
-            for result in execute(todo, reporter, run_job):
+            for result in execute(todo, reporter, ahead.run(run_job)):
                 results.append(result)
                 reporter.finished(result)  # shown once kept: a Ctrl-C never drops a check already shown
         except KeyboardInterrupt:
             report.interrupted = True
+            ahead.cancel()
+        report.run_s = time.perf_counter() - started
+        report.compiled = ahead.close()
     report.results = sorted(results, key=lambda r: r.index)
     report.run_id = _record(cfg, plan, report, argv)
     return report
@@ -232,6 +250,23 @@ class _Reporter:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=console, transient=True, disable=not self.live)
         self.task = self.progress.add_task("verify", total=total)
+        self.compile_task: Any = None
+        self._lock = threading.Lock()
+
+    def compiling(self, done: int, total: int, workers: int) -> None:
+        """The compile step's own bar, "compiling 23 kernels, 16 workers", gone once all are ready
+        (called from the compile threads too)."""
+        from flashrun.harness.precompile import describe
+
+        with self._lock:
+            if self.compile_task is None and done < total:
+                self.compile_task = self.progress.add_task(describe(total, workers), total=total)
+            if self.compile_task is not None:
+                self.progress.update(self.compile_task, completed=done, total=total,
+                                     description=describe(total, workers))
+                if done >= total:
+                    self.progress.remove_task(self.compile_task)
+                    self.compile_task = None
 
     def __enter__(self) -> _Reporter:
         self.progress.__enter__()
@@ -281,7 +316,8 @@ def _record(cfg: Config, plan: Plan, report: Report, argv: list[str] | None) -> 
     record = make_record(
         "verify", argv or [], cfg.public_dict(),
         {"verdict": report.verdict, "passed": report.passed, "failed": report.failed, "device": report.device,
-         "interrupted": report.interrupted, "checks": [r.to_json() for r in report.results]},
+         "interrupted": report.interrupted, "checks": [r.to_json() for r in report.results],
+         "compile": report.compiled.to_json() if report.compiled is not None else None},
         kernels=plan.kernels, n_cases=len(plan.cases), plan=plan_json,
     )
     append_record(cfg.logging.log_dir, record)
@@ -334,5 +370,28 @@ def render(report: Report, console: Console, verbose: bool = False) -> None:
             console.print(f"  [dim]{escape(r.kernel)} {escape(r.case.label)}:[/] {escape(line)}")
         if verbose and r.traceback:
             console.print(escape(r.traceback.rstrip()), style="dim")
+    sources = _config_sources(report.results)
+    if sources:
+        console.print(f"launch configs: {sources}", highlight=False)
+    if report.compiled is not None:
+        ran = f"; the checks ran {report.run_s:.1f} s" if report.run_s is not None else ""
+        console.print(f"{report.compiled.line()}{ran}", highlight=False)
     style = "green" if report.exit_code == 0 else "red"
     console.print(f"[{style}]{report.verdict}[/]" + (f"  (run {report.run_id})" if report.run_id else ""))
+
+
+_SOURCE_SAID = {"table": "from the tuned table", "tuned": "tuned here", "heuristic": "heuristic (not in the table; "
+                "--tune tunes them)", "default": "each kernel's default", "pinned": "pinned by [triton]",
+                "interpreter": "the interpreter's"}
+
+
+def _config_sources(results: list[CaseResult]) -> str:
+    """Where the checks' launch configs came from, counted over kernel launches: "each kernel's
+    default (12)"; empty when no check says."""
+    counts: dict[str, int] = {}
+    for r in results:
+        for chosen in r.configs.values():
+            counts[chosen["source"]] = counts.get(chosen["source"], 0) + 1
+    if set(counts) <= {"interpreter"}:  # nothing to say: the interpreter has one small config
+        return ""
+    return ", ".join(f"{_SOURCE_SAID.get(source, source)} ({n})" for source, n in counts.items())

@@ -1,6 +1,7 @@
 """Attention kernels and their registry.
 
-``get("flash")`` (its backward deterministic unless ``deterministic=False``),
+``get("flash")`` (its backward deterministic unless ``deterministic=False``; ``launch`` as
+:func:`flashrun.kernels.tuning.choose` takes it),
 ``get("flash-deterministic")`` (always), ``get("flash-atomic")`` (the 5-matmul backward that sums
 dQ with atomics), ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
 :class:`Kernel` called as ``kernel(q, k, v, causal=False, sm_scale=None) -> o``.
@@ -41,9 +42,12 @@ from flashrun.kernels.flash import (
     flash_attention_varlen,
     hopper,
 )
+from flashrun.kernels import tuning, warmup
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
 from flashrun.limits import BUILTIN_KERNELS
+
+warmup.prime()  # Triton hashes its own installation before its first compile: start that now
 
 __all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
            "flash_attention_varlen", "get", "minimal_attention"]
@@ -65,6 +69,10 @@ class Kernel:
     # which of its implementations the last call's forward ran (flash: "gluon-sm90" or "triton");
     # None for kernels with one
     path: Callable[[], str | None] | None = None
+    # the launch config each of its Triton kernels ran with since the last time this was asked,
+    # and where it came from (flash: tuning.chosen(), e.g. {"fwd": {"config": "128x64 w4 s3",
+    # "source": "table"}}); None: not said
+    configs: Callable[[], dict[str, dict[str, str]]] | None = None
 
     def missing(self, variant_args: dict) -> list[str]:
         """The arguments a case needs (``variant_args``) that this kernel does not take."""
@@ -94,7 +102,7 @@ def get(spec: str, launch: Launch = None, deterministic: bool = True) -> Kernel:
             return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
         return Kernel(spec, flash, supports_backward=True, accepts=frozenset(VARIANT_ARGS),
-                      path=lambda: hopper.LAST_PATH)
+                      path=lambda: hopper.LAST_PATH, configs=tuning.chosen)
     if spec == "minimal":
         return Kernel("minimal", minimal_attention, supports_backward=False)
     path, sep, func = spec.rpartition(":")

@@ -1,14 +1,23 @@
-"""Launch configurations for the attention kernels: pinned, fixed (interpreter) or autotuned.
+"""Launch configurations for the attention kernels: pinned, fixed (interpreter), from a table,
+guessed, or autotuned.
 
 On the GPU the first call for a (kernel, dtype, head_dim, causal, GQA group, length bucket,
-variants)
-looks the winner up in the tuned table shipped for this GPU and Triton minor version
-(``kernels/tuned/``), then in the user's cache; on a miss it compiles a small pruned set of
-configs in parallel, times them on the real inputs and keeps the fastest (in memory and on
+variants) looks the winner up in the tuned table shipped for this GPU and Triton minor version
+(``kernels/tuned/``), then in the user's cache. On a miss it takes a heuristic config at once
+(:func:`heuristic`: the winner of the table's nearest key of the same kernel, dtype, head-dim
+class and masking, else the candidate list's head) - tuning costs 10-20 s of compiling and timing
+per key, more than most first uses are worth. Tuning happens on request: ``launch="tune"``, or
+``FLASHRUN_TUNE=1`` (``--tune``, ``[triton] tune``) for every call; it compiles a small pruned set
+of configs in parallel, times them on the real inputs and keeps the fastest (in memory and on
 disk). Tables and caches are keyed by GPU, Triton minor version and the version of the
 launch-config space - not by a hash of the kernel source, which any edit would invalidate.
 ``[triton]`` in the config pins a config instead (unset fields fall back to the fixed default
-for that kernel). In Triton's interpreter a small fixed config is used.
+for that kernel). In Triton's interpreter a small fixed config is used. :data:`CHOSEN` says what
+the last launch of each kernel ran and where its config came from.
+
+:func:`launch` is how the launchers start a kernel; inside :func:`compile_only` it hands the
+launch to a compiler instead of running it (tuning's parallel compile of its candidates, and
+:mod:`flashrun.kernels.warmup`'s compile of everything a run will launch).
 """
 
 from __future__ import annotations
@@ -16,11 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import math
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import triton
@@ -65,8 +76,12 @@ SPACE_VERSION = 1
 # (benchmarks/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
 SHIPPED = Path(__file__).parent / "tuned"
 USE_SHIPPED = True  # benchmarks/tune_table.py turns it off to tune afresh
-# How callers choose: None tunes, "default" skips tuning, a LaunchConfig or {kernel: LaunchConfig} pins.
+# How callers choose: None takes the table, else a heuristic config (tuning on a miss only with
+# FLASHRUN_TUNE=1); "tune" takes the table, else tunes; "default" takes each kernel's default
+# config; a LaunchConfig or {kernel: LaunchConfig} pins.
 Launch = LaunchConfig | dict[str, LaunchConfig] | str | None
+# Where a launch's config came from, as :data:`CHOSEN` and the results say it.
+SOURCES = ("table", "tuned", "heuristic", "default", "pinned", "interpreter")
 # The interpreter runs every program in numpy: fewer, larger tiles are faster, but tiles must stay
 # small enough that short test sequences still cross block boundaries.
 INTERPRETER = C(32, 32, 4, 1, False)
@@ -119,19 +134,100 @@ def _bucket(n: int) -> int:
     return min(max(16, triton.next_power_of_2(n)), 1 << 16)
 
 
+def _key(kind: str, dtype: torch.dtype, head_dim: int, causal: bool, group: int, n_q: int, n_k: int,
+         variants: str) -> str:
+    """The table key: ``bwd_dq|bfloat16|d128|causal|g1|nq1024|nk1024`` (``|window+softcap`` last)."""
+    return "|".join((kind, str(dtype).removeprefix("torch."), f"d{head_dim}", "causal" if causal else "full",
+                     f"g{group}", f"nq{_bucket(n_q)}", f"nk{_bucket(n_k)}", *([variants] if variants else [])))
+
+
+def _fields(key: str) -> dict[str, Any] | None:
+    """:func:`_key`'s fields back from a key (None for a key of another form)."""
+    parts = key.split("|")
+    if len(parts) not in (7, 8) or not parts[2][1:].isdigit():
+        return None
+    try:
+        return {"kind": parts[0], "dtype": parts[1], "head_dim": int(parts[2][1:]), "causal": parts[3],
+                "group": int(parts[4][1:]), "nq": int(parts[5][2:]), "nk": int(parts[6][2:]),
+                "variants": parts[7] if len(parts) == 8 else ""}
+    except ValueError:
+        return None
+
+
+_guessed: dict[str, LaunchConfig] = {}  # key -> heuristic config (never saved: it was not measured)
+
+
+def heuristic(kind: str, key: str, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
+    """The config for a key the tables miss, without tuning: the winner of the nearest key in the
+    tables for the same kernel, dtype, head-dim class and masking (causal or not) - nearest in
+    log2 of the lengths, then variants, GQA group and head_dim - when that winner is among this
+    key's candidates; else the candidate list's head (:func:`default`, what verify checks)."""
+    if key in _guessed:
+        return _guessed[key]
+    want = _fields(key)
+    allowed = candidates(kind, head_dim, dtype)
+    best: tuple[float, LaunchConfig] | None = None
+    for other, winner in _memory.items():
+        have = _fields(other)
+        if want is None or have is None or any(have[f] != want[f] for f in ("kind", "dtype", "causal")):
+            continue
+        if _head_dim_class(have["head_dim"]) != _head_dim_class(head_dim):
+            continue
+        cfg = LaunchConfig(**winner)
+        if cfg not in allowed:
+            continue
+        distance = (abs(math.log2(have["nq"] / want["nq"])) + abs(math.log2(have["nk"] / want["nk"]))
+                    + 0.5 * (have["variants"] != want["variants"]) + 0.25 * (have["group"] != want["group"])
+                    + abs(have["head_dim"] - head_dim) / 1024)
+        if best is None or distance < best[0]:
+            best = (distance, cfg)
+    _guessed[key] = best[1] if best is not None else default(kind, head_dim, dtype)
+    return _guessed[key]
+
+
+def tune_on_miss() -> bool:
+    """``FLASHRUN_TUNE=1`` (set for a run by ``--tune`` / ``[triton] tune``; read at each call):
+    a key the tables miss is tuned on first use instead of taking :func:`heuristic`'s config."""
+    return os.environ.get("FLASHRUN_TUNE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def table_name() -> str:
     """``<gpu>-triton<major.minor>``: what a tuned table is valid for (with SPACE_VERSION)."""
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
     return f"{gpu}-triton{'.'.join(triton.__version__.split('.')[:2])}"
 
 
+def cache_root() -> Path:
+    """Where flashrun keeps what it learns about this machine: ``FLASHRUN_CACHE_DIR``, else
+    ``~/.cache/flashrun`` (Triton keeps its compiled kernels in its own cache)."""
+    return Path(os.environ.get("FLASHRUN_CACHE_DIR") or Path.home() / ".cache" / "flashrun")
+
+
 def _cache_path() -> Path:
-    root = Path(os.environ.get("FLASHRUN_CACHE_DIR") or Path.home() / ".cache" / "flashrun")
-    return root / f"tune-{table_name()}-space{SPACE_VERSION}.json"
+    return cache_root() / f"tune-{table_name()}-space{SPACE_VERSION}.json"
 
 
 _memory: dict[str, dict[str, int]] = {}
+_origin: dict[str, str] = {}  # key -> "table" (shipped) or "tuned" (the user's cache, or tuned here)
 _loaded_from: set[Path] = set()
+# kind -> (config, source) of the last real launch of each kernel kind since chosen() last read
+# it (compiling only records nothing)
+CHOSEN: dict[str, tuple[LaunchConfig, str]] = {}
+
+
+def chosen() -> dict[str, dict[str, str]]:
+    """What the launches since the last call ran, per kernel kind (its last launch), as results
+    show it - ``{"fwd": {"config": "128x64 w4 s3", "source": "table"}}`` - and forget it: call
+    once before the calls of interest, once after."""
+    said = {kind: {"config": str(cfg), "source": source} for kind, (cfg, source) in CHOSEN.items()}
+    CHOSEN.clear()
+    return said
+
+
+def _chose(kind: str, cfg: LaunchConfig, source: str) -> LaunchConfig:
+    if _compile_only is None:
+        CHOSEN[kind] = (cfg, source)
+    return cfg
 
 
 def _load(path: Path, shipped: bool = False) -> None:
@@ -151,6 +247,7 @@ def _load(path: Path, shipped: bool = False) -> None:
             return
         data = data.get("configs", {})
     _memory.update(data)
+    _origin.update(dict.fromkeys(data, "table" if shipped else "tuned"))
 
 
 def _save(path: Path) -> None:
@@ -163,14 +260,37 @@ def _save(path: Path) -> None:
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, or only its compilation while :func:`_precompile` runs."""
-    if _warming:
-        kernel.warmup(*args, grid=grid, **kwargs)
+    """``kernel[grid](*args, **kwargs)``, or inside :func:`compile_only` its hand-over to the compiler."""
+    if _compile_only is not None:
+        _compile_only(kernel, grid, args, kwargs)
     else:
         kernel[grid](*args, **kwargs)
 
 
-_warming = False
+# While set: what launch() does instead of launching, f(kernel, grid, args, kwargs)
+_compile_only: Callable[[Any, Any, tuple, dict], None] | None = None
+
+
+def compiling() -> bool:
+    """Whether launches are being compiled, not run (:func:`compile_only`)."""
+    return _compile_only is not None
+
+
+@contextmanager
+def compile_only(compile: Callable[[Any, Any, tuple, dict], None]) -> Iterator[None]:
+    """Within: the launchers' launches go to ``compile(kernel, grid, args, kwargs)`` instead of
+    running. Nothing is launched, so outputs hold whatever their allocations held; the
+    launchers make the same decisions (configs, paths) as for a real call, without tuning."""
+    global _compile_only
+    previous, _compile_only = _compile_only, compile
+    try:
+        yield
+    finally:
+        _compile_only = previous
+
+
+def _warmup(kernel, grid, args: tuple, kwargs: dict) -> None:
+    kernel.warmup(*args, grid=grid, **kwargs)
 
 
 def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]) -> None:
@@ -178,7 +298,6 @@ def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]
     tuning waits for the slowest compile instead of their sum. Launchers go through
     :func:`launch`, which only compiles while this runs; a candidate that cannot compile is
     left for the timing loop to skip."""
-    global _warming
     mode = getattr(triton, "AsyncCompileMode", None)
     if mode is None or len(configs) < 2:
         return
@@ -186,9 +305,8 @@ def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]
 
     start = time.perf_counter()
     with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 4)) as pool:
-        _warming = True
         try:
-            with mode(pool, ignore_errors=True):
+            with mode(pool, ignore_errors=True), compile_only(_warmup):
                 for cfg in configs:
                     try:
                         run(cfg)
@@ -196,8 +314,6 @@ def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]
                         log.debug("not precompiling %s: %s", cfg, exc)
         except Exception as exc:  # noqa: BLE001 - precompiling is an optimisation, never fatal
             log.debug("parallel precompile failed: %s", exc)
-        finally:
-            _warming = False
     log.debug("precompiled %d configs in %.1fs", len(configs), time.perf_counter() - start)
 
 
@@ -206,35 +322,46 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
            lengths: tuple[int, int] | None = None) -> LaunchConfig:
     """The config to launch ``kind`` with; may time ``run(cfg)`` for each candidate first.
 
-    ``launch``: None tunes; ``"default"`` takes the default; a LaunchConfig pins every kernel
-    (unset fields from the default); a dict pins kernels by name. ``variants`` (e.g.
-    ``"window+softcap"``) tunes those calls apart: a window leaves each tile a few key blocks, a
-    softcap or ALiBi adds work per score, so another config may win. ``lengths``: (Nq, Nk) for
-    packed sequences (the longest), whose q/k shapes are (total, heads, head_dim).
+    ``launch``: None takes the tables, else :func:`heuristic` (tuning instead with
+    :func:`tune_on_miss`); ``"tune"`` takes the tables, else tunes; ``"default"`` takes the
+    default; a LaunchConfig pins every kernel (unset fields from the default); a dict pins kernels
+    by name. ``variants`` (e.g. ``"window+softcap"``) keys those calls apart: a window leaves
+    each tile a few key blocks, a softcap or ALiBi adds work per score, so another config may win.
+    ``lengths``: (Nq, Nk) for packed sequences (the longest), whose q/k shapes are (total, heads,
+    head_dim). Inside :func:`compile_only` nothing is timed: a key that would be tuned has every
+    candidate compiled (the tuner then finds them compiled) and the heuristic config returned.
     """
     head_dim = q.shape[-1]
     if launch == "default":  # no tuning: each kernel's default config (what verify checks)
-        return default(kind, head_dim, q.dtype)
+        return _chose(kind, default(kind, head_dim, q.dtype), "interpreter" if INTERPRETED else "default")
     if isinstance(launch, dict):  # per-kernel pins, e.g. {"fwd": LaunchConfig(128, 64, 4, 3)}
         launch = launch.get(kind)
-    if launch is not None and any(getattr(launch, f.name) is not None for f in fields(launch)):
-        return launch.filled(default(kind, head_dim, q.dtype))
+    if isinstance(launch, LaunchConfig) and any(getattr(launch, f.name) is not None for f in fields(launch)):
+        return _chose(kind, launch.filled(default(kind, head_dim, q.dtype)), "pinned")
     if INTERPRETED:
-        return INTERPRETER
+        return _chose(kind, INTERPRETER, "interpreter")
     n_q, n_k = lengths if lengths is not None else (q.shape[2], k.shape[2])
-    key = "|".join(str(part) for part in (
-        kind, str(q.dtype).removeprefix("torch."), f"d{head_dim}", "causal" if causal else "full",
-        f"g{q.shape[1] // k.shape[1]}", f"nq{_bucket(n_q)}", f"nk{_bucket(n_k)}", *([variants] if variants else [])))
+    key = _key(kind, q.dtype, head_dim, causal, q.shape[1] // k.shape[1], n_q, n_k, variants)
     path = _cache_path()
     if USE_SHIPPED:
         _load(SHIPPED / f"{table_name()}.json", shipped=True)
     _load(path)  # the user's own winners override the shipped ones
     if key in _memory:
-        return LaunchConfig(**_memory[key])
+        return _chose(kind, LaunchConfig(**_memory[key]), _origin.get(key, "tuned"))
+    guess = heuristic(kind, key, head_dim, q.dtype)
+    if not (launch == "tune" or tune_on_miss()):
+        return _chose(kind, guess, "heuristic")
+    configs = candidates(kind, head_dim, q.dtype)
+    if _compile_only is not None:  # compiling ahead: the tuner will time these
+        for cfg in configs:
+            try:
+                run(cfg)
+            except Exception as exc:  # noqa: BLE001 - as in _precompile
+                log.debug("not precompiling %s: %s", cfg, exc)
+        return guess
 
     start = time.perf_counter()
     timings: list[tuple[float, LaunchConfig]] = []
-    configs = candidates(kind, head_dim, q.dtype)
     _precompile(configs, run)
     for cfg in configs:
         try:
@@ -249,7 +376,8 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
         raise RuntimeError(f"no launch configuration of {kind} runs for head_dim={head_dim}, dtype={q.dtype}")
     best_ms, best = min(timings, key=lambda t: t[0])
     _memory[key] = {f.name: getattr(best, f.name) for f in fields(best)}
+    _origin[key] = "tuned"
     _save(path)
     log.info("tuned %s (%s) in %.1fs over %d configs: %s (%.3f ms); cached in %s",
              kind, key, time.perf_counter() - start, len(timings), best, best_ms, path)
-    return best
+    return _chose(kind, best, "tuned")

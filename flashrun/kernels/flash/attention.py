@@ -25,6 +25,9 @@ dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program ord
 Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process.
+First calls: every launch goes through :func:`flashrun.kernels.tuning.launch`, so a call can be
+made in compile-only mode; the first call of each kind in a process compiles the forward's and
+backward's kernels at once (:func:`_compile_ahead`, :mod:`flashrun.kernels.warmup`).
 Keys past N_K in a key block load as zeros, and their dS is zeroed before it reaches dQ: against
 a very negative LSE their recomputed P would be exp2(0 − lse2) = inf, and inf · 0 is NaN.
 
@@ -109,7 +112,8 @@ from flashrun.kernels.flash.fwd import (
     _attn_fwd_combine,
     _attn_fwd_split,
 )
-from flashrun.kernels.tuning import Launch, LaunchConfig, choose
+from flashrun.kernels import warmup
+from flashrun.kernels.tuning import Launch, LaunchConfig, choose, compiling
 from flashrun.kernels.tuning import launch as launch_kernel
 
 # -- launchers ----------------------------------------------------------------------------------
@@ -186,13 +190,13 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         cfg = _decode_config()
         o_part = torch.empty((Z * H, N_Q, splits, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((Z * H, N_Q, splits), dtype=torch.float32, device=q.device)
-        _attn_fwd_split[(splits, Z * H)](q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
-                                         H, N_Q, N_K, first_key, keys_per_split, **var,
-                                         GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
-                                         BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n,
-                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
-        _attn_fwd_combine[(N_Q, Z * H)](o_part, lse_part, o, lse, *o.stride(), H, N_Q, splits,
-                                        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_S=triton.next_power_of_2(splits))
+        launch_kernel(_attn_fwd_split, (splits, Z * H), q, k, v, o_part, lse_part, *q.stride(), *k.stride(),
+                      *v.stride(), H, N_Q, N_K, first_key, keys_per_split, **var,
+                      GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
+                      BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
+        launch_kernel(_attn_fwd_combine, (N_Q, Z * H), o_part, lse_part, o, lse, *o.stride(), H, N_Q, splits,
+                      HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_S=triton.next_power_of_2(splits))
         return o, lse
 
     def run(cfg: LaunchConfig) -> None:
@@ -237,8 +241,9 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                              ((0, *_strides(o)[1:]), (0, *_strides(do)[1:])))
     pre_m = 64 if rows >= 64 else 16
     if rows:
-        _attn_bwd_preprocess[(triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H)](
-            o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_M=pre_m)
+        launch_kernel(_attn_bwd_preprocess, (triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H),
+                      o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
+                      BLOCK_M=pre_m)
 
     # Hopper: dQ's partials go out as one TMA reduce-add per tile instead of an atomic per element
     dq_tma = not deterministic and not variant.varlen and _dq_tma_ok(dq)
@@ -273,9 +278,46 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
+# -- first calls: the forward's and backward's kernels compile together --------------------------
+
+_ahead: set[tuple] = set()  # the kinds of call compiled ahead in this process (_compile_ahead)
+
+
+def _compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
+                   launch: Launch, deterministic: bool, grad: bool) -> tuple[warmup.Batch | None, list]:
+    """On the first call of its kind in this process (dtype, head_dim, GQA group, length buckets,
+    variants, alignment, backward or not), compile the forward's kernels and, when gradients are
+    wanted, the backward's, all at once in the compile pool (:mod:`flashrun.kernels.warmup`),
+    and wait for the forward's: a cold first call then waits for its slowest compile instead of
+    the sum of them. Returns the batch and the backward's kernels, which the backward waits for.
+    The kind is coarser than Triton's key: a launch whose specialization still differs compiles
+    on its own, as it would without this. Nothing happens through the interpreter or while a
+    run's own compile-ahead (:mod:`flashrun.harness.precompile`) is collecting launches."""
+    if not warmup.available() or compiling():
+        return None, []
+    Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
+    kind = (q.device, q.dtype, q.dim(), D, H // H_KV, triton.next_power_of_2(N_Q), triton.next_power_of_2(N_K),
+            N_Q % 16 == 0, N_K % 16 == 0, variant.causal, variant.tuning(N_Q, N_K)["variants"],
+            tuple(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1]) for t in (q, k, v)),
+            repr(launch), deterministic, grad)
+    if kind in _ahead:
+        return None, []
+    _ahead.add(kind)
+    batch = warmup.Batch()
+    outputs: list[torch.Tensor] = []
+    forward = batch.collect(lambda: outputs.extend(_attn_forward(q, k, v, sm_scale, variant, launch)))
+    backward = []
+    if grad and outputs:
+        o, lse = outputs
+        backward = batch.collect(lambda: _attn_backward(o, q, k, v, o, lse, sm_scale, variant, launch, deterministic))
+    batch.wait(forward)
+    return batch, backward
+
+
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, variant, launch, deterministic):
+        ctx.ahead = _compile_ahead(q, k, v, sm_scale, variant, launch, deterministic, any(ctx.needs_input_grad[:3]))
         o, lse = _attn_forward(q, k, v, sm_scale, variant, launch)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic = sm_scale, variant, launch, deterministic
@@ -284,6 +326,9 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        batch, kernels = ctx.ahead
+        if batch is not None:
+            batch.wait(kernels)
         dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic)
         return dq, dk, dv, None, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
 

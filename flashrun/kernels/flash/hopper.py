@@ -12,7 +12,12 @@ flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or pack
 
 The first eligible call per (dtype, head_dim) in a process checks the Gluon kernel against
 ``_attn_fwd`` on small inputs (:func:`_self_check`, causal and not); if it raises or disagrees
-the path is off for that (dtype, head_dim) in this process and one warning says why.
+the path is off for that (dtype, head_dim) in this process and one warning says why. A check
+that passed is remembered on disk (``<FLASHRUN_CACHE_DIR>/hopper-checks.json``) under a key of
+everything its verdict depends on - GPU name and capability, driver version, Triton and torch
+versions, dtype, head_dim, launch config and a hash of the kernels' sources
+(:func:`_verdict_key`) - so later processes skip it (its compiles and runs cost seconds) until
+any of those changes; a failed check is not remembered (it runs again in the next process).
 ``FLASHRUN_HOPPER=0`` (read at each call) or ``ENABLED = False`` forces the portable kernel.
 :func:`flashrun.kernels.flash.forward_path` says which path a call would take; :data:`LAST_PATH`
 records the path the last forward took.
@@ -33,15 +38,20 @@ not timed, so the portable kernel keeps it.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import inspect
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 
-from flashrun.kernels.tuning import INTERPRETED
+from flashrun.kernels import tuning
+from flashrun.kernels.tuning import INTERPRETED, compiling, launch
 
 log = logging.getLogger("flashrun.hopper")
 
@@ -212,7 +222,7 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, to
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel's stores assume
     lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
     grid, args, constexprs, options = launch_args(q, k, v, o, lse, sm_scale, causal, _config(q.shape[-1]))
-    _fa3_fwd[grid](*args, **constexprs, **options)
+    launch(_fa3_fwd, grid, *args, **constexprs, **options)
     return o, lse
 
 
@@ -241,7 +251,9 @@ CHECK_SHAPE = (1, 2, 200)  # (batch, heads, N): two query tiles, a ragged last t
 
 def _self_check(device, dtype, head_dim, portable) -> str | None:
     """None when the Gluon kernel agrees with ``portable(q, k, v, sm_scale, causal) -> (o, lse)``
-    on small inputs of this dtype and head_dim, causal and not, else what went wrong."""
+    on small inputs of this dtype and head_dim, causal and not, else what went wrong. While
+    compiling ahead (:func:`~flashrun.kernels.tuning.compiling`) the launches only compile, so
+    nothing is compared."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     z, h, n = CHECK_SHAPE
     for causal in (False, True):
@@ -255,6 +267,8 @@ def _self_check(device, dtype, head_dim, portable) -> str | None:
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
             return f"the Gluon kernel raised {type(exc).__name__}: {last}"
         o_ref, lse_ref = portable(q, k, v, scale, causal)
+        if compiling():
+            continue
         err_o = (o.float() - o_ref.float()).abs().max().item()
         err_l = (lse - lse_ref).abs().max().item()
         label = f"N={n} D={head_dim} {'causal' if causal else 'full'}"
@@ -264,18 +278,104 @@ def _self_check(device, dtype, head_dim, portable) -> str | None:
 
 
 def ensure_checked(device, dtype, head_dim, portable) -> bool:
-    """Run the first-use check once per process, dtype and head_dim; True when the path stays on."""
+    """Run the first-use check once per process, dtype and head_dim - unless it passed before
+    for the same :func:`_verdict_key`; True when the path stays on. While compiling ahead the
+    check's kernels are compiled (its launches handed over like any other), nothing runs, and
+    the path is taken as on: the check itself runs on the first real call."""
     key = (dtype, head_dim)
-    if key not in _checked:
-        reason = _self_check(device, dtype, head_dim, portable)
-        _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
-        if reason:
-            log.warning("flashrun: the Gluon sm_90 forward is off for %s, head_dim %d in this process (%s); the "
-                        "portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
-        else:  # shown with -v
-            log.info("forward path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
-                     GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
+    if key in _checked:
+        return _checked[key] is None
+    verdict = _verdict_key(device, dtype, head_dim)
+    if verdict is not None and verdict in _passed():
+        _checked[key] = None
+        log.info("forward path %s for %s, head_dim %d (its first-use check passed before on this GPU, driver, "
+                 "Triton and kernel sources: %s)", GLUON_PATH, str(dtype).removeprefix("torch."), head_dim,
+                 _verdicts_path())
+        return True
+    if compiling():
+        _self_check(device, dtype, head_dim, portable)
+        return True
+    reason = _self_check(device, dtype, head_dim, portable)
+    _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
+    if reason:
+        log.warning("flashrun: the Gluon sm_90 forward is off for %s, head_dim %d in this process (%s); the "
+                    "portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
+    else:  # shown with -v
+        log.info("forward path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
+                 GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
+        if verdict is not None:
+            _remember_pass(verdict, device, dtype, head_dim)
     return _checked[key] is None
+
+
+# -- the first-use check's verdicts, kept across processes ----------------------------------------
+
+
+def _verdicts_path() -> Path:
+    return tuning.cache_root() / "hopper-checks.json"
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA kernel driver's version (``/proc/driver/nvidia/version``), else the CUDA
+    version the driver supports (as torch reads it); None when neither can be read."""
+    try:
+        first = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+        return " ".join(first.split())
+    except (OSError, IndexError):
+        pass
+    read = getattr(torch._C, "_cuda_getDriverVersion", None)
+    try:
+        return f"cuda driver api {read()}" if read is not None else None
+    except Exception:  # noqa: BLE001 - no driver to ask: no verdict is kept
+        return None
+
+
+_sources: list[str] = []
+
+
+def _sources_hash() -> str:
+    """sha256 over the sources of every kernel the check runs or compares against (this folder:
+    the Gluon kernel, the portable forward and their helpers; tuning.py: the portable config)."""
+    if not _sources:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")) + [Path(tuning.__file__)]:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        _sources.append(digest.hexdigest())
+    return _sources[0]
+
+
+def _verdict_key(device, dtype, head_dim) -> str | None:
+    """What a first-use verdict depends on, hashed; None when it cannot be pinned down (no
+    driver version): then the check runs in every process."""
+    driver = _driver_version()
+    if driver is None or device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    parts = (props.name, f"sm{props.major}{props.minor}", driver, f"triton {triton.__version__}",
+             f"torch {torch.__version__}", str(dtype), f"d{head_dim}", repr(_config(head_dim)), _sources_hash())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def _passed() -> dict:
+    try:
+        data = json.loads(_verdicts_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _remember_pass(verdict: str, device, dtype, head_dim: int) -> None:
+    from flashrun.records.files import atomic_write_json
+
+    passed = _passed()
+    passed[verdict] = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
+                       "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+                       "triton": triton.__version__,
+                       "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        atomic_write_json(_verdicts_path(), passed)
+    except OSError as exc:  # a read-only home must not break a run: the check runs again next time
+        log.warning("could not save the first-use check's verdict in %s: %s", _verdicts_path(), exc)
 
 
 def reset() -> None:

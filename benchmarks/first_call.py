@@ -1,0 +1,151 @@
+"""First calls of flash on a GPU, timed step by step (issue 24). Imports no pydantic, Ray or openai.
+
+    python benchmarks/first_call.py new-key     # the Python API's first call with a key the tuned
+                                                # table lacks: GQA 4/1, D=111, causal, bf16, + backward
+    python benchmarks/first_call.py breakdown   # where a process's first calls spend their time
+
+``new-key`` times the first forward+backward (compiling included) and a second one, checks both
+against an fp32 PyTorch reference, and says which launch config each kernel ran and where it
+came from (table / heuristic / tuned). ``breakdown`` stamps each step of a fresh process - import
+torch, import flashrun's kernels, the CUDA context, the first call of verify's default shape
+(D=64, N=128), the first call of a shape the Gluon sm_90 forward takes (D=128, N=4096: its
+first-use check runs there, or its verdict is read from FLASHRUN_CACHE_DIR) - and profiles the
+first call (``--profile FILE``: the 25 costliest functions by cumulative time). One JSON line on
+stdout either way.
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashrun
+
+
+def _since(mark: float) -> float:
+    return round(time.perf_counter() - mark, 3)
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _reference(q, k, v, causal):
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    s = q.float() @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:  # Nq == Nk here: top-left and bottom-right alignment agree
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def new_key() -> dict:
+    stamps = {}
+    import torch
+
+    stamps["import torch"] = _since(START)
+    mark = time.perf_counter()
+    from flashrun.kernels import flash_attention, hopper, tuning
+
+    stamps["import flashrun.kernels"] = _since(mark)
+    mark = time.perf_counter()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, h, h_kv, n, d = 2, 8, 2, 1024, 111
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(b, h_kv, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _sync()
+    stamps["cuda context + inputs"] = _since(mark)
+    tuning.chosen()
+    calls = []
+    for _ in range(2):
+        mark = time.perf_counter()
+        out = flash_attention(q, k, v, causal=True)
+        out.backward(do)
+        _sync()
+        calls.append(_since(mark))
+        configs = tuning.chosen()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = _reference(qf, kf, vf, True)
+    ref.backward(do.float())
+    errors = {"o": (out.float() - ref).abs().max().item(),
+              **{name: (g.float() - r.grad).abs().max().item() for name, g, r in zip(("dq", "dk", "dv"), grads, (qf, kf, vf))}}
+    return {"shape": f"B{b} H{h}/{h_kv} N{n} D{d} bf16 causal, forward + backward", "stamps": stamps,
+            "first call s": calls[0], "second call s": calls[1], "configs": configs, "forward path": hopper.LAST_PATH,
+            "max abs error vs fp32": {name: round(err, 5) for name, err in errors.items()},
+            "ok": all(err < 0.1 for err in errors.values())}
+
+
+def breakdown(profile: str | None) -> dict:
+    stamps = {}
+    import torch
+
+    stamps["import torch"] = _since(START)
+    mark = time.perf_counter()
+    import triton  # noqa: F401
+
+    stamps["import triton"] = _since(mark)
+    mark = time.perf_counter()
+    from flashrun.kernels import flash_attention, hopper, warmup
+
+    stamps["import flashrun.kernels"] = _since(mark)
+    mark = time.perf_counter()
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    _sync()
+    stamps["cuda context"] = _since(mark)
+    mark = time.perf_counter()
+    warmup._primed()
+    stamps["triton_key (left after the background hash)"] = _since(mark)
+
+    def call(b, h, h_kv, n, d, causal):
+        q = torch.randn(b, h, n, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, h_kv, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        _sync()
+        mark = time.perf_counter()
+        flash_attention(q, k, v, causal=causal)
+        _sync()
+        return _since(mark)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    stamps["first call: verify's default shape (B1 H4/2 N128 D64 fp16 causal)"] = call(1, 4, 2, 128, 64, True)
+    profiler.disable()
+    stamps["second call of it"] = call(1, 4, 2, 128, 64, True)
+    stamps["first call of a Gluon shape (B1 H16 N4096 D128 fp16; its first-use check or verdict)"] = \
+        call(1, 16, 16, 4096, 128, False)
+    stamps["second call of the Gluon shape"] = call(1, 16, 16, 4096, 128, False)
+    stamps["path of the Gluon shape"] = hopper.LAST_PATH
+    stamps["total"] = _since(START)
+    if profile:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+        Path(profile).write_text(text.getvalue())
+    return {"stamps": stamps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("new-key", "breakdown"))
+    ap.add_argument("--profile", help="breakdown: write the first call's profile here")
+    ns = ap.parse_args()
+    result = new_key() if ns.what == "new-key" else breakdown(ns.profile)
+    print(json.dumps(result))
+    return 0 if result.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
