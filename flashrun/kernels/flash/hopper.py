@@ -29,7 +29,7 @@ with the next tile's loads prefetched. Shared memory, Q (consumers x 64 rows) + 
                 16 KB + 3 x 32 KB = 112 KB (two per SM)
   head_dim 192: two column blocks (128 + 64), BLOCK_N 64, 3 stages: 48 KB + 3 x 48 KB = 192 KB
   head_dim 256: BLOCK_N 64, 2 stages: 64 KB + 2 x 64 KB = 192 KB; BLOCK_N 32, 4 stages: the same
-Where it runs was decided by the H200 probe (benchmarks/probe_hopper.py; NOTES.md v5): at
+Where it runs was decided by v5's H200 probe (NOTES.md v5; its script is in git history): at
 head_dim 128 the overlapped 3-stage kernel beat the portable one at every length timed (1024 to
 16384) but causal 512/1024; at 64 only from 4096 keys (8192 causal: at 1024 the portable
 kernel's smaller tiles, several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240). The
@@ -67,7 +67,7 @@ class HopperConfig:
     overlap: bool = True  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j)
     consumers: int = 2  # 64-row consumer warpgroups per tile: 2 (128-row tiles) or 1 (64-row tiles)
     persistent: bool = False  # programs = what fits on the SMs at once, each looping over tiles
-    consumer_regs: int = 240
+    consumer_regs: int = 240  # with one consumer the compiler gives it what the producer leaves
     producer_regs: int = 24
     # launch cap, registers per thread: 12 warps x 32 x 168 <= 65536 (the consumers take 2 x 128 x 240,
     # the producer's warpgroup 128 x 24); one consumer: 8 warps x 32 x 128 x 2 programs <= 65536
@@ -122,7 +122,8 @@ KERNELS = {
     "d128": HopperConfig(128, block_n=128, stages=3),
     "d128-persistent": HopperConfig(128, block_n=128, stages=3, persistent=True),
     "d128-m64": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
-    "d128-m64-persistent": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128, persistent=True),
+    "d128-m64-persistent": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128,
+                                        persistent=True),
     "d192": HopperConfig(192, block_n=64, stages=3),
     "d192-persistent": HopperConfig(192, block_n=64, stages=3, persistent=True),
     "d256": HopperConfig(256, block_n=64, stages=2),

@@ -161,25 +161,27 @@ def _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N: gl.constexpr, HEAD_D0: gl.co
 @gluon.jit
 def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
         p1_layout: gl.constexpr):
-    """Issue O += P V on stage s (one async wgmma per column block); (tokens of acc, acc1)."""
+    """Issue O += P V on stage s (one async wgmma per column block): (acc's token, acc1's token, the
+    second block's P operand, which like P must stay alive until its wgmma is done)."""
     o_tok = warpgroup_mma(p_op, v_smem.index(s).reshape([BLOCK_N, HEAD_D0]), acc, is_async=True)
     if HEAD_D1 > 0:
-        o1_tok = warpgroup_mma(gl.convert_layout(p_op, p1_layout), v1_smem.index(s).reshape([BLOCK_N, HEAD_D1]),
-                               acc1, is_async=True)
+        p1_op = gl.convert_layout(p_op, p1_layout)  # the same registers (layouts equal but for N)
+        o1_tok = warpgroup_mma(p1_op, v1_smem.index(s).reshape([BLOCK_N, HEAD_D1]), acc1, is_async=True)
     else:
+        p1_op = p_op
         o1_tok = acc1  # unused: a [64, 16] placeholder the compiler drops
-    return o_tok, o1_tok
+    return o_tok, o1_tok, p1_op
 
 
 @gluon.jit
-def _pv_wait(o_tok, o1_tok, p_op, HEAD_D1: gl.constexpr):
-    """Wait for every wgmma in flight (the P V ones last); (acc, acc1, p_op), p_op kept alive until then."""
+def _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1: gl.constexpr):
+    """Wait for every wgmma in flight (the P V ones last): (acc, acc1), the P operands kept alive until then."""
     if HEAD_D1 > 0:
-        acc, acc1, p_op = warpgroup_mma_wait(0, deps=(o_tok, o1_tok, p_op))
+        acc, acc1, p_op, p1_op = warpgroup_mma_wait(0, deps=(o_tok, o1_tok, p_op, p1_op))
     else:
         acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         acc1 = o1_tok
-    return acc, acc1, p_op
+    return acc, acc1
 
 
 @gluon.jit
@@ -254,11 +256,12 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                     mbarrier.wait(k_bars.index(s), ((it + i) // STAGES) & 1)
                     mbarrier.wait(v_bars.index(prev), ((it + i - 1) // STAGES) & 1)
                     s_tok = _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
-                    o_tok, o1_tok = _pv(p_op, v_smem, v1_smem, prev, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
+                    o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, prev, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1,
+                                               p1_layout)
                     s_val = warpgroup_mma_wait(PV_OPS, deps=(s_tok,))
                     p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
                                                        qk_scale, BLOCK_N, CAUSAL)
-                    acc, acc1, p_op = _pv_wait(o_tok, o1_tok, p_op, HEAD_D1)
+                    acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
                     mbarrier.arrive(empty_bars.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     if HEAD_D1 > 0:
@@ -267,8 +270,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                 mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                o_tok, o1_tok = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
-                acc, acc1, p_op = _pv_wait(o_tok, o1_tok, p_op, HEAD_D1)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
                 mbarrier.arrive(empty_bars.index(last), count=1)
             else:
                 mbarrier.arrive(q_empty.index(C), count=1)
@@ -285,8 +288,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                     acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.wait(v_bars.index(s), phase)
-                o_tok, o1_tok = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
-                acc, acc1, p_op = _pv_wait(o_tok, o1_tok, p_op, HEAD_D1)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
                 mbarrier.arrive(empty_bars.index(s), count=1)
             mbarrier.arrive(q_empty.index(C), count=1)
 
