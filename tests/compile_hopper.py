@@ -4,13 +4,15 @@ its one-program-per-tile twin, compiled once), fp16 and bf16, causal and not; re
 holds (wgmma, TMA, mbarrier, setmaxnreg), the threads launched, shared memory and the registers
 and spills ptxas reports.
 
-    python tests/compile_hopper.py [--kernels d128,d192] [--ptx DIR]
+    python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR]
 
 Exit status 0: all compiled; 3: this Triton lacks the Gluon Hopper API the kernel uses or cannot
 compile for sm_90 here (nothing was checked); 1: a compile failed.
 """
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import subprocess
@@ -80,9 +82,38 @@ def ptxas_info(ptx: str) -> str:
             f"spill stores/loads {spills.group(1) + '/' + spills.group(2) if spills else '?'} B")
 
 
+def check_one(job) -> tuple[bool, str]:
+    """Compile one (kernel names, config, dtype, causal) and describe it: (ok, the report lines)."""
+    same, cfg, dtype, causal, ptx_dir = job
+    label = f"{'/'.join(same)} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
+    start = time.perf_counter()
+    try:
+        kernel = compile_one(dtype, causal, cfg, group=2 if causal else 1)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-3:])
+    ptx = kernel.asm["ptx"]
+    counts = {name: len(re.findall(pat, ptx)) for name, pat in (
+        ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+        ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
+    regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx)
+    if threads and int(threads.group(1)) != flash_hopper.launched_threads(cfg):  # what programs_per_sm assumes
+        return False, (f"FAIL {label}: launches {threads.group(1)} threads, flash_hopper.launched_threads says "
+                       f"{flash_hopper.launched_threads(cfg)}")
+    if ptx_dir:
+        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
+        Path(ptx_dir, f"fa3_{same[0]}_{str(dtype)[6:]}_{int(causal)}.ptx").write_text(ptx)
+    return True, (f"ok   {label}: {time.perf_counter() - start:.1f}s  threads {threads.group(1) if threads else '?'}  "
+                  f"shared {kernel.metadata.shared} B  " + " ".join(f"{k} {v}" for k, v in counts.items())
+                  + f" (to {regs})  {ptxas_info(ptx)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", help="comma-separated flash_hopper.KERNELS names (default: all)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="per kernel only fp16 full and bf16 causal (each dtype and mask once; the CPU suite)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     ap.add_argument("--ptx", help="write each PTX here")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
@@ -93,37 +124,14 @@ def main() -> int:
     binaries = {}  # the compiled kernel ignores `persistent` (a grid size): one compile per twin pair
     for name in names:
         binaries.setdefault(replace(flash_hopper.KERNELS[name], persistent=False), []).append(name)
-    failed = 0
-    for cfg, same in binaries.items():
-        for dtype in flash_hopper.DTYPES:
-            for causal in (False, True):
-                label = f"{'/'.join(same)} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
-                start = time.perf_counter()
-                try:
-                    kernel = compile_one(dtype, causal, cfg, group=2 if causal else 1)
-                except Exception as exc:  # noqa: BLE001
-                    failed += 1
-                    print(f"FAIL {label}: {type(exc).__name__}")
-                    print("".join(traceback.format_exception(exc)[-3:]))
-                    continue
-                ptx = kernel.asm["ptx"]
-                counts = {name: len(re.findall(pat, ptx)) for name, pat in (
-                    ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
-                    ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
-                regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
-                threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx)
-                if threads and int(threads.group(1)) != flash_hopper.launched_threads(cfg):
-                    failed += 1  # programs_per_sm and the register budget assume launched_threads
-                    print(f"FAIL {label}: launches {threads.group(1)} threads, flash_hopper.launched_threads says "
-                          f"{flash_hopper.launched_threads(cfg)}")
-                    continue
-                print(f"ok   {label}: {time.perf_counter() - start:.1f}s  threads {threads.group(1) if threads else '?'}  "
-                      f"shared {kernel.metadata.shared} B  " + " ".join(f"{k} {v}" for k, v in counts.items())
-                      + f" (to {regs})  {ptxas_info(ptx)}", flush=True)
-                if ns.ptx:
-                    Path(ns.ptx).mkdir(parents=True, exist_ok=True)
-                    Path(ns.ptx, f"fa3_{same[0]}_{str(dtype)[6:]}_{int(causal)}.ptx").write_text(ptx)
-    return 1 if failed else 0
+    pairs = ((torch.float16, False), (torch.bfloat16, True)) if ns.pairs else \
+        [(dtype, causal) for dtype in flash_hopper.DTYPES for causal in (False, True)]
+    jobs = [(same, cfg, dtype, causal, ns.ptx) for cfg, same in binaries.items() for dtype, causal in pairs]
+    with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(check_one, jobs))
+    for _, report in results:
+        print(report, flush=True)
+    return 0 if all(ok for ok, _ in results) else 1
 
 
 if __name__ == "__main__":

@@ -164,14 +164,15 @@ def _binaries(names):
 
 
 def test_compiles_for_hopper(python):
-    """Every kernel in KERNELS compiles for sm_90, fp16 and bf16, causal and not, without spills,
+    """Every kernel in KERNELS compiles for sm_90 (fp16 full and bf16 causal: each dtype and mask
+    once, to keep the suite's time; the script without --pairs compiles all four), without spills,
     launching the threads programs_per_sm assumes (skips where this Triton lacks the Gluon Hopper
     API or a CUDA backend)."""
-    result = python(str(Path(__file__).parent / "compile_hopper.py"))
+    result = python(str(Path(__file__).parent / "compile_hopper.py"), "--pairs")
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("ok ") == 2 * 2 * len(_binaries(flash_hopper.KERNELS))
+    assert result.stdout.count("ok ") == 2 * len(_binaries(flash_hopper.KERNELS))
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
     for line in result.stdout.splitlines():
         if line.startswith("ok ") and "ptxas:" in line and "(no bundled ptxas)" not in line:
