@@ -22,7 +22,7 @@
    (``flash-tl``: tuned from the shipped table at D 64/128; at 192/256, which the table lacks,
    its default config, as tuning there would not fit) and cuDNN SDPA. Every provider is judged on
    the shape's edge slice before it is timed; a wrong one is not timed.
-4. A ratio table per head_dim: TFLOP/s over cuDNN's.
+4. A ratio table per head_dim (TFLOP/s over cuDNN's), and the GATE rows those timings support.
 
 Results: $OUT/gluon_probe.json, rewritten after every section; the log on stdout. Cases past
 --budget-s are skipped and say so.
@@ -134,14 +134,14 @@ def _warm(job: tuple) -> tuple[tuple, str | None, float]:
     try:
         kind, dtype, d, causal, extra = job
         dtype = getattr(torch, dtype)
-        if kind == "gluon":
+        if kind == "gluon":  # lengths, batch and heads are not specialized on: one launch per binary
             cfg, group = flash_hopper.KERNELS[extra[0]], extra[1]
-            q = torch.randn(1, group, 200, d, device=DEVICE, dtype=dtype)
-            k = torch.randn(1, 1, 200, d, device=DEVICE, dtype=dtype)
+            q = torch.randn(2, 2 * group, 200, d, device=DEVICE, dtype=dtype)
+            k = torch.randn(2, 2, 200, d, device=DEVICE, dtype=dtype)
             gluon(cfg, q, k, k, causal, PERSISTENT_PROGRAMS if cfg.persistent else None)
-        else:  # the portable kernel at one timed length (the tuned table's key: dtype, D, causal, length)
-            n, launch = extra
-            q = torch.randn(1, 2, n, d, device=DEVICE, dtype=dtype)
+        else:  # the portable kernel at one length (the tuned table's key: dtype, D, causal, length);
+            z, n, launch = extra  # a batch of 1 may be specialized on, so the timed shapes' is not 1
+            q = torch.randn(z, 2, n, d, device=DEVICE, dtype=dtype)
             portable(q, q, q, causal, launch)
         torch.cuda.synchronize()
         return job, None, time.perf_counter() - start
@@ -164,10 +164,11 @@ def compile_ahead(names: list[str], workers: int) -> None:
     for dtype, d, lengths in TIMED:
         for n in lengths:
             for causal in (False, True):
-                jobs.add(("portable", short(dtype), d, causal, (n, portable_launch(d))))
+                jobs.add(("portable", short(dtype), d, causal, (2, n, portable_launch(d))))
+    z, _, n = flash_hopper.CHECK_SHAPE
     for dtype in ("float16", "bfloat16"):  # the first-use check's portable runs
         for causal in (False, True):
-            jobs.add(("portable", dtype, 128, causal, (200, "default")))
+            jobs.add(("portable", dtype, 128, causal, (z, n, "default")))
     print(f"== compile ahead: {len(jobs)} launches on {workers} processes ==", flush=True)
     with mp.get_context("spawn").Pool(workers) as pool:
         for job, error, seconds in pool.imap_unordered(_warm, sorted(jobs, key=str)):
@@ -330,7 +331,31 @@ def ratio_table() -> None:
             cells = [f"{r['tflops'][p] / base:.2f}" if base and p in r["tflops"] else "-" for p in names]
             print(f"{r['n']:>5} {'yes' if r['causal'] else 'no':6} {base or 0:>6.0f} "
                   + " ".join(c.rjust(5) for c in cells))
-        print("  " + "  ".join(f"[{i}] {p}" for i, p in enumerate(names)))
+        for i, p in enumerate(names):
+            print(f"  [{i}] {p}")
+
+
+def suggest_gate(margin: float = 1.02) -> dict:
+    """GATE rows the timings support: per (head_dim, causal) and timed length, the fastest Gluon kernel
+    if it beat flash-tl by ``margin``, else None (the portable kernel); a row starts at each timed
+    length (lengths between two timed ones take the shorter one's winner: interpolated, not measured)."""
+    gate = {}
+    for key in sorted({(r["head_dim"], r["causal"]) for r in RESULTS["timing"]}):
+        rows = []
+        for r in sorted((r for r in RESULTS["timing"] if (r["head_dim"], r["causal"]) == key), key=lambda r: r["n"]):
+            tf = r["tflops"]
+            ours = {p: t for p, t in tf.items() if p in flash_hopper.KERNELS}
+            best = max(ours, key=ours.get) if ours else None
+            pick = best if best and "flash-tl" in tf and ours[best] >= margin * tf["flash-tl"] else None
+            if not rows or rows[-1][1] != pick:
+                rows.append((0 if not rows else r["n"], pick))
+        gate[key] = tuple(rows)
+    print(f"\nsuggested flash_hopper.GATE rows (the fastest Gluon kernel where it beat flash-tl by "
+          f"{(margin - 1) * 100:.0f}%;\ncheck the ratios above before adopting them):")
+    for key, rows in gate.items():
+        print(f"    {key}: {rows},")
+    RESULTS["suggested_gate"] = {str(k): v for k, v in gate.items()}
+    return gate
 
 
 def main() -> int:
@@ -348,6 +373,7 @@ def main() -> int:
     correctness(names, ns.budget_s * 0.5)
     timing(names, ns.budget_s)
     ratio_table()
+    suggest_gate()
     save()
     print(f"\nwrote {OUT / 'gluon_probe.json'} ({elapsed():.0f}s)")
     return 0

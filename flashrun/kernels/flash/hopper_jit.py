@@ -6,9 +6,9 @@ A tile is ``CONSUMERS`` x 64 query rows of one (batch, head). Each program runs 
 (tile ``pid``, ``pid + programs``, ...): launched with one program per tile it runs once; with
 fewer programs (one or two per SM) it is persistent, and the producer loads the next tile's Q and
 first K/V blocks while the consumers still finish this one (FA3's cross-tile prefetch, the piece a
-plain persistent Triton loop lacked: benchmarks/NOTES.md v3, change 4). Causal tiles are ordered
-heaviest first across all heads (the last query tiles see the most keys), so the last wave is the
-light one. Three kinds of partition (``gl.warp_specialize``):
+plain persistent Triton loop lacked: benchmarks/NOTES.md v3, change 4). Tiles go head by head (the
+programs running at once share K/V in L2), causal ones heaviest first within a head. Three kinds
+of partition (``gl.warp_specialize``):
   * producer (worker, 1 warp, few registers): TMA loads of Q (one 64-row half per consumer, once
     the consumer has released the previous tile's) and of K/V blocks into a ring of ``STAGES``
     shared-memory stages that runs on across tiles; per stage a K-ready and a V-ready mbarrier
@@ -61,13 +61,15 @@ HALF_M_C = gl.constexpr(HALF_M)
 def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Tile t's (batch, head, first query row, key blocks to visit)."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
-    if CAUSAL:  # heaviest first: every head's last query tile, then every head's one before it, ...
-        off_hz = t % (Z * H)
-        start_m = (n_m - 1 - t // (Z * H)) * BLOCK_M
+    # a head's tiles side by side: the programs running at once share a few heads' K/V in L2 (in
+    # the order of all heads' last tiles first they would each stream their own head's, and at
+    # 4096 keys and 128 heads need about the HBM's whole bandwidth)
+    off_hz = t // n_m
+    start_m = (t % n_m) * BLOCK_M
+    if CAUSAL:  # within a head the last query tiles see the most keys: start them first
+        start_m = (n_m - 1 - t % n_m) * BLOCK_M
         hi = gl.minimum(gl.maximum(start_m + BLOCK_M + N_K - N_Q, 0), N_K)
-    else:  # a head's tiles side by side: they share its K/V in L2
-        off_hz = t // n_m
-        start_m = (t % n_m) * BLOCK_M
+    else:
         hi = N_K
     return off_hz // H, off_hz % H, start_m, gl.cdiv(hi, BLOCK_N)
 
