@@ -2,6 +2,8 @@
 # The H200 runs behind issue 13's v5 results (one H200; results under $OUT):
 #   bash benchmarks/gpu_round5.sh probe1   # the TMA reduce-add backward and the short-sequence tiles
 #   bash benchmarks/gpu_round5.sh probe2   # the Gluon forward (checked, variants timed), split head dims
+#                                          # (its probe, benchmarks/probe_hopper.py, was replaced by
+#                                          # gluon_probe.py in round 6: `git show 3b16c63:benchmarks/probe_hopper.py`)
 #   bash benchmarks/gpu_round5.sh final    # issue 13's targets in one bench run
 #   bash benchmarks/gpu_round5.sh extra    # GQA 32/8, decode, short causal with and without the Gluon
 #                                          # forward, the GPU suite's shape cases

@@ -1,14 +1,18 @@
 """Compile the Gluon sm_90 forward (flashrun/kernels/flash/hopper_jit.py) for a Hopper GPU on a
-machine without one, for every (dtype, head_dim, causal) it claims, and report what the PTX
-holds (wgmma, TMA, mbarrier, setmaxnreg) and the registers/spills ptxas reports.
+machine without one: every kernel in flash_hopper.KERNELS (a persistent one is the same binary as
+its one-program-per-tile twin, compiled once), fp16 and bf16, causal and not; report what the PTX
+holds (wgmma, TMA, mbarrier, setmaxnreg), the threads launched, shared memory and the registers
+and spills ptxas reports.
 
-    python tests/compile_hopper.py [--overlap] [--ptx DIR]
+    python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR]
 
 Exit status 0: all compiled; 3: this Triton lacks the Gluon Hopper API the kernel uses or cannot
 compile for sm_90 here (nothing was checked); 1: a compile failed.
 """
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import subprocess
@@ -32,17 +36,17 @@ from flashrun.kernels.flash import hopper as flash_hopper  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(dtype, d, causal, cfg, group=1):
+def compile_one(dtype, causal, cfg, group=1):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashrun.kernels.flash.hopper_jit import _fa3_fwd
 
-    z, h, n = 1, 4, 256
+    z, h, n, d = 1, 4, 256, cfg.head_dim
     q = torch.empty(z, h, n, d, dtype=dtype)
     k = torch.empty(z, h // group, n, d, dtype=dtype)
     o = torch.empty_like(q)
     lse = torch.empty(z, h, n, dtype=torch.float32)
-    _, args, constexprs, options = flash_hopper.launch_args(q, k, k, o, lse, 0.125, causal, cfg)
+    _, args, constexprs, options = flash_hopper.launch_args(q, k, k, o, lse, 0.125, causal, cfg, sms=132)
     signature, constants = {}, {}
     params = [p for p in _fa3_fwd.params]
     for p, value in zip(params, list(args) + [None] * len(params)):
@@ -50,64 +54,84 @@ def compile_one(dtype, d, causal, cfg, group=1):
             signature[p.name] = "constexpr"
             constants[(params.index(p),)] = constexprs[p.name]
         else:
-            signature[p.name] = mangle_type(value, specialize=True)
+            signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
     src = GluonASTSource(_fa3_fwd, signature, constants)
     return triton.compile(src, target=TARGET, options=options)
 
 
 def ptxas_info(ptx: str) -> str:
-    """Registers and spills as ptxas -v reports them (the ptxas bundled with Triton)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
+    """Registers and spills as ptxas -v reports them (a ptxas bundled with Triton that reads this
+    PTX version: 3.9 writes PTX 9.x, which only its newer ptxas-blackwell reads)."""
+    out = ""
+    for name in ("ptxas", "ptxas-blackwell"):
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        if not ptxas.exists():
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp, "k.ptx")
+            src.write_text(ptx)
+            out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp, "k.cubin"))],
+                                 capture_output=True, text=True).stderr
+        if "Unsupported .version" not in out:
+            break
+    if not out:
         return "(no bundled ptxas)"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp, "k.ptx")
-        src.write_text(ptx)
-        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp, "k.cubin"))],
-                             capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
     return (f"ptxas: {regs.group(1) if regs else '?'} regs (launch cap; partitions re-split with setmaxnreg), "
             f"spill stores/loads {spills.group(1) + '/' + spills.group(2) if spills else '?'} B")
 
 
+def check_one(job) -> tuple[bool, str]:
+    """Compile one (kernel names, config, dtype, causal) and describe it: (ok, the report lines)."""
+    same, cfg, dtype, causal, ptx_dir = job
+    label = f"{'/'.join(same)} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
+    start = time.perf_counter()
+    try:
+        kernel = compile_one(dtype, causal, cfg, group=2 if causal else 1)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-3:])
+    ptx = kernel.asm["ptx"]
+    counts = {name: len(re.findall(pat, ptx)) for name, pat in (
+        ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+        ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
+    regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx)
+    if threads and int(threads.group(1)) != flash_hopper.launched_threads(cfg):  # what programs_per_sm assumes
+        return False, (f"FAIL {label}: launches {threads.group(1)} threads, flash_hopper.launched_threads says "
+                       f"{flash_hopper.launched_threads(cfg)}")
+    if ptx_dir:
+        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
+        Path(ptx_dir, f"fa3_{same[0]}_{str(dtype)[6:]}_{int(causal)}.ptx").write_text(ptx)
+    return True, (f"ok   {label}: {time.perf_counter() - start:.1f}s  threads {threads.group(1) if threads else '?'}  "
+                  f"shared {kernel.metadata.shared} B  " + " ".join(f"{k} {v}" for k, v in counts.items())
+                  + f" (to {regs})  {ptxas_info(ptx)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--overlap", action="store_true", help="compile the OVERLAP variant")
-    ap.add_argument("--pingpong", action="store_true", help="compile the OVERLAP + PINGPONG variant")
+    ap.add_argument("--kernels", help="comma-separated flash_hopper.KERNELS names (default: all)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="per kernel only fp16 full and bf16 causal (each dtype and mask once; the CPU suite)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     ap.add_argument("--ptx", help="write each PTX here")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
         print(f"Triton {triton.__version__}: {missing}; nothing compiled")
         return 3
-    failed = 0
-    for d in flash_hopper.CONFIGS:
-        for dtype in flash_hopper.DTYPES:
-            for causal in (False, True):
-                cfg = flash_hopper.CONFIGS[d]
-                cfg = replace(cfg, overlap=cfg.overlap or ns.overlap or ns.pingpong, pingpong=ns.pingpong)
-                label = f"D={d} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
-                start = time.perf_counter()
-                try:
-                    kernel = compile_one(dtype, d, causal, cfg, group=2 if causal else 1)
-                except Exception as exc:  # noqa: BLE001
-                    failed += 1
-                    print(f"FAIL {label}: {type(exc).__name__}")
-                    print("".join(traceback.format_exception(exc)[-3:]))
-                    continue
-                ptx = kernel.asm["ptx"]
-                counts = {name: len(re.findall(pat, ptx)) for name, pat in (
-                    ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
-                    ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
-                regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
-                print(f"ok   {label}: {time.perf_counter() - start:.1f}s  shared {kernel.metadata.shared} B  "
-                      + " ".join(f"{k} {v}" for k, v in counts.items()) + f" (to {regs})  {ptxas_info(ptx)}",
-                      flush=True)
-                if ns.ptx:
-                    Path(ns.ptx).mkdir(parents=True, exist_ok=True)
-                    Path(ns.ptx, f"fa3_d{d}_{str(dtype)[6:]}_{int(causal)}.ptx").write_text(ptx)
-    return 1 if failed else 0
+    names = ns.kernels.split(",") if ns.kernels else list(flash_hopper.KERNELS)
+    binaries = {}  # the compiled kernel ignores `persistent` (a grid size): one compile per twin pair
+    for name in names:
+        binaries.setdefault(replace(flash_hopper.KERNELS[name], persistent=False), []).append(name)
+    pairs = ((torch.float16, False), (torch.bfloat16, True)) if ns.pairs else \
+        [(dtype, causal) for dtype in flash_hopper.DTYPES for causal in (False, True)]
+    jobs = [(same, cfg, dtype, causal, ns.ptx) for cfg, same in binaries.items() for dtype, causal in pairs]
+    with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(check_one, jobs))
+    for _, report in results:
+        print(report, flush=True)
+    return 0 if all(ok for ok, _ in results) else 1
 
 
 if __name__ == "__main__":

@@ -364,3 +364,42 @@ def test_probe_gathers_flash_on_gpu(tmp_path):
         assert 0 < got.gpu_us < got.wall_us * 1.05, got
         assert {kernel.name for kernel in got.kernels} <= {kernel.name for kernel in got.gpu_kernels}, got
         assert json.loads((tmp_path / f"000_test-{name}.trace.json").read_text())["traceEvents"]
+
+
+# -- the Gluon sm_90 forward's kernels, gated or not (flashrun/kernels/flash/hopper.py) ------------
+
+from flashrun.kernels.flash import hopper as flash_hopper  # noqa: E402
+
+GLUON_CASES = [  # (Z, H, H_kv, N_q, N_k, dtype, causal): ragged tiles, GQA, bottom-right causal
+    (2, 4, 4, 1000, 1000, BF16, True),
+    (2, 4, 4, 1000, 1000, FP16, False),
+    (1, 8, 2, 777, 1537, FP16, True),
+    (1, 4, 2, 3000, 1000, BF16, True),  # 2000 rows see no key
+]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=_case_id)
+@pytest.mark.parametrize("name", sorted(flash_hopper.KERNELS))
+def test_gluon_kernels_on_gpu(name, case):
+    """Every kernel in hopper.KERNELS, called directly with poisoned outputs; a persistent one on 3
+    programs, so that each loops over many tiles (the cross-tile prefetch)."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    from flashrun.kernels.flash.hopper_jit import _fa3_fwd
+
+    cfg = flash_hopper.KERNELS[name]
+    z, h, h_kv, n_q, n_k, dtype, causal = case
+    q, k, v, do = _inputs(z, h, h_kv, n_q, n_k, cfg.head_dim, dtype, seed=n_q)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    o = torch.full_like(q, POISON)
+    lse = torch.full(q.shape[:3], POISON, dtype=torch.float32, device="cuda")
+    grid, args, constexprs, options = flash_hopper.launch_args(q, k, v, o, lse, cfg.head_dim ** -0.5, causal, cfg,
+                                                               flash_hopper._sm_count(0), 3 if cfg.persistent else None)
+    _fa3_fwd[grid](*args, **constexprs, **options)
+    _, lse_ref = flash._attn_forward(q, k, v, cfg.head_dim ** -0.5, flash.Variant(causal=causal), "default",
+                                     try_gluon=False)
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), seen)  # keyless rows: -inf, like the portable kernel
+    assert (lse[seen] - lse_ref[seen]).abs().max().item() <= 1e-2
+    _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=False), o, None)

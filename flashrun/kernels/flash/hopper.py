@@ -3,42 +3,49 @@
 
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
-(checked by feature, :func:`gluon_api`), float16/bfloat16, head_dim 128 (causal from 2048 keys) or 64
-(from 4096 keys, causal 8192), dense
-(B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
-aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and not a
-flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
+(checked by feature, :func:`gluon_api`), float16/bfloat16, a (head_dim, causal, key count) that
+:data:`GATE` gives a kernel (today head_dim 128, causal from 2048 keys, and 64 from 4096 keys,
+causal 8192), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
+base are 16-byte aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and
+not a flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
 (those, and float32, go to the portable kernel).
 
-The first eligible call per (dtype, head_dim) in a process checks the Gluon kernel against
-``_attn_fwd`` on small inputs (:func:`_self_check`, causal and not); if it raises or disagrees
-the path is off for that (dtype, head_dim) in this process and one warning says why. A check
+The first eligible call per (dtype, head_dim) in a process checks every kernel :data:`GATE` uses
+at that head_dim against ``_attn_fwd`` on small inputs (:func:`_self_check`, causal and not, a
+persistent kernel on two programs so that each loops over several tiles); if one raises or
+disagrees the path is off for that (dtype, head_dim) in this process and one warning says why. A check
 that passed is remembered on disk (``<FLASHRUN_CACHE_DIR>/hopper-checks.json``) under a key of
 everything its verdict depends on - GPU name and capability, driver version, Triton and torch
-versions, dtype, head_dim, launch config and a hash of the kernels' sources
+versions, dtype, head_dim, the gated kernels' configs and a hash of the kernels' sources
 (:func:`_verdict_key`) - so later processes skip it (its compiles and runs cost seconds) until
 any of those changes; a failed check is not remembered (it runs again in the next process).
 ``FLASHRUN_HOPPER=0`` (read at each call) or ``ENABLED = False`` forces the portable kernel.
 :func:`flashrun.kernels.flash.forward_path` says which path a call would take; :data:`LAST_PATH`
 records the path the last forward took.
 
-Launch (fixed, not tuned; :data:`CONFIGS`): 128-row query tiles (64 per consumer warpgroup),
-4 + 4 + 1 warps (12 launched), maxnreg 168 so that setmaxnreg gives the consumers 240 registers
-and the producer 24; FA3's intra-warpgroup overlap (``overlap``) on. Shared memory, Q (2 x 64
-rows) + STAGES x (K + V):
+Kernels (:data:`KERNELS`, fixed launches, not tuned): 64-row query tiles per consumer warpgroup,
+two consumers (128-row tiles, 4 + 4 + 1 warps, maxnreg 168 so that setmaxnreg gives the consumers
+240 registers and the producer 24) or one (64-row tiles, 4 + 1 warps, maxnreg 200, half the shared
+memory so that two programs share an SM); FA3's intra-warpgroup overlap (``overlap``); one program
+per tile, or ``persistent``: as many programs as fit on the SMs at once, looping over the tiles
+with the next tile's loads prefetched. Shared memory, Q (consumers x 64 rows) + STAGES x (K + V):
   head_dim  64: BLOCK_N 128, 4 stages: 16 KB + 4 x 32 KB = 144 KB
-  head_dim 128: BLOCK_N 128, 3 stages: 32 KB + 3 x 64 KB = 224 KB
-  head_dim 256: BLOCK_N  64, 2 stages: 64 KB + 2 x 64 KB = 192 KB (compiled and checked, not used)
-Where it runs was decided by the H200 probe (benchmarks/probe_hopper.py; NOTES.md v5): at
+  head_dim 128: BLOCK_N 128, 3 stages: 32 KB + 3 x 64 KB = 224 KB; one consumer, BLOCK_N 64:
+                16 KB + 3 x 32 KB = 112 KB (two per SM)
+  head_dim 192: two column blocks (128 + 64), BLOCK_N 64, 3 stages: 48 KB + 3 x 48 KB = 192 KB
+  head_dim 256: BLOCK_N 64, 2 stages: 64 KB + 2 x 64 KB = 192 KB; BLOCK_N 32, 4 stages: the same
+Where it runs was decided by v5's H200 probe (NOTES.md v5; its script is in git history): at
 head_dim 128 the overlapped 3-stage kernel beat the portable one at every length timed (1024 to
 16384) but causal 512/1024; at 64 only from 4096 keys (8192 causal: at 1024 the portable
-kernel's smaller tiles, several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240); 256 was
-not timed, so the portable kernel keeps it.
+kernel's smaller tiles, several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240). The
+persistent and one-consumer kernels, head_dim 192 and 256 are compiled and checked but wait for
+benchmarks/gluon_probe.py's H200 numbers (NOTES.md v6) before :data:`GATE` sends calls to them.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import inspect
 import json
@@ -59,44 +66,100 @@ GLUON_PATH = "gluon-sm90"
 TRITON_PATH = "triton"
 ENABLED = True  # False: always the portable kernel (FLASHRUN_HOPPER=0 does the same per call)
 LAST_PATH: str | None = None  # the path the last forward took (GLUON_PATH or TRITON_PATH)
-HEAD_DIMS = (64, 128)  # where it runs; CONFIGS also holds 256 (compiled, checked, not timed)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class HopperConfig:
+    head_dim: int  # the one head_dim the kernel is laid out for
     block_n: int
     stages: int
-    overlap: bool = False  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j): on in CONFIGS
-    # with overlap: the two consumer warpgroups take turns issuing wgmmas (mbarriers); measured
-    # slower than overlap alone (strict alternation serializes), kept for the probe to compare
-    pingpong: bool = False
-    min_keys: int = 0  # shorter key sequences stay on the portable kernel (measured faster there)
-    min_keys_causal: int = 0  # the same for causal attention
-    consumer_regs: int = 240
+    overlap: bool = True  # FA3's intra-warpgroup pipelining (QKᵀ of j+1 before softmax of j)
+    consumers: int = 2  # 64-row consumer warpgroups per tile: 2 (128-row tiles) or 1 (64-row tiles)
+    persistent: bool = False  # programs = what fits on the SMs at once, each looping over tiles
+    consumer_regs: int = 240  # with one consumer the compiler gives it what the producer leaves
     producer_regs: int = 24
-    maxnreg: int = 168  # 12 warps x 32 x 168 <= 65536; consumers 2 x 240 + producer 24 per thread row
+    # launch cap, registers per thread: 12 warps x 32 x 168 <= 65536 (the consumers take 2 x 128 x 240,
+    # the producer's warpgroup 128 x 24); one consumer: 8 warps x 32 x 128 x 2 programs <= 65536
+    # (128 x 232 + 128 x 24 = 256 x 128)
+    maxnreg: int = 168
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
 
 
 SMEM_LIMIT = 227 * 1024  # an H100/H200 block's dynamic shared memory
+SMEM_PER_SM = 228 * 1024  # what the blocks on one SM share (each also reserves 1 KB)
 
 
-def smem_bytes(head_dim: int, cfg: HopperConfig) -> int:
-    """Q's two 64-row halves and STAGES K and V blocks, 2-byte elements (barriers aside)."""
-    return 2 * (2 * 64 * head_dim + cfg.stages * 2 * cfg.block_n * head_dim)
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(HEAD_D0, HEAD_D1): the column blocks the kernel runs head_dim as; HEAD_D1 = 0: one block.
+    Register tensors and TMA boxes are powers of two: 192 = 128 + 64."""
+    d0 = 1 << (head_dim.bit_length() - 1)
+    return (head_dim, 0) if d0 == head_dim else (d0, head_dim - d0)
 
 
-# H200 probe, fp16, TFLOP/s at N = 1024 / 4096 / 16384 (full): head_dim 128 base (2 stages) 436 /
-# 521 / 544, overlap (2 stages) 374 / 453 / 467, overlap with 3 stages 502 / 573 / 615, pingpong
-# 386 / 464 / 495, portable 453 / 513 / 543; head_dim 64 overlap (3 or 4 stages) 356-358 / 427-430
-# / 448, portable 367 / 409 / 433.
-# The full sweep (NOTES v5) against v3's portable kernel: causal at 512/1024 keys the Gluon kernel
-# was 0.76-0.92x of it at head_dim 128 (a non-persistent grid of short causal tiles exposes each
-# tile's prologue and 3-stage fill), and at head_dim 64 slower up to 4096 causal keys.
-CONFIGS = {64: HopperConfig(block_n=128, stages=4, overlap=True, min_keys=4096, min_keys_causal=8192),
-           128: HopperConfig(block_n=128, stages=3, overlap=True, min_keys_causal=2048),
-           256: HopperConfig(block_n=64, stages=2)}
-OVERRIDE: HopperConfig | None = None  # benchmarks/probe_hopper.py compares variants through this
+def smem_bytes(cfg: HopperConfig) -> int:
+    """Q's consumer halves and STAGES K and V blocks, 2-byte elements (barriers aside)."""
+    return 2 * cfg.head_dim * (cfg.consumers * 64 + cfg.stages * 2 * cfg.block_n)
+
+
+def launched_threads(cfg: HopperConfig) -> int:
+    """Threads a program launches: warp_specialize rounds the partitions (4 warps per consumer, 1
+    producer) up to whole warpgroups, as setmaxnreg works per warpgroup."""
+    return 128 * (cfg.consumers + 1)
+
+
+def programs_per_sm(cfg: HopperConfig) -> int:
+    """How many programs of this kernel an SM holds at once (shared memory and registers)."""
+    by_smem = SMEM_PER_SM // (smem_bytes(cfg) + 2048)
+    by_regs = 65536 // (launched_threads(cfg) * cfg.maxnreg)
+    return max(1, min(by_smem, by_regs))
+
+
+# The kernels, by name. H200 probe (NOTES v5), fp16, TFLOP/s at N = 1024 / 4096 / 16384 (full):
+# head_dim 128 without overlap (2 stages) 436 / 521 / 544, overlap (2 stages) 374 / 453 / 467,
+# overlap with 3 stages 502 / 573 / 615, portable 453 / 513 / 543; head_dim 64 overlap (3 or 4
+# stages) 356-358 / 427-430 / 448, portable 367 / 409 / 433. The full sweep (NOTES v5): causal at
+# 512/1024 keys the "d128" kernel was 0.76-0.92x of the portable one (a grid of short causal tiles
+# exposes each tile's prologue and 3-stage fill), and "d64" slower up to 4096 causal keys. The
+# persistent and one-consumer kernels ("-m64"), 192 and 256 are gluon_probe.py's candidates.
+KERNELS = {
+    "d64": HopperConfig(64, block_n=128, stages=4),
+    "d64-persistent": HopperConfig(64, block_n=128, stages=4, persistent=True),
+    "d64-m64": HopperConfig(64, block_n=128, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
+    "d128": HopperConfig(128, block_n=128, stages=3),
+    "d128-persistent": HopperConfig(128, block_n=128, stages=3, persistent=True),
+    "d128-m64": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
+    "d128-m64-persistent": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128,
+                                        persistent=True),
+    "d192": HopperConfig(192, block_n=64, stages=3),
+    "d192-persistent": HopperConfig(192, block_n=64, stages=3, persistent=True),
+    "d256": HopperConfig(256, block_n=64, stages=2),
+    "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
+    "d256-n32": HopperConfig(256, block_n=32, stages=4),
+}
+
+# Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, kernel name or None) in
+# increasing key order; the last row whose fewest keys <= N_K decides, None or no row is the
+# portable kernel. Rows only where the H200 measured the kernel faster than the portable one.
+GATE: dict[tuple[int, bool], tuple[tuple[int, str | None], ...]] = {
+    (64, False): ((4096, "d64"),),
+    (64, True): ((8192, "d64"),),
+    (128, False): ((0, "d128"),),
+    (128, True): ((2048, "d128"),),
+}
+OVERRIDE: HopperConfig | None = None  # benchmarks/gluon_probe.py runs its variants through this
+
+
+def kernel_for(head_dim: int, causal: bool, n_k: int) -> str | None:
+    """The :data:`KERNELS` name :data:`GATE` picks, None for the portable kernel."""
+    name = None
+    for least, kernel in GATE.get((head_dim, causal), ()):
+        if n_k >= least:
+            name = kernel
+    return name
 
 
 def gluon_api() -> str | None:
@@ -161,12 +224,10 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | N
         return f"dtype {q.dtype}"
     if q.dim() != 4 or variant.varlen:
         return "packed sequences"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]}"
-    cfg = _config(q.shape[-1])
-    least = cfg.min_keys_causal if variant.causal else cfg.min_keys
-    if k.shape[2] < least:
-        return f"fewer than {least} keys at head_dim {q.shape[-1]}{' causal' if variant.causal else ''}"
+    if OVERRIDE is None and kernel_for(q.shape[-1], variant.causal, k.shape[2]) is None:
+        rows = [least for least, name in GATE.get((q.shape[-1], variant.causal), ()) if name]
+        return (f"head_dim {q.shape[-1]}{' causal' if variant.causal else ''} with fewer than {min(rows)} keys"
+                if rows else f"head_dim {q.shape[-1]}{' causal' if variant.causal else ''}")
     if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
         return "window/softcap/ALiBi"
     if not all(_aligned(t) for t in (q, k, v)):
@@ -186,42 +247,54 @@ def _api_reason() -> str | None:
 # -- launcher -------------------------------------------------------------------------------------
 
 
-def _config(head_dim: int) -> HopperConfig:
-    return OVERRIDE if OVERRIDE is not None else CONFIGS[head_dim]
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfig):
-    """(grid, positional args, constexprs, options) of one launch; shared by the launcher and
-    tests/compile_hopper.py (which compiles them for sm_90 without a GPU)."""
+def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfig, sms: int,
+                programs: int | None = None):
+    """(grid, positional args, constexprs, options) of one launch on a GPU of ``sms`` SMs;
+    ``programs`` caps a persistent grid (the first-use check: several tiles per program). Shared
+    by the launcher and tests/compile_hopper.py (which compiles them for sm_90 without a GPU)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashrun.kernels.flash.hopper_jit import BLOCK_M, HALF_M, LOG2E
+    from flashrun.kernels.flash.hopper_jit import HALF_M, LOG2E
 
     z, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
+    d0, d1 = split_head_dim(d)
     gdtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
 
-    def desc(t, rows):
-        block = [1, 1, rows, d]
+    def desc(t, rows, cols):
+        block = [1, 1, rows, cols]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
-    args = (desc(q, HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), o, lse,
-            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            h, n_q, n_k, sm_scale * LOG2E)
-    constexprs = dict(GROUP=h // h_kv, HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=bool(causal),
-                      OVERLAP=cfg.overlap, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
-    grid = (triton.cdiv(n_q, BLOCK_M), z * h)
-    return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
+    descs = []
+    for t, rows in ((q, HALF_M), (k, cfg.block_n), (v, cfg.block_n)):
+        first = desc(t, rows, d0)
+        descs += [first, desc(t, rows, d1) if d1 else first]  # no second block: the first stands in
+    args = (*descs, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            z, h, n_q, n_k, sm_scale * LOG2E)
+    constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    tiles = triton.cdiv(n_q, cfg.block_m) * z * h
+    if cfg.persistent:
+        tiles = min(tiles, programs or sms * programs_per_sm(cfg))
+    return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
-def _run_gluon(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
+               programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from flashrun.kernels.flash.hopper_jit import _fa3_fwd
 
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel's stores assume
     lse = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
-    grid, args, constexprs, options = launch_args(q, k, v, o, lse, sm_scale, causal, _config(q.shape[-1]))
+    grid, args, constexprs, options = launch_args(q, k, v, o, lse, sm_scale, causal, cfg,
+                                                  _sm_count(q.device.index or 0), programs)
     launch(_fa3_fwd, grid, *args, **constexprs, **options)
     return o, lse
 
@@ -230,9 +303,10 @@ RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 
 
 def forward(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` through the Gluon kernel; call only where :func:`eligible` and
-    :func:`ensure_checked` allow it."""
-    return RUN(q, k, v, sm_scale, causal)
+    """``(o, lse)`` through the Gluon kernel :data:`GATE` picks (or :data:`OVERRIDE`); call only
+    where :func:`eligible` and :func:`ensure_checked` allow it."""
+    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1], causal, k.shape[2])]
+    return RUN(q, k, v, sm_scale, causal, cfg)
 
 
 # -- first use: check against the portable kernel -------------------------------------------------
@@ -246,34 +320,44 @@ _checked: dict[tuple[torch.dtype, int], str | None] = {}
 # block sizes, so they differ by a few units in the last place of O (|O| < ~1): fp16's is 2^-11,
 # bf16's 2^-8. The bounds are ~8-16 such units; a wrong mask or tile gives errors of order 0.1-1.
 CHECK_ATOL = {torch.float16: 8e-3, torch.bfloat16: 3e-2}
-CHECK_SHAPE = (1, 2, 200)  # (batch, heads, N): two query tiles, a ragged last tile and key block
+CHECK_SHAPE = (1, 2, 200)  # (batch, heads, N): 2-4 query tiles per head, a ragged last tile and key block
+CHECK_PROGRAMS = 2  # a persistent kernel's grid in the check: each program loops over several tiles
+
+
+def gated_kernels(head_dim: int) -> list[str]:
+    """The :data:`KERNELS` that :data:`GATE` uses at this head_dim (what the first-use check runs)."""
+    names = [name for (d, _), rows in sorted(GATE.items()) if d == head_dim for _, name in rows if name]
+    return list(dict.fromkeys(names))
 
 
 def _self_check(device, dtype, head_dim, portable) -> str | None:
-    """None when the Gluon kernel agrees with ``portable(q, k, v, sm_scale, causal) -> (o, lse)``
-    on small inputs of this dtype and head_dim, causal and not, else what went wrong. While
-    compiling ahead (:func:`~flashrun.kernels.tuning.compiling`) the launches only compile, so
-    nothing is compared."""
+    """None when every gated Gluon kernel at this head_dim (or :data:`OVERRIDE`) agrees with
+    ``portable(q, k, v, sm_scale, causal) -> (o, lse)`` on small inputs of this dtype and
+    head_dim, causal and not, else what went wrong. While compiling ahead
+    (:func:`~flashrun.kernels.tuning.compiling`) the launches only compile, so nothing is compared."""
+    kernels = {"override": OVERRIDE} if OVERRIDE else {name: KERNELS[name] for name in gated_kernels(head_dim)}
     gen = torch.Generator(device="cpu").manual_seed(0)
     z, h, n = CHECK_SHAPE
-    for causal in (False, True):
-        q, k, v = (torch.randn(z, h, n, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-        scale = head_dim ** -0.5
-        try:
-            o, lse = RUN(q, k, v, scale, causal)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except Exception as exc:  # noqa: BLE001 - any failure turns the path off
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-            return f"the Gluon kernel raised {type(exc).__name__}: {last}"
-        o_ref, lse_ref = portable(q, k, v, scale, causal)
-        if compiling():
-            continue
-        err_o = (o.float() - o_ref.float()).abs().max().item()
-        err_l = (lse - lse_ref).abs().max().item()
-        label = f"N={n} D={head_dim} {'causal' if causal else 'full'}"
-        if not (err_o <= CHECK_ATOL[dtype] and err_l <= 1e-3):  # NaN fails too
-            return f"the Gluon kernel disagrees with the portable one ({label}: max |dO| {err_o:.3g}, max |dLSE| {err_l:.3g})"
+    for name, cfg in kernels.items():
+        for causal in (False, True):
+            q, k, v = (torch.randn(z, h, n, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+            scale = head_dim ** -0.5
+            try:
+                o, lse = RUN(q, k, v, scale, causal, cfg, CHECK_PROGRAMS if cfg.persistent else None)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            except Exception as exc:  # noqa: BLE001 - any failure turns the path off
+                last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+                return f"the Gluon kernel {name} raised {type(exc).__name__}: {last}"
+            o_ref, lse_ref = portable(q, k, v, scale, causal)
+            if compiling():
+                continue
+            err_o = (o.float() - o_ref.float()).abs().max().item()
+            err_l = (lse - lse_ref).abs().max().item()
+            label = f"N={n} D={head_dim} {'causal' if causal else 'full'}"
+            if not (err_o <= CHECK_ATOL[dtype] and err_l <= 1e-3):  # NaN fails too
+                return (f"the Gluon kernel {name} disagrees with the portable one ({label}: max |dO| {err_o:.3g}, "
+                        f"max |dLSE| {err_l:.3g})")
     return None
 
 
@@ -352,7 +436,7 @@ def _verdict_key(device, dtype, head_dim) -> str | None:
         return None
     props = torch.cuda.get_device_properties(device)
     parts = (props.name, f"sm{props.major}{props.minor}", driver, f"triton {triton.__version__}",
-             f"torch {torch.__version__}", str(dtype), f"d{head_dim}", repr(_config(head_dim)), _sources_hash())
+             f"torch {torch.__version__}", str(dtype), f"d{head_dim}", repr([KERNELS[name] for name in gated_kernels(head_dim)]), _sources_hash())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 

@@ -2,28 +2,38 @@
 launcher and first-use check are in :mod:`flashrun.kernels.flash.hopper`; the maths in
 :mod:`flashrun.kernels.flash`.
 
-One program owns a 128-row query tile of one (batch, head) and runs three partitions
-(``gl.warp_specialize``):
-  * producer (worker, 1 warp, few registers): TMA loads of Q (once, one 64-row half per
-    consumer) and of K/V blocks into a ring of ``STAGES`` shared-memory stages; per stage a
-    K-ready and a V-ready mbarrier (expect-tx) and an empty mbarrier that both consumers arrive on;
-  * two consumers (the default partition and a 4-warp worker, one warpgroup each, 240
-    registers): consumer c owns rows [64c, 64c + 64) of the tile. Per key block:
+A tile is ``CONSUMERS`` x 64 query rows of one (batch, head). Each program runs a loop over tiles
+(tile ``pid``, ``pid + programs``, ...): launched with one program per tile it runs once; with
+fewer programs (one or two per SM) it is persistent, and the producer loads the next tile's Q and
+first K/V blocks while the consumers still finish this one (FA3's cross-tile prefetch, the piece a
+plain persistent Triton loop lacked: benchmarks/NOTES.md v3, change 4). Tiles go head by head (the
+programs running at once share K/V in L2), causal ones heaviest first within a head. Three kinds
+of partition (``gl.warp_specialize``):
+  * producer (worker, 1 warp, few registers): TMA loads of Q (one 64-row half per consumer, once
+    the consumer has released the previous tile's) and of K/V blocks into a ring of ``STAGES``
+    shared-memory stages that runs on across tiles; per stage a K-ready and a V-ready mbarrier
+    (expect-tx) and an empty mbarrier that every consumer arrives on;
+  * ``CONSUMERS`` consumers (the default partition and, with two, a 4-warp worker; one warpgroup
+    each, 240 registers): consumer c owns rows [64c, 64c + 64) of the tile. Per key block:
     S = Q Kᵀ (async wgmma, Q and K from shared memory), online softmax in base 2 in registers,
     P cast to fp16/bf16 in registers as the A operand of O += P V (async wgmma, V from shared
-    memory), then the stage is released. The two warpgroups run the same loop on the same stages,
-    so the SM scheduler interleaves one's softmax with the other's wgmma.
+    memory), then the stage is released. Two warpgroups run the same loop on the same stages,
+    so the SM scheduler interleaves one's softmax with the other's wgmma; one (64-row tiles, half
+    the shared memory) lets two programs share an SM instead;
   * ``OVERLAP`` (FA3's intra-warpgroup pipelining): S for block j+1 is issued before block j's
     softmax, so the tensor cores work while this warpgroup does exp2; P V of block j is waited
     for only at the next iteration.
-  * ``PINGPONG`` (with OVERLAP; FA3's inter-warpgroup schedule): the two consumers take turns
-    issuing their round of wgmmas (S of j+1 and P V of j) through a pair of mbarriers, so one
-    warpgroup's softmax runs while the other's matmuls hold the tensor cores.
 
-Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, head_dim]: the copy
-engine zero-fills rows past a head's sequence, so a neighbouring head's rows (NaN included) never
-reach the tile. Keys past N_K are masked to -inf in the last block; query rows past N_Q are
-computed on zeros and never stored (masked pointer stores of O and LSE).
+Head dims: register tensors and TMA boxes are powers of two, wgmma's N need not be. A head dim
+that is not one runs as two column blocks, ``HEAD_D0`` + ``HEAD_D1`` (192 = 128 + 64), as the
+portable kernel does: Q, K and V each have two descriptors and two shared buffers, S sums two
+wgmmas (K = 128 and K = 64), O is two accumulators ([64, 128] and [64, 64], two P V wgmmas).
+``HEAD_D1 = 0``: one block.
+
+Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, HEAD_D0 or HEAD_D1]:
+the copy engine zero-fills rows past a head's sequence, so a neighbouring head's rows (NaN
+included) never reach the tile. Keys past N_K are masked to -inf in the last block; query rows
+past N_Q are computed on zeros and never stored (masked pointer stores of O and LSE).
 """
 
 from __future__ import annotations
@@ -43,32 +53,65 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 LOG2E = 1.4426950408889634
 HALF_M = 64  # rows of the tile per consumer warpgroup (wgmma's M is 64 per warpgroup)
-BLOCK_M = 2 * HALF_M
 LOG2E_C = gl.constexpr(LOG2E)
 HALF_M_C = gl.constexpr(HALF_M)
-BLOCK_M_C = gl.constexpr(BLOCK_M)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
-              off_z, off_h, off_hkv, start_m, n_blocks,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    # Q once: each consumer's 64 rows on its own barrier, so consumer 0 need not wait for 1's half
-    for c in gl.static_range(2):
-        bar = q_bars.index(c)
-        mbarrier.expect(bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [off_z, off_h, start_m + c * HALF_M_C, 0], bar, q_smem.index(c))
-    for i in range(n_blocks):
-        s = i % STAGES
-        phase = (i // STAGES) & 1
-        # a fresh mbarrier counts as having completed the phase before 0: the first lap runs through
-        mbarrier.wait(empty_bars.index(s), phase ^ 1)
-        kb = k_bars.index(s)
-        mbarrier.expect(kb, k_desc.block_type.nbytes)
-        _tma_load(k_desc, [off_z, off_hkv, i * BLOCK_N, 0], kb, k_smem.index(s))
-        vb = v_bars.index(s)
-        mbarrier.expect(vb, v_desc.block_type.nbytes)
-        _tma_load(v_desc, [off_z, off_hkv, i * BLOCK_N, 0], vb, v_smem.index(s))
+def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tile t's (batch, head, first query row, key blocks to visit)."""
+    n_m = gl.cdiv(N_Q, BLOCK_M)
+    # a head's tiles side by side: the programs running at once share a few heads' K/V in L2 (in
+    # the order of all heads' last tiles first they would each stream their own head's, and at
+    # 4096 keys and 128 heads need about the HBM's whole bandwidth)
+    off_hz = t // n_m
+    start_m = (t % n_m) * BLOCK_M
+    if CAUSAL:  # within a head the last query tiles see the most keys: start them first
+        start_m = (n_m - 1 - t % n_m) * BLOCK_M
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + N_K - N_Q, 0), N_K)
+    else:
+        hi = N_K
+    return off_hz // H, off_hz % H, start_m, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr):
+    """TMA-load rows [row, row + box) of (z, h) into dst (and the second column block into dst1),
+    completing ``bar`` once every byte has landed."""
+    if SPLIT:
+        mbarrier.expect(bar, desc.block_type.nbytes + desc1.block_type.nbytes)
+        _tma_load(desc, [z, h, row, 0], bar, dst)
+        _tma_load(desc1, [z, h, row, HEAD_D0], bar, dst1)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        _tma_load(desc, [z, h, row, 0], bar, dst)
+
+
+@gluon.jit
+def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem,
+              q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
+    it = 0  # K/V blocks loaded so far: the ring's position runs on across tiles
+    tile_i = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
+        # Q: each consumer's 64 rows on its own barrier, loaded once that consumer is done with the
+        # previous tile's (a fresh mbarrier counts as having completed the phase before 0)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(c), (tile_i & 1) ^ 1)
+            _load_rows(q_desc, q1_desc, off_z, off_h, start_m + c * HALF_M_C, q_bars.index(c), q_smem.index(c),
+                       q1_smem.index(c), HEAD_D0, SPLIT)
+        for i in range(n_blocks):
+            s = it % STAGES
+            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
+            _load_rows(k_desc, k1_desc, off_z, off_h // GROUP, i * BLOCK_N, k_bars.index(s), k_smem.index(s),
+                       k1_smem.index(s), HEAD_D0, SPLIT)
+            _load_rows(v_desc, v1_desc, off_z, off_h // GROUP, i * BLOCK_N, v_bars.index(s), v_smem.index(s),
+                       v1_smem.index(s), HEAD_D0, SPLIT)
+            it += 1
+        tile_i += 1
 
 
 @gluon.jit
@@ -94,18 +137,6 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
 
 
 @gluon.jit
-def _take_turn(turn_bars, i, C: gl.constexpr):
-    """PINGPONG: wait until warpgroup C may issue its i-th round of wgmmas. The warpgroups take
-    turns (0 first): each arrives on the other's barrier once it has issued a round, so one
-    issues while the other runs its softmax (FA3's ping-pong; Gluon 3.6 has no named barriers).
-    They alternate strictly, so a parity wait never falls two phases behind."""
-    if C == 0:
-        mbarrier.wait(turn_bars.index(0), (i & 1) ^ 1)  # a fresh barrier passes parity 1: round 0 is free
-    else:
-        mbarrier.wait(turn_bars.index(1), i & 1)
-
-
-@gluon.jit
 def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Block i's softmax step: unmasked below ``n_unmasked``, masked from there."""
@@ -119,168 +150,233 @@ def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_s
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, O, LSE,
-              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-              off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
-              C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+def _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr):
+    """Issue S = Q Kᵀ on stage s (one async wgmma, or two summed over the column blocks)."""
+    k = k_smem.index(s).reshape([BLOCK_N, HEAD_D0]).permute((1, 0))
+    s_tok = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+    if HEAD_D1 > 0:
+        k1 = k1_smem.index(s).reshape([BLOCK_N, HEAD_D1]).permute((1, 0))
+        s_tok = warpgroup_mma(q1, k1, s_tok, is_async=True)
+    return s_tok
+
+
+@gluon.jit
+def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
+        p1_layout: gl.constexpr):
+    """Issue O += P V on stage s (one async wgmma per column block): (acc's token, acc1's token, the
+    second block's P operand, which like P must stay alive until its wgmma is done)."""
+    o_tok = warpgroup_mma(p_op, v_smem.index(s).reshape([BLOCK_N, HEAD_D0]), acc, is_async=True)
+    if HEAD_D1 > 0:
+        p1_op = gl.convert_layout(p_op, p1_layout)  # the same registers (layouts equal but for N)
+        o1_tok = warpgroup_mma(p1_op, v1_smem.index(s).reshape([BLOCK_N, HEAD_D1]), acc1, is_async=True)
+    else:
+        p1_op = p_op
+        o1_tok = acc1  # unused: a [64, 16] placeholder the compiler drops
+    return o_tok, o1_tok, p1_op
+
+
+@gluon.jit
+def _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1: gl.constexpr):
+    """Wait for every wgmma in flight (the P V ones last): (acc, acc1), the P operands kept alive until then."""
+    if HEAD_D1 > 0:
+        acc, acc1, p_op, p1_op = warpgroup_mma_wait(0, deps=(o_tok, o1_tok, p_op, p1_op))
+    else:
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        acc1 = o1_tok
+    return acc, acc1
+
+
+@gluon.jit
+def _store_rows(O, base, rows, n_q, stride_om, acc, COL0: gl.constexpr, WIDTH: gl.constexpr, layout: gl.constexpr,
+                dtype: gl.constexpr):
+    """Store acc (64 rows, WIDTH columns from COL0) to O's rows below n_q."""
+    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    ptrs = O + base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, acc.to(dtype), mask=gl.expand_dims(rows < n_q, 1))
+
+
+@gluon.jit
+def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, O, LSE,
+              stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+              C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+    D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
+    PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_D0, 16])
+    o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D1, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    row_o1: gl.constexpr = gl.SliceLayout(1, o1_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    first_row = start_m + C * HALF_M_C
-    rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
-    shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
-    # blocks every row of this half sees whole need no mask; the rest (causal diagonal, ragged end) do
-    n_full = N_K // BLOCK_N
-    if CAUSAL:
-        n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
-    n_unmasked = gl.minimum(n_full, n_blocks)
-
-    q = q_smem.index(C).reshape([HALF_M_C, HEAD_DIM])
-    m_i = gl.full([HALF_M_C], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.full([HALF_M_C], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([HALF_M_C, HEAD_DIM], gl.float32, layout=o_layout)
+    q = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
+    if HEAD_D1 > 0:
+        q1 = q1_smem.index(C).reshape([HALF_M_C, HEAD_D1])
+    else:
+        q1 = q
     s_zero = gl.zeros([HALF_M_C, BLOCK_N], gl.float32, layout=s_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
+    it = 0  # K/V blocks consumed so far (the producer's ring position)
+    tile_i = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
+        first_row = start_m + C * HALF_M_C
+        rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
+        shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
+        # blocks every row of this half sees whole need no mask; the rest (causal diagonal, ragged end) do
+        n_full = N_K // BLOCK_N
+        if CAUSAL:
+            n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
+        n_unmasked = gl.minimum(n_full, n_blocks)
+        m_i = gl.full([HALF_M_C], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([HALF_M_C], 0.0, gl.float32, layout=row_s)
+        acc = gl.zeros([HALF_M_C, HEAD_D0], gl.float32, layout=o_layout)
+        acc1 = gl.zeros([HALF_M_C, D1], gl.float32, layout=o1_layout)
 
-    mbarrier.wait(q_bars.index(C), 0)
-    if OVERLAP:
-        # FA3's intra-warpgroup pipelining: S of block i is issued, then P V of block i - 1, and
-        # block i's softmax runs while that P V is on the tensor cores. wgmma groups complete in
-        # issue order, so waiting for all but one in flight waits for S only.
-        if n_blocks > 0:
-            mbarrier.wait(k_bars.index(0), 0)
-            if PINGPONG:
-                _take_turn(turn_bars, 0, C)
-            s_tok = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn_bars.index(1 - C), count=1)
-            s_val = warpgroup_mma_wait(0, deps=(s_tok,))
-            p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
-                                               BLOCK_N, CAUSAL)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)  # acc is still 0: no rescale
-            for i in range(1, n_blocks):
-                s = i % STAGES
-                prev = (i - 1) % STAGES
-                mbarrier.wait(k_bars.index(s), (i // STAGES) & 1)
-                mbarrier.wait(v_bars.index(prev), ((i - 1) // STAGES) & 1)
-                if PINGPONG:
-                    _take_turn(turn_bars, i, C)
-                s_tok = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                if PINGPONG:  # the other warpgroup may issue its wgmmas while this one runs its softmax
-                    mbarrier.arrive(turn_bars.index(1 - C), count=1)
-                s_val = warpgroup_mma_wait(1, deps=(s_tok,))
+        mbarrier.wait(q_bars.index(C), tile_i & 1)
+        if OVERLAP:
+            # FA3's intra-warpgroup pipelining: S of block i is issued, then P V of block i - 1, and
+            # block i's softmax runs while that P V is on the tensor cores. wgmma groups complete in
+            # issue order, so waiting for all but the P V ones in flight waits for S only.
+            if n_blocks > 0:
+                mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1)
+                s_tok = _qk(q, q1, k_smem, k1_smem, it % STAGES, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
+                s_val = warpgroup_mma_wait(0, deps=(s_tok,))
+                p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift,
+                                                   qk_scale, BLOCK_N, CAUSAL)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)  # acc is still 0: no rescale
+                for i in range(1, n_blocks):
+                    s = (it + i) % STAGES
+                    prev = (it + i - 1) % STAGES
+                    mbarrier.wait(k_bars.index(s), ((it + i) // STAGES) & 1)
+                    mbarrier.wait(v_bars.index(prev), ((it + i - 1) // STAGES) & 1)
+                    s_tok = _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
+                    o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, prev, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1,
+                                               p1_layout)
+                    s_val = warpgroup_mma_wait(PV_OPS, deps=(s_tok,))
+                    p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
+                                                       qk_scale, BLOCK_N, CAUSAL)
+                    acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                    mbarrier.arrive(empty_bars.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    if HEAD_D1 > 0:
+                        acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
+                last = (it + n_blocks - 1) % STAGES
+                mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                mbarrier.arrive(empty_bars.index(last), count=1)
+            else:
+                mbarrier.arrive(q_empty.index(C), count=1)
+        else:
+            for i in range(n_blocks):
+                s = (it + i) % STAGES
+                phase = ((it + i) // STAGES) & 1
+                mbarrier.wait(k_bars.index(s), phase)
+                s_val = warpgroup_mma_wait(0, deps=(_qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1),))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
                                                    qk_scale, BLOCK_N, CAUSAL)
-                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))  # p_op: live until its wgmma is done
-                mbarrier.arrive(empty_bars.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                if HEAD_D1 > 0:
+                    acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            last = n_blocks - 1
-            mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-            o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            mbarrier.arrive(empty_bars.index(last % STAGES), count=1)
-    else:
-        for i in range(n_blocks):
-            s = i % STAGES
-            phase = (i // STAGES) & 1
-            k = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-            v = v_smem.index(s).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(k_bars.index(s), phase)
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_val = warpgroup_mma_wait(0, deps=(s_tok,))
-            p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
-                                               BLOCK_N, CAUSAL)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_bars.index(s), phase)
-            o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            mbarrier.arrive(empty_bars.index(s), count=1)
+                mbarrier.wait(v_bars.index(s), phase)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                mbarrier.arrive(empty_bars.index(s), count=1)
+            mbarrier.arrive(q_empty.index(C), count=1)
 
-    # epilogue: normalize; a row that saw no key outputs 0 and LSE = -inf
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) / LOG2E_C, float("-inf"))
-    acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    off_z64 = off_z.to(gl.int64)
-    gl.store(LSE + off_z64 * stride_lz + off_h * stride_lh + rows, lse, mask=rows < N_Q)
-    rows_o = first_row + gl.arange(0, HALF_M_C, layout=row_o)
-    cols_o = gl.arange(0, HEAD_DIM, layout=col_o)
-    o_ptrs = (O + off_z64 * stride_oz + off_h * stride_oh + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1)
-              + gl.expand_dims(cols_o, 0))
-    gl.store(o_ptrs, acc.to(dtype), mask=gl.expand_dims(rows_o < N_Q, 1))
+        # epilogue: normalize; a row that saw no key outputs 0 and LSE = -inf
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) / LOG2E_C, float("-inf"))
+        off_z64 = off_z.to(gl.int64)
+        gl.store(LSE + off_z64 * stride_lz + off_h * stride_lh + rows, lse, mask=rows < N_Q)
+        base = off_z64 * stride_oz + off_h * stride_oh
+        acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
+                    0, HEAD_D0, o_layout, dtype)
+        if HEAD_D1 > 0:
+            acc1 = acc1 / gl.expand_dims(gl.convert_layout(l_safe, row_o1), 1)
+            _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o1), N_Q, stride_om, acc1,
+                        HEAD_D0, HEAD_D1, o1_layout, dtype)
+        it += n_blocks
+        tile_i += 1
 
 
 # lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
-@gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "stride_lz", "stride_lh"])
-def _fa3_fwd(q_desc, k_desc, v_desc, O, LSE,
+@gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "stride_lz", "stride_lh"])
+def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-             H, N_Q, N_K, qk_scale,
-             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-             PRODUCER_REGS: gl.constexpr):
-    """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, D]; k_desc, v_desc over k, v
-    (B, H_KV, N_K, D), box [1, 1, BLOCK_N, D]. O: (B, H, N_Q, D), last dim contiguous; LSE
-    (B, H, N_Q) float32. Launch with num_warps=4 (the default partition, consumer 0)."""
+             Z, H, N_Q, N_K, qk_scale,
+             GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
+    v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
+    from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
+    dim contiguous; LSE (B, H, N_Q) float32. Grid: (programs,), each looping over tiles
+    pid, pid + programs, ... of the cdiv(N_Q, 64 CONSUMERS) x B x H tiles. Launch with
+    num_warps=4 (the default partition, consumer 0)."""
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
-    gl.static_assert(OVERLAP or not PINGPONG)  # the turns are taken in the OVERLAP loop
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # the last query tiles see the most keys: start them first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M_C
-    off_hz = gl.program_id(1)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    off_hkv = off_h // GROUP
-    if CAUSAL:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M_C + N_K - N_Q, 0), N_K)
-    else:
-        hi = N_K
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-
+    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    SPLIT: gl.constexpr = HEAD_D1 > 0
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if SPLIT:
+        q1_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q1_desc.block_type.shape, q1_desc.layout)
+        k1_smem = gl.allocate_shared_memory(dtype, [STAGES] + k1_desc.block_type.shape, k1_desc.layout)
+        v1_smem = gl.allocate_shared_memory(dtype, [STAGES] + v1_desc.block_type.shape, v1_desc.layout)
+    else:  # never read: the first blocks stand in
+        q1_smem = q_smem
+        k1_smem = k_smem
+        v1_smem = v_smem
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG
-    for c in gl.static_range(2):
+    for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
-        mbarrier.init(turn_bars.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=2)  # both consumers release a stage
+        mbarrier.init(empty_bars.index(s), count=CONSUMERS)  # every consumer releases a stage
     fence_async_shared()
 
     # the argument tuples are written in the call: a tuple assigned to a variable first would
     # turn its constexprs (C, BLOCK_N, ...) into tensors
-    gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, O, LSE,
-                     stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-                     off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
-        (_consumer, (k_smem, v_smem, q_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, O, LSE,
-                     stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-                     off_z, off_h, start_m, n_blocks, N_Q, N_K, qk_scale,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, OVERLAP, PINGPONG)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
-                     off_z, off_h, off_hkv, start_m, n_blocks, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
+            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
+            (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
+            (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+        ], [1], [PRODUCER_REGS])
