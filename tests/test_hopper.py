@@ -129,7 +129,7 @@ def test_a_passed_check_is_remembered_across_processes(monkeypatch, tmp_path):
     monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: f"{dtype}-{head_dim}")
     runs = []
 
-    def good_kernel(q, k, v, sm_scale, causal):
+    def good_kernel(q, k, v, sm_scale, causal, cfg=None, programs=None):
         runs.append(q.shape)
         return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", try_gluon=False)
 
@@ -148,7 +148,8 @@ def test_a_failed_check_is_not_remembered(monkeypatch, tmp_path):
     _pretend_hopper(monkeypatch)
     monkeypatch.setenv("FLASHRUN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: "key")
-    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal, cfg=None, programs=None: (
+        torch.zeros_like(q), torch.zeros(q.shape[:3])))
     q, k, v = _inputs()
     assert flash.forward_path(q, k, v) == "triton"
     assert not (tmp_path / "hopper-checks.json").exists()
@@ -161,7 +162,8 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
 
     _pretend_hopper(monkeypatch)
     monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: None)
-    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal, cfg=None, programs=None: (
+        torch.zeros_like(q), torch.zeros(q.shape[:3])))
     handed = []
     q, k, v = _inputs()
     with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel.__name__)):
