@@ -30,7 +30,7 @@ from flashrun.kernels import (
     minimal_attention,
 )
 from flashrun.kernels.flash import attention as flash
-from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashrun.limits import DETERMINISTIC_BACKWARD, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 KERNELS = Path(__file__).parent / "kernels"
 
@@ -155,18 +155,23 @@ def test_deterministic_backward_is_bitwise_repeatable():
         first = torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True), (q, k, v), do)
     second = torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True), (q, k, v), do)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert launched == [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]
+    assert launched == DETERMINISTIC_KERNELS
 
 
-def test_backward_paths_default_to_the_deterministic_one():
-    # the deterministic backward measured faster on the H200 than the atomic one (NOTES v4): default
+DETERMINISTIC_KERNELS = [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]
+ATOMIC_KERNELS = [("_attn_bwd_dkdv", True)]
+
+
+def test_backward_paths_and_the_default():
+    # the default is whichever backward measured faster on the H200 (limits.DETERMINISTIC_BACKWARD)
     q, k, v, do = _inputs((1, 4, 2, 40, 70, 16), torch.float16)
     with _spy_kernels() as launched:
         torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)
-    assert launched == [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]
-    with _spy_kernels() as launched:
-        torch.autograd.grad(flash_attention(q, k, v, deterministic=False), (q, k, v), do)
-    assert launched == [("_attn_bwd_dkdv", True)]
+    assert launched == (DETERMINISTIC_KERNELS if DETERMINISTIC_BACKWARD else ATOMIC_KERNELS)
+    for deterministic, kernels in ((True, DETERMINISTIC_KERNELS), (False, ATOMIC_KERNELS)):
+        with _spy_kernels() as launched:
+            torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), do)
+        assert launched == kernels
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from flashrun.kernels.flash import (
 )
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
-from flashrun.limits import BUILTIN_KERNELS
+from flashrun.limits import BUILTIN_KERNELS, DETERMINISTIC_BACKWARD
 
 __all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
            "flash_attention_varlen", "get", "minimal_attention"]
@@ -78,7 +78,7 @@ class Kernel:
         return self.fn(q, k, v, **passed)
 
 
-def get(spec: str, launch: Launch = None, deterministic: bool = True) -> Kernel:
+def get(spec: str, launch: Launch = None, deterministic: bool = DETERMINISTIC_BACKWARD) -> Kernel:
     """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config;
     ``deterministic``: flash's atomic-free backward (``flash-deterministic`` always runs it,
     ``flash-atomic`` never)."""
