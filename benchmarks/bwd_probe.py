@@ -2,8 +2,8 @@
 
     OUT=/some/dir python benchmarks/bwd_probe.py [--budget-s 230] [--designs NAME,...] [--no-flex]
 
-Designs (launch configs pinned, no tuning; :data:`DESIGNS`), each a name for one way to run
-flash's backward:
+Designs (launch configs pinned, no tuning; :data:`DESIGNS`; default: all four), each a name for
+one way to run flash's backward:
   det-*     the deterministic backward: dK/dV kernel + dQ kernel, 7 matmuls per tile pair, no atomics
   atomic-*  the 5-matmul backward: the dK/dV kernel adds dQ's partials into float32 (Hopper: one
             TMA reduce-add per tile; split head dims: element atomics)
@@ -50,20 +50,24 @@ ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # flashrun/harness/judge.py'
 RESULTS: dict = {"env": {}, "correctness": [], "timing": [], "kernels": []}
 START = time.perf_counter()
 
-# name -> (deterministic, {head_dim class: pins}); the forward keeps its own (shipped) config.
-# small: D <= 64, large: D <= 128, huge: above (96 is large, 192 huge, as in kernels/tuning.py).
-DEFAULT_DESIGNS = "det-flex,atomic-w8"
+# name -> (deterministic, {head_dim class: pins}); small: D <= 64, large: D <= 128, huge: above (96 is
+# large, 192 huge, as in kernels/tuning.py). Registers and programs per SM below are triton 3.6's
+# ptxas on the CPU (tests/compile_bwd.py, bf16, D = 128): *-flex are FlexAttention's H100 tiles, one
+# 8-warp program per SM; *-2cta fit two 4-warp programs per SM (96-100 KB of shared memory, <= 255
+# registers x 128 threads), so one program's softmax overlaps the other's matmuls - except
+# atomic-2cta at D = 128, whose dS transpose and dQ staging take it to 136 KB (one per SM).
+DEFAULT_DESIGNS = "det-flex,det-2cta,atomic-w8,atomic-2cta"
 DESIGNS = {
     "det-flex": (True, {"small": {"bwd_dkdv": C(64, 128, 8, 3), "bwd_dq": C(128, 64, 8, 3)},
                         "large": {"bwd_dkdv": C(64, 128, 8, 3), "bwd_dq": C(128, 64, 8, 3)},
                         "huge": {"bwd_dkdv": C(64, 64, 8, 2), "bwd_dq": C(64, 64, 8, 2)}}),
-    "det-w4": (True, {"small": {"bwd_dkdv": C(64, 64, 4, 3), "bwd_dq": C(64, 64, 4, 3)},
-                      "large": {"bwd_dkdv": C(32, 128, 8, 3), "bwd_dq": C(64, 64, 4, 3)},
-                      "huge": {"bwd_dkdv": C(32, 64, 4, 2), "bwd_dq": C(64, 32, 4, 2)}}),
+    "det-2cta": (True, {"small": {"bwd_dkdv": C(64, 64, 4, 2), "bwd_dq": C(64, 64, 4, 2)},
+                        "large": {"bwd_dkdv": C(64, 64, 4, 2), "bwd_dq": C(64, 64, 4, 2)},
+                        "huge": {"bwd_dkdv": C(16, 64, 4, 2), "bwd_dq": C(64, 16, 4, 2)}}),
     "atomic-w8": (False, {"small": {"bwd_fused": C(64, 128, 8, 3)}, "large": {"bwd_fused": C(64, 128, 8, 3)},
                           "huge": {"bwd_fused": C(64, 64, 8, 2)}}),
-    "atomic-32": (False, {"small": {"bwd_fused": C(64, 64, 4, 3)}, "large": {"bwd_fused": C(32, 128, 8, 3)},
-                          "huge": {"bwd_fused": C(32, 64, 4, 2)}}),
+    "atomic-2cta": (False, {"small": {"bwd_fused": C(64, 64, 4, 2)}, "large": {"bwd_fused": C(64, 64, 4, 2)},
+                            "huge": {"bwd_fused": C(32, 64, 8, 2)}}),
 }
 
 
@@ -225,8 +229,9 @@ def check(design: str, dtype, d: int, causal: bool, window, softcap: float, alib
 
 
 def visible_pairs(n: int, causal: bool, window) -> float:
+    """(query, key) pairs per head, as flashrun bench counts them: causal N²/2, a window's allowed pairs."""
     if causal:
-        return n * (n + 1) / 2
+        return n * n / 2
     if window != (-1, -1):
         left = window[0]
         return sum(min(i, left) + 1 for i in range(n)) if window[1] == 0 else float(n * n)
@@ -311,12 +316,13 @@ def time_shape(row: tuple, designs: list[str], with_flex: bool, budget_s: float)
 
 def kernel_facts() -> None:
     """n_regs / n_spills of every backward kernel this process compiled, with its constexprs."""
-    from compile_bwd import resources
+    from compile_bwd import ctas_per_sm, resources
 
     for fn in (flash_bwd._attn_bwd_dkdv, flash_bwd._attn_bwd_dq):
         for cache in getattr(fn, "device_caches", {}).values():
             for ck in cache[0].values():
                 try:
+                    ck._init_handles()  # n_regs / n_spills come from loading the binary
                     names = ck.src.fn.arg_names
                     const = {names[key[0]]: value for key, value in ck.src.constants.items()}
                     facts = resources(ck.asm["ptx"])
@@ -324,15 +330,16 @@ def kernel_facts() -> None:
                     const, facts = {}, {"error": f"{type(exc).__name__}: {exc}"}
                 row = {"kernel": fn.__name__, "n_regs": getattr(ck, "n_regs", None),
                        "n_spills": getattr(ck, "n_spills", None), "num_warps": ck.metadata.num_warps,
-                       "num_stages": ck.metadata.num_stages, **facts,
+                       "num_stages": ck.metadata.num_stages, "shared": ck.metadata.shared, **facts,
                        **{k: const.get(k) for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL", "WINDOW", "SOFTCAP",
                                                     "ALIBI", "GROUP", "ATOMIC_DQ", "DQ_TMA")}}
                 RESULTS["kernels"].append(row)
                 print(f"  {row['kernel']:15} D{row['HEAD_DIM']} {row['BLOCK_M']}x{row['BLOCK_N']} w{row['num_warps']} "
                       f"s{row['num_stages']} causal={row['CAUSAL']} window={row['WINDOW']} softcap={row['SOFTCAP']} "
                       f"alibi={row['ALIBI']} g{row['GROUP']} atomic={row['ATOMIC_DQ']}: n_regs {row['n_regs']} "
-                      f"n_spills {row['n_spills']} loop spill ops {facts.get('loop_spill_ops')} "
-                      f"serialized {facts.get('serialized')}", flush=True)
+                      f"n_spills {row['n_spills']} smem {row['shared']} "
+                      f"({ctas_per_sm(row['n_regs'], row['num_warps'], row['shared']) if row['n_regs'] else '?'}/SM) "
+                      f"loop spill ops {facts.get('loop_spill_ops')} serialized {facts.get('serialized')}", flush=True)
     save()
 
 
@@ -364,7 +371,10 @@ def main() -> int:
         import torch._dynamo.config as dynamo_config
         import torch._functorch.config as functorch_config
 
-        dynamo_config.recompile_limit = 64  # one compiled FlexAttention per shape
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):  # one compiled FlexAttention per shape
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
         if hasattr(functorch_config, "donated_buffer"):
             functorch_config.donated_buffer = False  # the timing re-runs one backward graph
     print("0. compiling every backward kernel the probe runs, in parallel", flush=True)

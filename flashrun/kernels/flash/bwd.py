@@ -199,11 +199,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
         GROUP, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
         DQ_TMA, UPCAST, PRECISION)
     if CAUSAL or WINDOW:
+        n_right = tl.cdiv(hi - mid_hi, BLOCK_M)
+        if CAUSAL:  # (a constant: the rows past the diagonal see the whole block)
+            n_right = 0
         dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
             dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q, DO, LSE, Delta, DQ, off_z, off_zq, off_hkv,
             stride_qz, stride_qh, stride_qm, stride_qk, stride_doz, stride_doh, stride_dom, stride_dok,
             stride_dqz, stride_dqh, stride_dqm, stride_dqk, stride_lz, stride_lh,
-            offs_n, tl.cdiv(mid_lo - lo, BLOCK_M), lo, tl.cdiv(hi - mid_hi, BLOCK_M), mid_hi, H, N_Q, N_K,
+            offs_n, tl.cdiv(mid_lo - lo, BLOCK_M), lo, n_right, mid_hi, H, N_Q, N_K,
             sm_scale, qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
             GROUP, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
             DQ_TMA, UPCAST, PRECISION)
@@ -309,9 +312,12 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                                   qk_scale, softcap2, slope2, win_left, win_right,
                                   BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
                                   UPCAST, PRECISION)
+    n_left = tl.cdiv(mid_lo - lo, BLOCK_N)
+    if not WINDOW:  # (a constant: only a window has a left edge)
+        n_left = 0
     dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
                                   stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
-                                  tl.cdiv(mid_lo - lo, BLOCK_N), lo, tl.cdiv(hi - mid_hi, BLOCK_N), mid_hi, N_Q, N_K,
+                                  n_left, lo, tl.cdiv(hi - mid_hi, BLOCK_N), mid_hi, N_Q, N_K,
                                   qk_scale, softcap2, slope2, win_left, win_right,
                                   BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
                                   UPCAST, PRECISION)
