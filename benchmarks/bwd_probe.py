@@ -1,6 +1,8 @@
 """One-shot H200 probe of flash's backward designs against cuDNN and FlexAttention (issue 21).
 
     OUT=/some/dir python benchmarks/bwd_probe.py [--budget-s 230] [--designs NAME,...] [--no-flex]
+    python benchmarks/bwd_probe.py --dry-run   # the same code path on the CPU (Triton's interpreter),
+                                               # two checks per design and one tiny timed shape
 
 Designs (launch configs pinned, no tuning; :data:`DESIGNS`; default: all four), each a name for
 one way to run flash's backward:
@@ -36,6 +38,9 @@ import time
 import traceback
 from pathlib import Path
 
+DRY_RUN = "--dry-run" in sys.argv
+if DRY_RUN:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashrun
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # compile_bwd.resources
 
@@ -46,6 +51,7 @@ from flashrun.kernels import LaunchConfig as C, tuning  # noqa: E402
 from flashrun.kernels.flash import alibi_slopes, attention as flash_attn, bwd as flash_bwd  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
+DEVICE = "cpu" if DRY_RUN else "cuda"
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # flashrun/harness/judge.py's table
 RESULTS: dict = {"env": {}, "correctness": [], "timing": [], "kernels": []}
 START = time.perf_counter()
@@ -145,10 +151,10 @@ def precompile(cases: list[tuple]) -> None:
         tuning._warming = True
         try:
             for design, dtype, b, h, h_kv, n_q, n_k, d, causal, window, softcap, alibi in cases:
-                q = torch.empty(b, h, n_q, d, device="cuda", dtype=dtype)
-                k = torch.empty(b, h_kv, n_k, d, device="cuda", dtype=dtype)
-                lse = torch.empty(b, h, n_q, device="cuda")
-                slopes = alibi_slopes(h, "cuda") if alibi else None
+                q = torch.empty(b, h, n_q, d, device=DEVICE, dtype=dtype)
+                k = torch.empty(b, h_kv, n_k, d, device=DEVICE, dtype=dtype)
+                lse = torch.empty(b, h, n_q, device=DEVICE)
+                slopes = alibi_slopes(h, DEVICE) if alibi else None
                 variant = flash_attn._variant(q, b, n_k, causal, window, softcap, slopes)
                 deterministic, launch = pins(design, d, dtype)
                 flash_attn._attn_backward(q, q, k, k, q, lse, d ** -0.5, variant, launch, deterministic)
@@ -200,15 +206,16 @@ def check_cases() -> list[tuple]:
 def check(design: str, dtype, d: int, causal: bool, window, softcap: float, alibi: bool) -> None:
     name = f"{design} {label(dtype, 2, 4, 2, 300, d, causal, window, softcap, alibi)} Nk333"
     gen = torch.Generator(device="cpu").manual_seed(d + 7 * causal)
-    q = torch.randn(2, 4, 300, d, generator=gen).cuda().to(dtype)
-    k, v = (torch.randn(2, 2, 333, d, generator=gen).cuda().to(dtype) for _ in range(2))
-    do = torch.randn(2, 4, 300, d, generator=gen).cuda().to(dtype)
-    slopes = alibi_slopes(4, "cuda") if alibi else None
+    q = torch.randn(2, 4, 300, d, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(2, 2, 333, d, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    do = torch.randn(2, 4, 300, d, generator=gen).to(DEVICE, dtype)
+    slopes = alibi_slopes(4, DEVICE) if alibi else None
     # entry 0 is judged; entry 1 holds NaN everywhere, which must not reach entry 0
     q[1], k[1], v[1], do[1] = float("nan"), float("nan"), float("nan"), float("nan")
     try:
         got = grads(flash_fn(design, d, dtype, causal, window, softcap, slopes), q, k, v, do)
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         ref = grads(lambda *t: reference(*t, causal, window, softcap, slopes), q[:1].double(), k[:1].double(),
                     v[:1].double(), do[:1].double())
         low = grads(lambda *t: reference(*t, causal, window, softcap, slopes, torch.float32 if dtype == torch.float32
@@ -251,7 +258,7 @@ def flex_fn(h: int, h_kv: int, n: int, causal: bool, window, softcap: float, slo
         return keep & (kv_idx >= q_idx - left) if left >= 0 else keep
 
     masked = causal or window != (-1, -1)
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda") if masked else None
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=DEVICE) if masked else None
 
     def score_mod(score, b, hh, q_idx, kv_idx):
         if softcap:
@@ -280,6 +287,10 @@ def time_backward(fn, q, k, v, do) -> float:
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
     torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # compile/tune outside the timing
+    if DRY_RUN:  # the interpreter: one call's wall time (do_bench needs CUDA events)
+        start = time.perf_counter()
+        torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return (time.perf_counter() - start) * 1e3
     return triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
                                    warmup=10, rep=40, return_mode="median")
 
@@ -289,11 +300,11 @@ def time_shape(row: tuple, designs: list[str], with_flex: bool, budget_s: float)
     if elapsed() > budget_s:
         print(f"  skipped (budget): {name}", flush=True)
         return
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
-    k, v = (torch.randn(b, h_kv, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, generator=gen)
+    k, v = (torch.randn(b, h_kv, n, d, device=DEVICE, dtype=dtype, generator=gen) for _ in range(2))
     do = torch.randn_like(q)
-    slopes = alibi_slopes(h, "cuda") if alibi else None
+    slopes = alibi_slopes(h, DEVICE) if alibi else None
     flop = 2.5 * 4 * b * h * visible_pairs(n, causal, window) * d
     providers = {design: flash_fn(design, d, dtype, causal, window, softcap, slopes) for design in designs}
     if window == (-1, -1) and not softcap and not alibi:
@@ -307,7 +318,8 @@ def time_shape(row: tuple, designs: list[str], with_flex: bool, budget_s: float)
             entry["ms"][provider], entry["tflops"][provider] = ms, flop / ms / 1e9
         except Exception as exc:  # noqa: BLE001 - e.g. an OOM: the row says so, the probe goes on
             entry["ms"][provider] = f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     cells = " ".join(f"{p} {t:.0f}" for p, t in entry["tflops"].items())
     print(f"  {name}: {cells} TFLOP/s ({elapsed():.0f}s)", flush=True)
     RESULTS["timing"].append(entry)
@@ -362,10 +374,17 @@ def main() -> int:
     ap.add_argument("--designs", default=DEFAULT_DESIGNS, help=f"of {', '.join(DESIGNS)}")
     ap.add_argument("--budget-s", type=float, default=230.0)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="the CPU and Triton's interpreter, a few small cases")
     ns = ap.parse_args()
     designs = ns.designs.split(",")
-    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                      "python": platform.python_version(), "designs": {d: str(DESIGNS[d]) for d in designs}}
+    RESULTS["env"] = {"gpu": "none (dry run)" if DRY_RUN else torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "python": platform.python_version(),
+                      "designs": {d: str(DESIGNS[d]) for d in designs}}
+    checks, shapes = check_cases(), timing_shapes()
+    if DRY_RUN:  # the plumbing, not the numbers: two checks per design, one small timed shape, no peers
+        checks, ns.no_flex, ns.budget_s = [checks[4], checks[5]], True, float("inf")
+        shapes = [(label(torch.float16, 1, 4, 2, 256, 64, True, (-1, -1), 0.0, False), torch.float16, 1, 4, 2, 256, 64,
+                   True, (-1, -1), 0.0, False, False)]
     print(f"{RESULTS['env']}", flush=True)
     if not ns.no_flex:
         import torch._dynamo.config as dynamo_config
@@ -378,20 +397,21 @@ def main() -> int:
         if hasattr(functorch_config, "donated_buffer"):
             functorch_config.donated_buffer = False  # the timing re-runs one backward graph
     print("0. compiling every backward kernel the probe runs, in parallel", flush=True)
-    precompile([(design, dtype, 2, 4, 2, 300, 333, d, causal, window, softcap, alibi)
-                for design in designs for dtype, d, causal, window, softcap, alibi in check_cases()]
-               + [(design, dtype, b, h, h_kv, n, n, d, causal, window, softcap, alibi)
-                  for design in designs for _, dtype, b, h, h_kv, n, d, causal, window, softcap, alibi, _ in timing_shapes()])
+    if not DRY_RUN:
+        precompile([(design, dtype, 2, 4, 2, 300, 333, d, causal, window, softcap, alibi)
+                    for design in designs for dtype, d, causal, window, softcap, alibi in checks]
+                   + [(design, dtype, b, h, h_kv, n, n, d, causal, window, softcap, alibi)
+                      for design in designs for _, dtype, b, h, h_kv, n, d, causal, window, softcap, alibi, _ in shapes])
     print("1. correctness (dQ, dK, dV vs float64, GQA 4/2, Nq 300 != Nk 333; NaN in the neighbouring batch entry)",
           flush=True)
     for design in designs:
-        for case in check_cases():
+        for case in checks:
             check(design, *case)
     failed = [c for c in RESULTS["correctness"] if not c["ok"]]
     bad = {c["design"] for c in failed}
     timed = [d for d in designs if d not in bad]
     print(f"2. backward timing ({', '.join(timed)}; wrong designs are not timed: {sorted(bad) or 'none'})", flush=True)
-    for row in timing_shapes():
+    for row in shapes:
         time_shape(row, timed, not ns.no_flex, ns.budget_s)
     print("3. compiled backward kernels", flush=True)
     kernel_facts()
