@@ -17,11 +17,15 @@ dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program ord
     atomic per element); one cast to the output dtype follows. 5 matmuls. Float addition is
     not associative and the partials from different key blocks land in whatever order the
     programs reach them, so dQ may differ in its last bits from run to run (dK, dV do not);
-  * ``deterministic=True``, the default: the same dK/dV kernel without the atomics, then a dQ
-    kernel per query block looping over key blocks in a fixed order - bitwise repeatable. It
-    recomputes Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200: the
-    backward kernels are register-bound (benchmarks/NOTES.md v5), and the fifth matmul's
-    float32 partial costs more than the two matmuls it saves.
+  * ``deterministic=True``: the same dK/dV kernel without the atomics, then a dQ kernel per
+    query block looping over key blocks in a fixed order - bitwise repeatable. It recomputes
+    Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200 through v5 (the
+    atomic kernel's dQ partial and the transpose of dS it needs cost more than the two
+    matmuls saved; benchmarks/NOTES.md). ``flashrun.limits.DETERMINISTIC_BACKWARD`` names the
+    default, whichever measures faster.
+Each backward kernel walks the blocks its tile sees whole first and the masked ones (causal
+diagonal, window edges, ragged end) in one more loop, GQA heads folded into both loops: ptxas
+serializes every wgmma of a loop that follows a masked loop over the same accumulators (NOTES v6).
 Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process.

@@ -2,7 +2,8 @@
 ``ATOMIC_DQ`` also adds each tile's dQ partial into a float32 buffer (5 matmuls per tile pair):
 on Hopper as one TMA reduce-add of the whole tile (``DQ_TMA``: ``cp.reduce.async.bulk``, what
 FlashAttention-3 does), elsewhere as one float32 atomic per element; without it, dQ per query
-block in a second kernel (7 matmuls, no atomics: deterministic). The maths is in
+block in a second kernel (7 matmuls, no atomics: deterministic). Each kernel has two loops, the
+unmasked blocks' then the masked blocks' (see :func:`_attn_bwd_dkdv_inner`). The maths is in
 :mod:`flashrun.kernels.flash`."""
 
 from __future__ import annotations
