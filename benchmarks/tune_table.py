@@ -1,11 +1,16 @@
 """Regenerate the tuned table shipped for this GPU and Triton version (run on the GPU).
 
     python benchmarks/tune_table.py            # -> flashrun/kernels/tuned/<gpu>-triton<x.y>.json
+    python benchmarks/tune_table.py --keep-forward   # tune the backward only (about half the time)
 
 Tunes flash's forward and backward kernels, in a fresh cache, for the shapes people run most: the
 default `flashrun bench` sweep (fp16 and bf16, head_dim 64 and 128, causal and not, N 512..16384).
 (verify does not tune: it runs each kernel's default config.) Then writes the winners with the
 GPU name, Triton version and launch-config space version they are valid for.
+
+``--keep-forward`` carries the present table's forward winners over instead of re-tuning them: for
+when only the backward's candidates changed (launch-config space 1 -> 2, NOTES v6: the forward's
+candidate lists are the same in both).
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ HIDDEN, TOKENS = 2048, 32768  # the bench convention: heads = hidden / D, batch 
 def main() -> None:
     tuning.USE_SHIPPED = False  # tune every key afresh
     start = time.perf_counter()
+    target = tuning.SHIPPED / f"{tuning.table_name()}.json"
+    if "--keep-forward" in sys.argv[1:]:
+        kept = {key: cfg for key, cfg in json.loads(target.read_text())["configs"].items() if key.startswith("fwd|")}
+        tuning._memory.update(kept)  # those forward calls hit memory and tune nothing
+        print(f"kept {len(kept)} forward winners of {target}", flush=True)
     shapes = [(dtype, d, causal, n) for dtype, d, causal, n in itertools.product(
         (torch.float16, torch.bfloat16), (64, 128), (False, True), (512, 1024, 2048, 4096, 8192, 16384))]
     for i, (dtype, d, causal, n) in enumerate(shapes):
@@ -45,7 +55,6 @@ def main() -> None:
               f"{time.perf_counter() - start:.0f} s", flush=True)
         del q, k, v, out
         torch.cuda.empty_cache()
-    target = tuning.SHIPPED / f"{tuning.table_name()}.json"
     document = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                 "space_version": tuning.SPACE_VERSION, "made_by": "benchmarks/tune_table.py",
                 "configs": dict(sorted(tuning._memory.items()))}

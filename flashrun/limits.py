@@ -10,3 +10,7 @@ DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
 # flash-deterministic: flash with its atomic-free, bitwise-repeatable backward (flash's default);
 # flash-atomic: flash with the 5-matmul backward that sums dQ with atomics.
 BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")
+# Which of the two `flash` runs when nothing says (flash_attention(deterministic=...), [experiment]
+# deterministic): the faster one on the H200, decided by measurement (benchmarks/NOTES.md) and
+# switched here only.
+DETERMINISTIC_BACKWARD = True

@@ -62,7 +62,7 @@ class CompileOnly:
         return launch
 
 
-def dense(shape, dtype, causal=False, backward=True, launch="default", **variants):
+def dense(shape, dtype, causal=False, backward=True, launch="default", bwd_launch="default", **variants):
     z, h, h_kv, n_q, n_k, d = shape
     q = torch.empty(z, h, n_q, d, dtype=dtype)
     k = torch.empty(z, h_kv, n_k, d, dtype=dtype)
@@ -70,8 +70,8 @@ def dense(shape, dtype, causal=False, backward=True, launch="default", **variant
                              variants.get("alibi_slopes"))
     o, lse = flash._attn_forward(q, k, k, 0.125, variant, launch)
     if backward:  # both backwards: atomic dQ, and the deterministic default
-        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default", deterministic=False)
-        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, "default", deterministic=True)
+        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, bwd_launch, deterministic=False)
+        flash._attn_backward(o, q, k, k, o, lse, 0.125, variant, bwd_launch, deterministic=True)
 
 
 def packed(lengths_q, lengths_k, h, h_kv, d, dtype, causal=False, **variants):
@@ -131,7 +131,11 @@ def main() -> int:
     print("flash-decoding: a window and ALiBi (H,), one query, 16384 keys")
     dense((1, 2, 1, 1, 16384, 128), torch.float16, backward=False, window=(4096, 0), alibi_slopes=torch.ones(2))
     print("head_dim 192 = 128 + 64 columns: causal, GQA; the forward through TMA (two descriptors per tensor)")
-    dense((1, 4, 2, 1000, 1000, 192), torch.bfloat16, causal=True, launch={"fwd": LaunchConfig(128, 64, 8, 2, True)})
+    # the backward on 4-warp tiles: one warpgroup spans a tile's columns, so its 128 + 64 blocks are
+    # n128 and n64 wgmmas (8 warps over a 64-row dK tile split the columns: n64 and n32)
+    dense((1, 4, 2, 1000, 1000, 192), torch.bfloat16, causal=True, launch={"fwd": LaunchConfig(128, 64, 8, 2, True)},
+          bwd_launch={"bwd_fused": LaunchConfig(32, 64, 4, 2), "bwd_dkdv": LaunchConfig(16, 64, 4, 2),
+                      "bwd_dq": LaunchConfig(64, 32, 4, 2)})
     check_split_matmuls()
     print("head_dim 96 = 64 + 32 columns: the forward through TMA with warp specialization; flash-decoding, softcap")
     dense((1, 4, 2, 1000, 1000, 96), torch.float16, backward=False, launch={"fwd": LaunchConfig(128, 128, 8, 3, True, True)})

@@ -24,13 +24,15 @@ from flashrun.harness.reference import attention_ref
 from flashrun.harness.shapes import Shape
 from flashrun.kernels import (
     LaunchConfig,
+    alibi_slopes,
     attention_forward,
     flash_attention,
     get,
     minimal_attention,
 )
 from flashrun.kernels.flash import attention as flash
-from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashrun.kernels.tuning import candidates
+from flashrun.limits import DETERMINISTIC_BACKWARD, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 KERNELS = Path(__file__).parent / "kernels"
 
@@ -155,18 +157,23 @@ def test_deterministic_backward_is_bitwise_repeatable():
         first = torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True), (q, k, v), do)
     second = torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True), (q, k, v), do)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert launched == [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]
+    assert launched == DETERMINISTIC_KERNELS
 
 
-def test_backward_paths_default_to_the_deterministic_one():
-    # the deterministic backward measured faster on the H200 than the atomic one (NOTES v4): default
+DETERMINISTIC_KERNELS = [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]
+ATOMIC_KERNELS = [("_attn_bwd_dkdv", True)]
+
+
+def test_backward_paths_and_the_default():
+    # the default is whichever backward measured faster on the H200 (limits.DETERMINISTIC_BACKWARD)
     q, k, v, do = _inputs((1, 4, 2, 40, 70, 16), torch.float16)
     with _spy_kernels() as launched:
         torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)
-    assert launched == [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]
-    with _spy_kernels() as launched:
-        torch.autograd.grad(flash_attention(q, k, v, deterministic=False), (q, k, v), do)
-    assert launched == [("_attn_bwd_dkdv", True)]
+    assert launched == (DETERMINISTIC_KERNELS if DETERMINISTIC_BACKWARD else ATOMIC_KERNELS)
+    for deterministic, kernels in ((True, DETERMINISTIC_KERNELS), (False, ATOMIC_KERNELS)):
+        with _spy_kernels() as launched:
+            torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), do)
+        assert launched == kernels
 
 
 @contextlib.contextmanager
@@ -202,6 +209,24 @@ def test_atomic_dq_ignores_keys_past_the_end():
     # partial key block would get P = exp2(0 - lse2) = inf, and inf · 0 = NaN in dQ unless its
     # dS is masked. 40 keys = one full block of 32 and 8 past the end.
     _check_fwd_bwd(*far_below_zero(33, 40), False, deterministic=False)
+
+
+# Every backward tile shape the tuner may pick on a GPU, here in the interpreter: the loop plans
+# (unmasked blocks, then the masked ones in one loop, GQA heads folded in) depend only on the
+# tiles. GQA 2:1 with Nq != Nk, causal (rows that see no key included) and a window with softcap
+# and ALiBi (both masked ranges); the atomic dQ on the causal case.
+BWD_TILES = sorted({(cfg.block_m, cfg.block_n) for kind in ("bwd_fused", "bwd_dkdv", "bwd_dq")
+                    for head_dim in (64, 128, 256) for cfg in candidates(kind, head_dim, torch.float16)})
+
+
+@pytest.mark.parametrize("case", ["causal", "window-softcap-alibi", "causal-atomic"])
+@pytest.mark.parametrize("tiles", BWD_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_every_backward_tile_shape(tiles, case):
+    q, k, v, do = _inputs((1, 4, 2, 150, 97, 40), torch.float16)
+    cfg = LaunchConfig(*tiles, 4, 1)
+    pins = {"bwd_dkdv": cfg, "bwd_dq": cfg, "bwd_fused": cfg}
+    variants = {"window": (70, 20), "softcap": 30.0, "alibi_slopes": alibi_slopes(4)} if "window" in case else {}
+    _check_fwd_bwd(q, k, v, do, "causal" in case, launch=pins, deterministic="atomic" not in case, **variants)
 
 
 @pytest.mark.parametrize("launch", [LaunchConfig(block_m=16, block_n=16), LaunchConfig(64, 16, 4, 2)], ids=str)

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from flashrun.limits import DTYPE_ALIASES, MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashrun.limits import DETERMINISTIC_BACKWARD, DTYPE_ALIASES, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 # The default config ships inside the package so that a non-editable install has it.
 DEFAULT_CONFIG = Path(__file__).parents[1] / "data" / "default.toml"
@@ -122,9 +122,9 @@ class ExperimentConfig(_Section):
     seqlens_k: SeqLens | None = None  # their key lengths; defaults to seqlens
     seed: int = 0
     kernel: list[str] = ["flash"]
-    # flash's backward without atomics (bitwise repeatable; measured faster on the H200 than the
-    # 5-matmul atomic one, which false selects); the kernels flash-deterministic / flash-atomic fix it
-    deterministic: bool = True
+    # flash's backward: true the bitwise-repeatable one, false the 5-matmul one that adds dQ with
+    # atomics; the default is flashrun.limits.DETERMINISTIC_BACKWARD; flash-deterministic / flash-atomic fix it
+    deterministic: bool = DETERMINISTIC_BACKWARD
 
     _kernel_list = field_validator("kernel", mode="before")(_as_list)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from flashrun.errors import KernelError, is_oom
 from flashrun.harness.shapes import Shape
-from flashrun.limits import BUILTIN_KERNELS as BUILTIN
+from flashrun.limits import BUILTIN_KERNELS as BUILTIN, DETERMINISTIC_BACKWARD
 
 POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
 TIMED_MS = 25  # GPU time spent timing each checked kernel (median of the repeats)
@@ -42,7 +42,7 @@ class Job:
     diagnose: bool
     device: str  # what the plan asked for: auto | cuda | cpu
     launch: Any = "default"  # flash's launch config: "default" or a pinned LaunchConfig
-    deterministic: bool = True  # flash's atomic-free backward ([experiment] deterministic)
+    deterministic: bool = DETERMINISTIC_BACKWARD  # which flash backward ([experiment] deterministic)
     bf16_dots_ok: bool = True  # False: this interpreter's bf16 tl.dot is wrong (users' kernels skip)
     estimate_s: float | None = None  # expected interpreter seconds (None on a GPU)
 
@@ -94,7 +94,7 @@ def interpreter_seconds(case: Shape, grad: bool) -> float:
 _kernels: dict[tuple[str, str, bool], Any] = {}  # (spec, launch, deterministic) -> Kernel, once per process
 
 
-def load_kernel(spec: str, launch: Any, deterministic: bool = True):
+def load_kernel(spec: str, launch: Any, deterministic: bool = DETERMINISTIC_BACKWARD):
     """``flashrun.kernels.get`` once per process (after the device is selected)."""
     from flashrun import kernels
 

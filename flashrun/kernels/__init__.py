@@ -45,7 +45,7 @@ from flashrun.kernels.flash import (
 from flashrun.kernels import tuning, warmup
 from flashrun.kernels.minimal import minimal_attention
 from flashrun.kernels.tuning import Launch, LaunchConfig
-from flashrun.limits import BUILTIN_KERNELS
+from flashrun.limits import BUILTIN_KERNELS, DETERMINISTIC_BACKWARD
 
 warmup.prime()  # Triton hashes its own installation before its first compile: start that now
 
@@ -86,7 +86,7 @@ class Kernel:
         return self.fn(q, k, v, **passed)
 
 
-def get(spec: str, launch: Launch = None, deterministic: bool = True) -> Kernel:
+def get(spec: str, launch: Launch = None, deterministic: bool = DETERMINISTIC_BACKWARD) -> Kernel:
     """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config;
     ``deterministic``: flash's atomic-free backward (``flash-deterministic`` always runs it,
     ``flash-atomic`` never)."""

@@ -71,7 +71,7 @@ C = LaunchConfig
 # The launch-config space's version: bump it whenever a candidate list or the meaning of a config
 # field changes, so tuned tables (shipped or cached) made for another space are not used. A new
 # kernel kind (e.g. "bwd_fused") only adds keys: tables without them tune those on first use.
-SPACE_VERSION = 1
+SPACE_VERSION = 2  # 2: the backward's candidates of NOTES v6
 # Tuned tables shipped with flashrun, one per GPU and Triton minor version
 # (benchmarks/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
 SHIPPED = Path(__file__).parent / "tuned"
@@ -87,9 +87,9 @@ SOURCES = ("table", "tuned", "heuristic", "default", "pinned", "interpreter")
 INTERPRETER = C(32, 32, 4, 1, False)
 
 # Pruned candidate spaces, per kernel and head_dim class. Kernels: "fwd" (block_m = query tile),
-# "bwd_fused" (the default backward: dK/dV plus atomic dQ; block_m = query tile streamed past a
+# "bwd_fused" (the 5-matmul backward: dK/dV plus atomic dQ; block_m = query tile streamed past a
 # block_n key tile it owns), and the deterministic backward's "bwd_dkdv" (the same tiles, no dQ)
-# and "bwd_dq".
+# and "bwd_dq" (block_m query rows streaming block_n keys).
 _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
     ("fwd", "small"): [C(128, 64, 4, 3, False), C(64, 64, 4, 3, False), C(128, 128, 8, 3, False),
                        C(128, 64, 4, 3, True), C(128, 128, 8, 3, True), C(64, 64, 4, 3, True)],
@@ -98,18 +98,22 @@ _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
                        C(128, 128, 8, 3, True, ws=True)],
     ("fwd", "huge"): [C(64, 64, 4, 2, False), C(128, 64, 8, 2, False), C(64, 32, 4, 2, False),
                       C(64, 64, 4, 2, True), C(128, 64, 8, 2, True)],
-    # dQ's atomics per tile pair are block_m x head_dim against block_m x block_n x head_dim of
-    # matmul work, so wide key tiles (block_n 128) amortize them best; the fifth matmul and its
-    # (block_m, head_dim) float32 partial add registers, hence the 8-warp candidates.
-    ("bwd_fused", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(32, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
-    ("bwd_fused", "large"): [C(64, 128, 8, 3), C(32, 128, 8, 3), C(32, 128, 4, 3), C(64, 64, 4, 3), C(32, 64, 4, 2)],
-    ("bwd_fused", "huge"): [C(32, 64, 4, 2), C(64, 64, 8, 2), C(16, 64, 4, 2), C(32, 128, 8, 2)],
-    ("bwd_dkdv", "small"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 3)],
-    ("bwd_dkdv", "large"): [C(32, 128, 4, 3), C(64, 128, 8, 3), C(64, 64, 4, 3), C(32, 64, 4, 2)],
-    ("bwd_dkdv", "huge"): [C(32, 64, 4, 2), C(64, 64, 8, 2), C(16, 64, 4, 2)],
-    ("bwd_dq", "small"): [C(128, 32, 4, 3), C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 32, 4, 3)],
-    ("bwd_dq", "large"): [C(128, 32, 4, 3), C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 32, 4, 2)],
-    ("bwd_dq", "huge"): [C(64, 32, 4, 2), C(64, 64, 8, 2), C(64, 16, 4, 2)],
+    # The backward (benchmarks/NOTES.md v6; registers and programs per SM from tests/compile_bwd.py
+    # with triton 3.6's ptxas). First, FlexAttention's H100 tiles: a 128-key dK/dV block over two
+    # warpgroups (each 64 keys: dK + dV accumulators 128 registers per thread), 64 query rows per
+    # step, one 8-warp program per SM; dQ 128 rows x 64 keys. Then 4-warp, 2-stage tiles that fit two
+    # programs per SM (<= 100 KB of shared memory, <= 255 registers x 128 threads), so one program's
+    # softmax runs under the other's matmuls. Left out: tiles whose compiled loop spills in every
+    # iteration or whose wgmmas ptxas serializes (C7515), e.g. 32x128 w4 (2.6 KB of spills at D = 128).
+    ("bwd_fused", "small"): [C(64, 128, 8, 3), C(64, 64, 4, 2), C(64, 128, 8, 2)],
+    ("bwd_fused", "large"): [C(64, 128, 8, 3), C(64, 64, 4, 2), C(64, 128, 8, 2)],
+    ("bwd_fused", "huge"): [C(32, 64, 8, 2), C(64, 64, 8, 2), C(32, 64, 4, 2)],
+    ("bwd_dkdv", "small"): [C(64, 128, 8, 3), C(64, 64, 4, 2), C(32, 64, 4, 2), C(64, 128, 8, 2)],
+    ("bwd_dkdv", "large"): [C(64, 128, 8, 3), C(64, 64, 4, 2), C(32, 128, 8, 3), C(32, 64, 4, 2), C(64, 128, 8, 2)],
+    ("bwd_dkdv", "huge"): [C(64, 64, 8, 2), C(32, 128, 8, 2), C(16, 64, 4, 2)],
+    ("bwd_dq", "small"): [C(128, 64, 8, 3), C(64, 64, 4, 2), C(64, 32, 4, 2), C(128, 64, 8, 2)],
+    ("bwd_dq", "large"): [C(128, 64, 8, 3), C(64, 64, 4, 2), C(64, 32, 4, 2), C(128, 64, 8, 2)],
+    ("bwd_dq", "huge"): [C(64, 64, 8, 2), C(64, 32, 4, 2), C(64, 16, 4, 2), C(128, 32, 8, 2)],
 }
 # float32 (IEEE dots on CUDA cores) needs more registers per element: small tiles only.
 _FP32 = [C(64, 32, 4, 2, False), C(32, 32, 4, 2, False)]

@@ -17,11 +17,15 @@ dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program ord
     atomic per element); one cast to the output dtype follows. 5 matmuls. Float addition is
     not associative and the partials from different key blocks land in whatever order the
     programs reach them, so dQ may differ in its last bits from run to run (dK, dV do not);
-  * ``deterministic=True``, the default: the same dK/dV kernel without the atomics, then a dQ
-    kernel per query block looping over key blocks in a fixed order - bitwise repeatable. It
-    recomputes Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200: the
-    backward kernels are register-bound (benchmarks/NOTES.md v5), and the fifth matmul's
-    float32 partial costs more than the two matmuls it saves.
+  * ``deterministic=True``: the same dK/dV kernel without the atomics, then a dQ kernel per
+    query block looping over key blocks in a fixed order - bitwise repeatable. It recomputes
+    Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200 through v5 (the
+    atomic kernel's dQ partial and the transpose of dS it needs cost more than the two
+    matmuls saved; benchmarks/NOTES.md). ``flashrun.limits.DETERMINISTIC_BACKWARD`` names the
+    default, whichever measures faster.
+Each backward kernel walks the blocks its tile sees whole first and the masked ones (causal
+diagonal, window edges, ragged end) in one more loop, GQA heads folded into both loops: ptxas
+serializes every wgmma of a loop that follows a masked loop over the same accumulators (NOTES v6).
 Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process.
@@ -115,6 +119,7 @@ from flashrun.kernels.flash.fwd import (
 from flashrun.kernels import warmup
 from flashrun.kernels.tuning import Launch, LaunchConfig, choose, compiling
 from flashrun.kernels.tuning import launch as launch_kernel
+from flashrun.limits import DETERMINISTIC_BACKWARD
 
 # -- launchers ----------------------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, sm_scale: float, variant: Variant, launch: Launch = None,
-                   deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   deterministic: bool = DETERMINISTIC_BACKWARD) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
     (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
     dQ kernel (7 matmuls, bitwise repeatable)."""
@@ -350,15 +355,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     sm_scale: float | None = None, launch: Launch = None, *,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = True) -> torch.Tensor:
+                    alibi_slopes: torch.Tensor | None = None,
+                    deterministic: bool = DETERMINISTIC_BACKWARD) -> torch.Tensor:
     """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D).
 
     FlashAttention-2's variants (see the module docstring): ``window=(left, right)`` (-1
     unbounded), ``softcap`` (> 0 caps the scores at ±softcap through a tanh), ``alibi_slopes``
     (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient).
-    ``deterministic`` (the default): the bitwise-repeatable backward (two kernels, 7 matmuls per
-    tile pair); False: one kernel with 5 matmuls that sums dQ with float32 atomics in whatever
-    order they land - fewer FLOPs, but measured slower on the H200 (benchmarks/NOTES.md, v4)."""
+    ``deterministic``: True the bitwise-repeatable backward (two kernels, 7 matmuls per tile
+    pair); False one kernel with 5 matmuls that sums dQ with float32 atomics in whatever order
+    they land. The default, ``flashrun.limits.DETERMINISTIC_BACKWARD``, is the one measured faster
+    on the H200 (benchmarks/NOTES.md)."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
     return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
@@ -399,7 +406,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen_k: int | None = None, causal: bool = False,
                            sm_scale: float | None = None, *, window: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                           launch: Launch = None, deterministic: bool = True) -> torch.Tensor:
+                           launch: Launch = None, deterministic: bool = DETERMINISTIC_BACKWARD) -> torch.Tensor:
     """Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k, v (total_k, H_kv, D);
     sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, (B + 1,), a length may be 0) and
     attends on its own (bottom-right alignment per sequence). Returns (total_q, H, D),

@@ -2,7 +2,8 @@
 ``ATOMIC_DQ`` also adds each tile's dQ partial into a float32 buffer (5 matmuls per tile pair):
 on Hopper as one TMA reduce-add of the whole tile (``DQ_TMA``: ``cp.reduce.async.bulk``, what
 FlashAttention-3 does), elsewhere as one float32 atomic per element; without it, dQ per query
-block in a second kernel (7 matmuls, no atomics: deterministic). The maths is in
+block in a second kernel (7 matmuls, no atomics: deterministic). Each kernel has two loops, the
+unmasked blocks' then the masked blocks' (see :func:`_attn_bwd_dkdv_inner`). The maths is in
 :mod:`flashrun.kernels.flash`."""
 
 from __future__ import annotations
@@ -58,15 +59,43 @@ def _attn_bwd_preprocess(O, DO, Delta,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base, dq_row,
-                         stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                         offs_n, lo, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, left, right,
-                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
+def _block_start(j, n_a, lo_a, lo_b, BLOCK: tl.constexpr):
+    """The j-th block of two block ranges walked back to back: n_a blocks from lo_a, then from lo_b."""
+    return tl.where(j < n_a, lo_a + j * BLOCK, lo_b + (j - n_a) * BLOCK)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q, DO, LSE, Delta, DQ, off_z, off_zq, off_hkv,
+                         stride_qz, stride_qh, stride_qm, stride_qk, stride_doz, stride_doh, stride_dom, stride_dok,
+                         stride_dqz, stride_dqh, stride_dqm, stride_dqk, stride_lz, stride_lh,
+                         offs_n, n_a, lo_a, n_b, lo_b, H, N_Q, N_K, sm_scale, qk_scale, softcap2,
+                         ALIBI_SLOPES, stride_az, stride_ah, left, right,
+                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr,
                          BLOCK_D1: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                          DQ_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One loop over the query blocks [lo_a, +n_a blocks) then [lo_b, +n_b blocks) of every query
+    head of the GQA group, in that order (head-major): a single loop, not one per head and
+    range - ptxas serializes every wgmma of a loop that follows another loop carrying the same
+    accumulators (its warning C7515), and a loop nest costs registers."""
     key_ok = offs_n < N_K
-    for start_m in tl.range(lo, hi, BLOCK_M):
+    steps = n_a + n_b
+    for it in tl.range(0, GROUP * steps):
+        if GROUP > 1:
+            g = it // steps
+            j = it - g * steps
+        else:
+            g = 0
+            j = it
+        start_m = _block_start(j, n_a, lo_a, lo_b, BLOCK_M)
+        # GQA: dK/dV of a shared k/v head sum over its query heads, here in order, without atomics
+        # (each query head's dQ rows are its own: the group adds nothing to dQ's contention)
+        off_h = off_hkv * GROUP + g
+        q_base = Q + off_zq * stride_qz + off_h * stride_qh
+        do_base = DO + off_zq * stride_doz + off_h * stride_doh
+        lse_base = LSE + off_zq * stride_lz + off_h * stride_lh
+        delta_base = Delta + off_zq * stride_lz + off_h * stride_lh  # Delta is laid out as LSE
+        slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
         # rows past N_Q load as zeros: their q, dO and delta are 0, so they add nothing
@@ -100,12 +129,14 @@ def _attn_bwd_dkdv_inner(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, ls
             if BLOCK_D1 > 0:
                 dq1 = dq1 * sm_scale
             if DQ_TMA:  # (one column block: the launcher splits no head dim on this path)
-                # one bulk reduce-add of the tile through shared memory. Rows past N_Q belong to
-                # the next head: zeroed (dS is 0 there, but 0 · a NaN key is NaN), they add 0.0
-                dq_base.atomic_add([dq_row + start_m, 0], tl.where(row_ok[:, None], dq0, 0.0))
+                # one bulk reduce-add of the tile through shared memory, DQ a descriptor over all
+                # (batch*heads*Nq, head_dim) rows. Rows past N_Q belong to the next head: zeroed
+                # (dS is 0 there, but 0 · a NaN key is NaN), they add 0.0
+                dq_row = ((off_z * H + off_h) * N_Q).to(tl.int32)  # this head's first row (< 2**31)
+                DQ.atomic_add([dq_row + start_m, 0], tl.where(row_ok[:, None], dq0, 0.0))
             else:
-                _store_tile(dq_base, offs_m, row_ok, stride_dqm, stride_dqk, dq0, dq1, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                            True)
+                _store_tile(DQ + off_zq * stride_dqz + off_h * stride_dqh, offs_m, row_ok, stride_dqm, stride_dqk,
+                            dq0, dq1, HEAD_DIM, BLOCK_D0, BLOCK_D1, True)
     return dk0, dk1, dv0, dv1
 
 
@@ -158,39 +189,28 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
         dv1 = tl.zeros([BLOCK_N, BLOCK_D1], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _query_range(start_n, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    # GQA: dK/dV of a shared k/v head sum over its query heads - here, in order, without atomics
-    # (each query head's dQ rows are its own: the group adds nothing to dQ's contention)
-    for g in range(GROUP):
-        off_h = off_hkv * GROUP + g
-        q_base = Q + off_zq * stride_qz + off_h * stride_qh
-        do_base = DO + off_zq * stride_doz + off_h * stride_doh
-        lse_base = LSE + off_zq * stride_lz + off_h * stride_lh
-        delta_base = Delta + off_zq * stride_lz + off_h * stride_lh  # Delta is laid out as LSE
-        dq_base = DQ  # None unless ATOMIC_DQ; the descriptor itself with DQ_TMA
-        dq_row = ((off_z * H + off_h) * N_Q).to(tl.int32)  # DQ_TMA: this head's first row (< 2**31)
-        if ATOMIC_DQ and not DQ_TMA:
-            dq_base = DQ + off_zq * stride_dqz + off_h * stride_dqh
-        slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
-        if CAUSAL or WINDOW:  # the causal diagonal or the window's first edge - masked
-            dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
-                dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base,
-                dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                offs_n, lo, mid_lo, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, win_left, win_right,
-                BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
-                DQ_TMA, UPCAST, PRECISION)
+    # the query blocks that see every key of the block first, unmasked; then the causal diagonal
+    # or the window's two edges, masked, in one more loop (in this order: see _attn_bwd_dkdv_inner)
+    dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
+        dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q, DO, LSE, Delta, DQ, off_z, off_zq, off_hkv,
+        stride_qz, stride_qh, stride_qm, stride_qk, stride_doz, stride_doh, stride_dom, stride_dok,
+        stride_dqz, stride_dqh, stride_dqm, stride_dqk, stride_lz, stride_lh,
+        offs_n, tl.cdiv(mid_hi - mid_lo, BLOCK_M), mid_lo, 0, mid_hi, H, N_Q, N_K, sm_scale, qk_scale, softcap2,
+        ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+        GROUP, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
+        DQ_TMA, UPCAST, PRECISION)
+    if CAUSAL or WINDOW:
+        n_right = tl.cdiv(hi - mid_hi, BLOCK_M)
+        if CAUSAL:  # (a constant: the rows past the diagonal see the whole block)
+            n_right = 0
         dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
-            dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base,
-            dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-            offs_n, mid_lo, mid_hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, win_left, win_right,
-            BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
+            dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q, DO, LSE, Delta, DQ, off_z, off_zq, off_hkv,
+            stride_qz, stride_qh, stride_qm, stride_qk, stride_doz, stride_doh, stride_dom, stride_dok,
+            stride_dqz, stride_dqh, stride_dqm, stride_dqk, stride_lz, stride_lh,
+            offs_n, tl.cdiv(mid_lo - lo, BLOCK_M), lo, n_right, mid_hi, H, N_Q, N_K,
+            sm_scale, qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
+            GROUP, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
             DQ_TMA, UPCAST, PRECISION)
-        if WINDOW:  # the window's other edge - masked
-            dk0, dk1, dv0, dv1 = _attn_bwd_dkdv_inner(
-                dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, dq_base,
-                dq_row, stride_qm, stride_qk, stride_dom, stride_dok, stride_dqm, stride_dqk,
-                offs_n, mid_hi, hi, N_Q, N_K, sm_scale, qk_scale, softcap2, slope2, win_left, win_right,
-                BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, ATOMIC_DQ,
-                DQ_TMA, UPCAST, PRECISION)
     dk0 *= sm_scale
     if BLOCK_D1 > 0:
         dk1 *= sm_scale
@@ -205,12 +225,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
 @triton.jit
 def _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
                        stride_kn, stride_kk, stride_vn, stride_vk,
-                       offs_m, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
+                       offs_m, n_a, lo_a, n_b, lo_b, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                        MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One loop over the key blocks [lo_a, +n_a blocks) then [lo_b, +n_b blocks) (see
+    _attn_bwd_dkdv_inner for why one)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    for j in tl.range(0, n_a + n_b):
+        start_n = _block_start(j, n_a, lo_a, lo_b, BLOCK_N)
         cols = start_n + offs_n
         k0, k1 = _load_tile(k_base, k_base, 0, start_n, stride_kn, stride_kk, N_K,
                             BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, False)
@@ -282,19 +305,20 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
         dq1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    if WINDOW:  # the window's left edge - masked
-        dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
-                                      stride_kn, stride_kk, stride_vn, stride_vk, offs_m, lo, mid_lo, N_Q, N_K,
-                                      qk_scale, softcap2, slope2, win_left, win_right,
-                                      BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                                      UPCAST, PRECISION)
+    # the key blocks every row sees first, unmasked; then the window's left edge and the causal
+    # diagonal, the window's right edge or the ragged end, masked, in one loop
     dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
-                                  stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_lo, mid_hi, N_Q, N_K,
+                                  stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
+                                  tl.cdiv(mid_hi - mid_lo, BLOCK_N), mid_lo, 0, mid_hi, N_Q, N_K,
                                   qk_scale, softcap2, slope2, win_left, win_right,
                                   BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
                                   UPCAST, PRECISION)
+    n_left = tl.cdiv(mid_lo - lo, BLOCK_N)
+    if not WINDOW:  # (a constant: only a window has a left edge)
+        n_left = 0
     dq0, dq1 = _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
-                                  stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_hi, hi, N_Q, N_K,
+                                  stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
+                                  n_left, lo, tl.cdiv(hi - mid_hi, BLOCK_N), mid_hi, N_Q, N_K,
                                   qk_scale, softcap2, slope2, win_left, win_right,
                                   BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
                                   UPCAST, PRECISION)
