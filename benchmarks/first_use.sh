@@ -25,7 +25,7 @@ fi
 export PYTHONPATH="$REPO:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
 WORK=$(mktemp -d)
 cd "$WORK" || exit 1  # run records (logs/) and bench files land here, not in the repo or $OUT
-DEADLINE=570
+DEADLINE=${DEADLINE:-570}  # seconds for the whole run (gpu_round6.sh gives it what its call has left)
 
 fresh() { TRITON_CACHE_DIR=$(mktemp -d -p "$WORK"); FLASHRUN_CACHE_DIR=$(mktemp -d -p "$WORK"); export TRITON_CACHE_DIR FLASHRUN_CACHE_DIR; }
 # step NAME SECONDS COMMAND...: stdout to $WORK/NAME.json, stderr to NAME.err, wall time and exit
