@@ -145,10 +145,16 @@ KERNELS = {
 # increasing key order; the last row whose fewest keys <= N_K decides, None or no row is the
 # portable kernel. Rows only where the H200 measured the kernel faster than the portable one.
 GATE: dict[tuple[int, bool], tuple[tuple[int, str | None], ...]] = {
-    (64, False): ((4096, "d64"),),
+    # round 6's H200 probe (benchmarks/gluon_probe.py, NOTES v6; fp16 at 64/128, bf16 at 192/256):
+    # where a Gluon kernel beat the portable one; 64 causal keeps v5's row (not re-timed past 4096)
+    (64, False): ((2048, "d64-persistent"),),
     (64, True): ((8192, "d64"),),
-    (128, False): ((0, "d128"),),
-    (128, True): ((2048, "d128"),),
+    (128, False): ((2048, "d128-persistent"), (4096, "d128")),
+    (128, True): ((4096, "d128"),),
+    (192, False): ((0, "d192-persistent"),),
+    (192, True): ((0, "d192"),),
+    (256, False): ((0, "d256-base"),),
+    (256, True): ((0, "d256-base"),),
 }
 OVERRIDE: HopperConfig | None = None  # benchmarks/gluon_probe.py runs its variants through this
 
