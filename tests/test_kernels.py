@@ -419,3 +419,24 @@ def test_a_shipped_table_is_used_only_for_its_launch_config_space(tmp_path, monk
     tuning._load(current, shipped=True)
     tuning._load(stale, shipped=True)
     assert tuning._memory == {"fwd|key": winner}
+
+
+def test_a_heuristic_config_that_cannot_launch_gives_way_to_the_next_candidate():
+    # on a table miss flash runs a heuristic config without tuning; where it does not fit the GPU
+    # (float32 at head_dim 256 asked 276 KB of shared memory on the H200) the next candidate runs
+    from triton.runtime.errors import OutOfResources
+
+    from flashrun.kernels import tuning
+
+    big, small = LaunchConfig(64, 32, 4, 2), LaunchConfig(32, 32, 4, 2)
+    tried = []
+
+    def run(cfg):
+        tried.append(cfg)
+        if cfg == big:
+            raise OutOfResources(282688, 232448, "shared memory")
+
+    assert tuning._launchable("fwd|float32|d256|test", big, [big, small], run) == small
+    assert tuning._launchable("fwd|float32|d256|test", big, [big, small], run) == small  # kept: no second try
+    assert tried == [big, small]
+    tuning._launchable_here.pop("fwd|float32|d256|test")

@@ -321,6 +321,31 @@ def _precompile(configs: list[LaunchConfig], run: Callable[[LaunchConfig], None]
     log.debug("precompiled %d configs in %.1fs", len(configs), time.perf_counter() - start)
 
 
+_launchable_here: dict[str, LaunchConfig] = {}  # key -> the heuristic config that launched (not saved)
+
+
+def _launchable(key: str, guess: LaunchConfig, configs: list[LaunchConfig],
+                run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+    """``guess``, or where it cannot launch here (shared memory or registers: the limits differ
+    per GPU, dtype and head_dim, e.g. float32 at head_dim 256) the first candidate that can. The
+    first call of a key launches it once to find out; the answer is kept for the process."""
+    if key in _launchable_here:
+        return _launchable_here[key]
+    if _compile_only is not None:
+        return guess  # compiling ahead: nothing launches, the first real call finds out
+    from triton.runtime.errors import OutOfResources
+
+    for cfg in [guess, *(c for c in configs if c != guess)]:
+        try:
+            run(cfg)
+        except OutOfResources as exc:
+            log.debug("heuristic %s cannot launch here (%s); trying the next candidate", cfg, exc)
+            continue
+        _launchable_here[key] = cfg
+        return cfg
+    raise RuntimeError(f"no launch configuration fits this GPU for {key}")
+
+
 def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
            launch: Launch, run: Callable[[LaunchConfig], None], *, variants: str = "",
            lengths: tuple[int, int] | None = None) -> LaunchConfig:
@@ -353,9 +378,9 @@ def choose(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
     if key in _memory:
         return _chose(kind, LaunchConfig(**_memory[key]), _origin.get(key, "tuned"))
     guess = heuristic(kind, key, head_dim, q.dtype)
-    if not (launch == "tune" or tune_on_miss()):
-        return _chose(kind, guess, "heuristic")
     configs = candidates(kind, head_dim, q.dtype)
+    if not (launch == "tune" or tune_on_miss()):
+        return _chose(kind, _launchable(key, guess, configs, run), "heuristic")
     if _compile_only is not None:  # compiling ahead: the tuner will time these
         for cfg in configs:
             try:
