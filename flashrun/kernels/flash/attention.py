@@ -295,6 +295,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     order they land - fewer FLOPs, but measured slower on the H200 (benchmarks/NOTES.md, v4)."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _attn_forward(q, k, v, _scale(q, sm_scale), variant, launch)[0]  # no graph to record: no autograd
     return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
 
 

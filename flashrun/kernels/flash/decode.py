@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +58,13 @@ DECODE_MIN_KEYS = 256
 WAVES = 2  # programs per SM the splits aim at (two fit per SM at the config below)
 MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
 # Fixed configs, not tuned: the work is bound by reading K and V once (benchmarks/NOTES.md v3).
+# Past head_dim 128 (and for float32's IEEE dots) a 64-key tile of K and V spills registers
+# (ptxas for sm_90, tests/compile_for_gpu.py): 32 keys there.
 DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
-DECODE_FP32 = LaunchConfig(block_n=32, num_warps=4, num_stages=2)  # IEEE fp32 dots: more registers
+DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x head_dim)
-PLANS = 512  # plans kept (least recently used dropped)
+PLANS = 512  # plans kept (the oldest dropped)
 
 
 
@@ -71,9 +72,12 @@ PLANS = 512  # plans kept (least recently used dropped)
 # Lean launches
 
 
+_RUNTIME = triton.knobs.runtime
+
+
 def _hooked() -> bool:
     """Whether a launch hook (a profiler such as Proton) wants Triton's own launch path."""
-    hook = triton.knobs.runtime.launch_enter_hook
+    hook = _RUNTIME.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
@@ -141,8 +145,10 @@ def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel
 # Plans
 
 
-def _config(dtype: torch.dtype) -> LaunchConfig:
-    return DECODE_INTERPRETER if INTERPRETED else DECODE_FP32 if dtype == torch.float32 else DECODE
+def _config(dtype: torch.dtype, head_dim: int) -> LaunchConfig:
+    if INTERPRETED:
+        return DECODE_INTERPRETER
+    return DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
 
 
 _sms: dict[int | None, int] = {}
@@ -162,10 +168,10 @@ def block_m(group: int, n_q: int, head_dim: int) -> int:
     return min(max(16, triton.next_power_of_2(group * n_q)), 64 if head_dim <= 128 else 32)
 
 
-def num_splits(programs: int, keys: int, dtype: torch.dtype, device: torch.device) -> int:
+def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> int:
     """Key splits for ``programs`` (batch, kv head, row tile) over at most ``keys`` keys: about
     WAVES programs per SM, each split at least MIN_CHUNK_BLOCKS key blocks."""
-    chunk = MIN_CHUNK_BLOCKS * _config(dtype).block_n
+    chunk = MIN_CHUNK_BLOCKS * block_n
     return max(1, min(triton.cdiv(WAVES * _multiprocessors(device), programs), triton.cdiv(keys, chunk)))
 
 
@@ -220,11 +226,11 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
                seqlens: bool, write_lse: bool) -> _Plan:
     """Everything a call of these dims launches with, but the data pointers and N_K."""
     group = dims.heads // dims.kv_heads
-    cfg = _config(dtype)
+    cfg = _config(dtype, dims.head_dim)
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = triton.cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
-    splits = num_splits(pairs * tiles, dims.keys, dtype, device)
+    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale)
     queries = bm // group + (2 if bm % group else 0)  # queries a tile's rows can belong to (at most)
@@ -248,20 +254,13 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
                  dims.capacity - dims.n_new)
 
 
-_plans: OrderedDict[tuple, _Plan] = OrderedDict()
-
-
-def _cached_plan(key: tuple) -> _Plan | None:
-    plan = _plans.get(key)
-    if plan is not None:
-        _plans.move_to_end(key)
-    return plan
+_plans: dict[tuple, _Plan] = {}
 
 
 def _keep_plan(key: tuple, plan: _Plan) -> _Plan:
+    if len(_plans) >= PLANS:  # the oldest goes
+        del _plans[next(iter(_plans))]
     _plans[key] = plan
-    if len(_plans) > PLANS:
-        _plans.popitem(last=False)
     return plan
 
 
@@ -299,26 +298,29 @@ def applies(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> bool:
     return not variant.varlen and q.shape[2] <= DECODE_MAX_QUERIES and k.shape[2] >= DECODE_MIN_KEYS
 
 
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant) -> _Plan:
+    """The plan of a :func:`forward` call (cached by everything it depends on)."""
+    key = ("dense", _meta(q), _meta(k), _meta(v), _meta(variant.alibi_slopes), variant.causal, variant.window,
+           variant.softcap, sm_scale)
+    found = _plans.get(key)
+    if found is not None:
+        return found
+    batch, heads, n_q, head_dim = q.shape
+    first, end = variant.key_span(n_q, k.shape[2])
+
+    def order(t: torch.Tensor) -> tuple[int, int, int, int]:  # (B, H, N, D) -> (batch, row, head, dim)
+        return t.stride(0), t.stride(2), t.stride(1), t.stride(3)
+
+    o_strides = _contiguous_strides(q.shape)
+    dims = _Dims(batch, heads, k.shape[1], n_q, head_dim, order(q), order(k), order(v), tuple(q.shape),
+                 (o_strides[0], o_strides[2], o_strides[1], o_strides[3]), keys=end - first)
+    return _keep_plan(key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False, write_lse=True))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` for checked (B, H, Nq, D) inputs where :func:`applies`; lse (B, H, Nq)."""
-    slopes = variant.alibi_slopes
-    key = ("dense", _meta(q), _meta(k), _meta(v), _meta(slopes), variant.causal, variant.window, variant.softcap,
-           sm_scale)
-    plan = _cached_plan(key)
-    if plan is None:
-        batch, heads, n_q, head_dim = q.shape
-        first, end = variant.key_span(n_q, k.shape[2])
-
-        def order(t: torch.Tensor) -> tuple[int, int, int, int]:  # (B, H, N, D) -> (batch, row, head, dim)
-            return t.stride(0), t.stride(2), t.stride(1), t.stride(3)
-
-        o_strides = _contiguous_strides(q.shape)
-        dims = _Dims(batch, heads, k.shape[1], n_q, head_dim, order(q), order(k), order(v), tuple(q.shape),
-                     (o_strides[0], o_strides[2], o_strides[1], o_strides[3]), keys=end - first)
-        plan = _keep_plan(key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False,
-                                          write_lse=True))
-    return plan.run(q, k, v, k.shape[2], alibi=slopes)
+    return plan(q, k, v, sm_scale, variant).run(q, k, v, k.shape[2], alibi=variant.alibi_slopes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +333,12 @@ def _tensor_arg(t, name: str, dims: int, layout: str) -> torch.Tensor:
     if t.dim() != dims:
         raise KernelError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
     return t
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise KernelError("tensors are on the CPU but Triton is set up for the GPU",
+                          hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported")
 
 
 def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dims:
@@ -361,9 +369,7 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dim
                           hint="GQA/MQA needs num_heads % num_kv_heads == 0")
     if batch == 0 or n_q == 0 or heads == 0:
         raise KernelError(f"empty input: q {tuple(q.shape)}")
-    if q.device.type == "cpu" and not INTERPRETED:
-        raise KernelError("tensors are on the CPU but Triton is set up for the GPU",
-                          hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported")
+    _check_device(q)
     if paged:
         _tensor_arg(block_table, "block_table", 2, "(batch, max_pages)")
         if block_table.dtype != torch.int32:
@@ -437,7 +443,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     key = ("kvcache", *(_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
                         for t in (q, k_cache, v_cache, k, v, block_table, slopes, causal, window, softcap, sm_scale)),
            _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int)
-    plan = _cached_plan(key)
+    plan = _plans.get(key)
     if plan is None:
         dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
         # the mask folded as flash_attention folds it, against the longest a sequence can be

@@ -31,76 +31,86 @@ def _load_cols(ptrs_rows, row_ok, stride_d, COL: tl.constexpr, WIDTH: tl.constex
 
 
 @triton.jit
-def _kv_cols(BASE, NEW_BASE, rows, new_rows, in_cache, is_new, stride_d, stride_nd, COL: tl.constexpr,
-             WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, APPEND: tl.constexpr):
-    """Columns [COL, COL + WIDTH) of a block of keys (or values) at element offsets ``rows`` from
-    ``BASE``. MASKED blocks zero the keys outside ``in_cache``; with APPEND the keys ``is_new``
-    come from ``NEW_BASE + new_rows`` and are stored into the cache on the way."""
-    cols = COL + tl.arange(0, WIDTH)
-    ptrs = BASE + rows[:, None] + cols[None, :] * stride_d
-    if MASKED:
-        col_ok = cols[None, :] < HEAD_DIM
-        x = tl.load(ptrs, mask=in_cache[:, None] & col_ok, other=0.0)
-        if APPEND:
-            new = tl.load(NEW_BASE + new_rows[:, None] + cols[None, :] * stride_nd, mask=is_new[:, None] & col_ok,
-                          other=0.0)
-            tl.store(ptrs, new, mask=is_new[:, None] & col_ok)
-            x = tl.where(is_new[:, None], new, x)
-    elif COL + WIDTH > HEAD_DIM:
-        x = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+def _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Pointers to the rows of keys ``cols`` in K and V: row j of a contiguous cache, or slot
+    j % PAGE_SIZE of page PAGES[j // PAGE_SIZE] of a paged one (K, V point at the kv head, and
+    for a contiguous cache at the sequence)."""
+    if PAGE_SIZE > 0:
+        if MASKED:  # keys past the sequence may lie past its block table row
+            page = tl.load(PAGES + cols // PAGE_SIZE, mask=cols < n_k, other=0).to(tl.int64)
+        else:
+            page = tl.load(PAGES + cols // PAGE_SIZE).to(tl.int64)
+        slot = cols % PAGE_SIZE
+        k_rows = K + page * stride_kz + slot * stride_kn
+        v_rows = V + page * stride_vz + slot * stride_vn
     else:
-        x = tl.load(ptrs)
-    return x
+        k_rows = K + cols.to(tl.int64) * stride_kn
+        v_rows = V + cols.to(tl.int64) * stride_vn
+    return k_rows, v_rows
 
 
 @triton.jit
-def _kv_tile(BASE, NEW_BASE, rows, new_rows, in_cache, is_new, stride_d, stride_nd, HEAD_DIM: tl.constexpr,
-             BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr, MASKED: tl.constexpr, APPEND: tl.constexpr):
-    """(x0, x1): a block of keys or values as the head dim's two column blocks (x1 = NO_BLOCK
-    when BLOCK_D1 = 0), see :func:`_kv_cols`."""
-    x0 = _kv_cols(BASE, NEW_BASE, rows, new_rows, in_cache, is_new, stride_d, stride_nd, 0, BLOCK_D0, HEAD_DIM,
-                  MASKED, APPEND)
+def _kv_tile(rows, row_ok, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+             MASKED: tl.constexpr):
+    """(x0, x1): the rows at pointers ``rows`` as the head dim's two column blocks (x1 =
+    NO_BLOCK when BLOCK_D1 = 0); only MASKED blocks (and columns past HEAD_DIM) pay for masks."""
+    cols0 = tl.arange(0, BLOCK_D0)
+    if MASKED:
+        x0 = tl.load(rows[:, None] + cols0[None, :] * stride_d, mask=row_ok[:, None] & (cols0[None, :] < HEAD_DIM),
+                     other=0.0)
+    elif BLOCK_D0 > HEAD_DIM:
+        x0 = tl.load(rows[:, None] + cols0[None, :] * stride_d, mask=cols0[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x0 = tl.load(rows[:, None] + cols0[None, :] * stride_d)
     x1 = NO_BLOCK
     if BLOCK_D1 > 0:
-        x1 = _kv_cols(BASE, NEW_BASE, rows, new_rows, in_cache, is_new, stride_d, stride_nd, BLOCK_D0, BLOCK_D1,
-                      HEAD_DIM, MASKED, APPEND)
+        cols1 = BLOCK_D0 + tl.arange(0, BLOCK_D1)
+        mask1 = cols1[None, :] < HEAD_DIM
+        if MASKED:
+            mask1 = mask1 & row_ok[:, None]
+        x1 = tl.load(rows[:, None] + cols1[None, :] * stride_d, mask=mask1, other=0.0)
     return x0, x1
 
 
 @triton.jit
-def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, K_NEW, V_NEW, PAGES, lo, hi, n_cache, n_k, N_Q,
-                  stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk, stride_nn, stride_nk,
+def _append(K, V, K_NEW, V_NEW, PAGES, lo, hi, n_cache, n_k, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
+            stride_vk, stride_nn, stride_nk, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            PAGE_SIZE: tl.constexpr):
+    """Copy the new keys and values among [lo, hi) (positions n_cache .. n_k) from K_NEW, V_NEW
+    into the cache, 16 rows at a time (few keys are new: a small tile keeps registers free)."""
+    offs_n = tl.arange(0, 16)
+    cols_d = tl.arange(0, BLOCK_D)
+    for start_n in range(tl.maximum(lo, n_cache), tl.minimum(hi, n_k), 16):
+        cols = start_n + offs_n
+        k_rows, v_rows = _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE, True)
+        mask = (cols < tl.minimum(hi, n_k))[:, None] & (cols_d[None, :] < HEAD_DIM)
+        new = (cols - n_cache).to(tl.int64) * stride_nn
+        k = tl.load((K_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
+        tl.store(k_rows[:, None] + cols_d[None, :] * stride_kk, k, mask=mask)
+        v = tl.load((V_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
+        tl.store(v_rows[:, None] + cols_d[None, :] * stride_vk, v, mask=mask)
+
+
+@triton.jit
+def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
+                  stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                   offs_i, qk_scale, softcap2, slope2, left, right,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, APPEND: tl.constexpr, CAUSAL: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
-    (``offs_i``: each row's query). K, V (and K_NEW, V_NEW) point at the (batch, kv head); PAGES
-    at the sequence's block table row (paged caches)."""
+    (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
+    cache); PAGES at the sequence's block table row (paged cache)."""
     offs_n = tl.arange(0, BLOCK_N)
     shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        # -- where the keys are: a page and a slot (paged cache), or a row --
-        if PAGE_SIZE > 0:
-            if MASKED:
-                page = tl.load(PAGES + cols // PAGE_SIZE, mask=cols < n_k, other=0).to(tl.int64)
-            else:
-                page = tl.load(PAGES + cols // PAGE_SIZE).to(tl.int64)
-            slot = (cols % PAGE_SIZE).to(tl.int64)
-            k_rows = page * stride_kz + slot * stride_kn
-            v_rows = page * stride_vz + slot * stride_vn
-        else:
-            k_rows = cols.to(tl.int64) * stride_kn
-            v_rows = cols.to(tl.int64) * stride_vn
-        new_rows = (cols - n_cache).to(tl.int64) * stride_nn
-        is_new = (cols >= n_cache) & (cols < n_k)
-        in_cache = cols < (n_cache if APPEND else n_k)
-        k0, k1 = _kv_tile(K, K_NEW, k_rows, new_rows, in_cache, is_new, stride_kk, stride_nk, HEAD_DIM,
-                          BLOCK_D0, BLOCK_D1, MASKED, APPEND)
-        v0, v1 = _kv_tile(V, V_NEW, v_rows, new_rows, in_cache, is_new, stride_vk, stride_nk, HEAD_DIM,
-                          BLOCK_D0, BLOCK_D1, MASKED, APPEND)
+        k_rows, v_rows = _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE,
+                                  MASKED)
+        k0, k1 = _kv_tile(k_rows, cols < n_k, stride_kk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
+        v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         # -- update m_i and l_i --
         if MASKED:
@@ -177,12 +187,9 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     # QUERIES queries from the tile's first
     lo, mid_lo, mid_hi, hi = _key_range((tile * BLOCK_M) // GROUP, N_Q, n_k, win_left, win_right, QUERIES, BLOCK_N,
                                         CAUSAL, WINDOW)
-    if APPEND:  # every new key is visited (and written), seen or not; their blocks take the masked path
-        first_new = (n_cache // BLOCK_N) * BLOCK_N
-        lo = tl.minimum(lo, first_new)
+    if APPEND:  # every new key lies in some split's share, seen by a query or not (it is written there)
+        lo = tl.minimum(lo, (n_cache // BLOCK_N) * BLOCK_N)
         hi = tl.maximum(hi, n_k)
-        mid_hi = tl.minimum(mid_hi, first_new)
-        mid_lo = tl.minimum(mid_lo, mid_hi)
     # this split's share of [lo, hi), in whole key blocks (an empty share: an empty partial)
     chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
     k_lo = lo + split * chunk
@@ -200,14 +207,17 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     else:
         k_src = K + off_z * stride_kz + off_hkv * stride_kh
         v_src = V + off_z * stride_vz + off_hkv * stride_vh
-    k_new = K_NEW  # (absent arguments are None: used only where a constexpr says they exist)
-    v_new = V_NEW
-    pages = BLOCK_TABLE
-    if APPEND:
-        k_new = K_NEW + off_z * stride_nz + off_hkv * stride_nh
-        v_new = V_NEW + off_z * stride_nz + off_hkv * stride_nh
+    pages = BLOCK_TABLE  # (an absent argument is None: used only where a constexpr says it exists)
     if PAGE_SIZE > 0:
         pages = BLOCK_TABLE + off_z * stride_bz
+    if APPEND:
+        # this split's new keys and values go into the cache first; every program with them in
+        # its share writes the same values there, so whichever write a read sees is right
+        _append(k_src, v_src, K_NEW + off_z * stride_nz + off_hkv * stride_nh,
+                V_NEW + off_z * stride_nz + off_hkv * stride_nh, pages, k_lo, k_hi, n_cache, n_k, stride_kz, stride_kn, stride_kk,
+                stride_vz, stride_vn, stride_vk, stride_nn, stride_nk, HEAD_DIM,
+                BLOCK_D0 if BLOCK_D1 == 0 else 2 * BLOCK_D0, PAGE_SIZE)
+        tl.debug_barrier()  # the program's own copies are visible to all its threads
     if ALIBI:  # one slope per row's head, times log2 e
         slope2 = (tl.load(ALIBI_SLOPES + off_z * stride_az + offs_h * stride_ah, mask=row_ok, other=0.0)
                   * LOG2E_C)[:, None]
@@ -221,26 +231,26 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     if BLOCK_D1 > 0:
         acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     if WINDOW:  # stage 0: the window's left edge - masked
-        acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, k_new, v_new, pages,
-                                             tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), n_cache, n_k, N_Q,
+        acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+                                             tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), n_k, N_Q,
                                              stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
-                                             stride_nn, stride_nk, offs_i, qk_scale, softcap2, slope2, win_left,
+                                             offs_i, qk_scale, softcap2, slope2, win_left,
                                              win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
-                                             APPEND, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+                                             CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, k_new, v_new, pages,
-                                         tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_cache, n_k, N_Q,
+    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+                                         tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
-                                         stride_nn, stride_nk, offs_i, qk_scale, softcap2, slope2, win_left,
+                                         offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, False,
-                                         APPEND, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
-    # stage 2: the causal diagonal or the window's right edge, the new keys, the ragged end - masked
-    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, k_new, v_new, pages,
-                                         tl.maximum(k_lo, mid_hi), k_hi, n_cache, n_k, N_Q,
+                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+    # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
+    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+                                         tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
-                                         stride_nn, stride_nk, offs_i, qk_scale, softcap2, slope2, win_left,
+                                         offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
-                                         APPEND, CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
     seen = l_i > 0.0
