@@ -233,8 +233,9 @@ def render(report: GenReport, out: Console, err: Console) -> None:
     """One table for the models (skipped for a lone failed model: the CLI prints its error)."""
     if report.generator == "offline":
         dims = sorted({c["head_dim"] for c in report.cases})
+        lengths = [c["seq_len"] for c in report.cases]
         out.print(f"wrote {len(report.cases)} offline cases to {escape(str(report.out))} (seq_len "
-                  f"{report.cases[0]['seq_len']}..{report.cases[-1]['seq_len']}, head_dim {escape(str(dims))})")
+                  f"{min(lengths)}..{max(lengths)}, head_dim {escape(str(dims))})")
         return
     if report.error is not None and len(report.results) == 1:
         return

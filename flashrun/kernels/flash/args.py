@@ -1,5 +1,5 @@
 """The flash launchers' preconditions and plans: input checks, FlashAttention-2's variant arguments
-checked into a :class:`Variant`, the TMA and flash-decoding decisions."""
+checked into a :class:`Variant`, the TMA decisions."""
 
 from __future__ import annotations
 
