@@ -365,7 +365,8 @@ def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, cei
         correct=cell.correct, seq_len_k=shape.seq_len_k, status=cell.status, max_err=cell.max_err,
         note=cell.note, setup_s=cell.setup_s, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
         timestamp=now_iso(), where=env["where"], window=shape.window, softcap=shape.softcap, alibi=shape.alibi,
-        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path,
+        seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path, cache_seqlens=shape.cache_seqlens,
+        page_size=shape.page_size, new_keys=shape.new_keys,
     )
 
 

@@ -1,8 +1,8 @@
 """Bench results: rows, the CSV/JSON files, ``--compare`` and ``--plot``. No torch here.
 
 CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS` (the variant columns
-``window, softcap, alibi, seqlens, seqlens_k`` last: files written before them keep their
-columns; lists are written as JSON, ``[128, 0]``, empty for plain attention). The JSON file holds
+``window, softcap, alibi, seqlens, seqlens_k`` and, after ``where, path``, the KV cache's
+``cache_seqlens, page_size, new_keys`` last: files written before them keep their columns; lists are written as JSON, ``[128, 0]``, empty for plain attention). The JSON file holds
 the same rows plus the environment fingerprint, the command and the settings of the run. Both
 are rewritten atomically after every provider, so an interrupted run leaves the rows measured
 so far (its JSON says ``"complete": false``).
@@ -25,10 +25,11 @@ from flashrun.records.redact import redact, redact_data
 COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "head_dim",
            "ms", "ms_p20", "ms_p80", "tflops", "pct_peak", "peak_mem_mb", "speedup", "correct")
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
-                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path")  # new columns go at the end
+                 "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path", "cache_seqlens", "page_size",
+                 "new_keys")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
-       "window", "softcap", "alibi", "seqlens", "seqlens_k")
+       "window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Row:
     seqlens_k: tuple[int, ...] | None = None
     where: str = ""  # the node and device that measured it (flashrun.device.where)
     path: str = ""  # which implementation of the provider ran the forward (flash: gluon-sm90 or triton)
+    cache_seqlens: tuple[int, ...] | None = None  # a KV-cache call (shapes.Shape's fields)
+    page_size: int = 0
+    new_keys: int = 0
 
     @property
     def valid(self) -> bool:
@@ -75,7 +79,8 @@ class Row:
     @property
     def shape(self) -> Shape:
         return Shape(self.batch, self.heads, self.kv_heads, self.seq_len, self.seq_len_k, self.head_dim,
-                     self.dtype, self.causal, self.window, self.softcap, self.alibi, self.seqlens, self.seqlens_k)
+                     self.dtype, self.causal, self.window, self.softcap, self.alibi, self.seqlens, self.seqlens_k,
+                     self.cache_seqlens, self.page_size, self.new_keys)
 
     def key(self) -> tuple:
         return tuple(getattr(self, name) for name in KEY)
@@ -153,6 +158,8 @@ def _typed(raw: dict[str, Any]) -> dict[str, Any]:
         "window": tuple(_listed(raw.get("window")) or (-1, -1)), "softcap": float(raw.get("softcap") or 0.0),
         "alibi": str(raw.get("alibi")).strip().lower() == "true",
         "seqlens": _tuple_or_none(raw.get("seqlens")), "seqlens_k": _tuple_or_none(raw.get("seqlens_k")),
+        "cache_seqlens": _tuple_or_none(raw.get("cache_seqlens")), "page_size": int(raw.get("page_size") or 0),
+        "new_keys": int(raw.get("new_keys") or 0),
     }
 
 

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import triton
+from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
 
 from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.args import Variant, _split_head_dim, _variant, dot_options
@@ -72,12 +73,9 @@ PLANS = 512  # plans kept (the oldest dropped)
 # Lean launches
 
 
-_RUNTIME = triton.knobs.runtime
-
-
 def _hooked() -> bool:
     """Whether a launch hook (a profiler such as Proton) wants Triton's own launch path."""
-    hook = _RUNTIME.launch_enter_hook
+    hook = knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
@@ -225,6 +223,8 @@ class _Plan:
 def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: Variant, sm_scale: float,
                seqlens: bool, write_lse: bool) -> _Plan:
     """Everything a call of these dims launches with, but the data pointers and N_K."""
+    if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
+        variant = replace(variant, causal=False)
     group = dims.heads // dims.kv_heads
     cfg = _config(dtype, dims.head_dim)
     bm = block_m(group, dims.n_q, dims.head_dim)

@@ -145,7 +145,9 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
 # Kernels
 
 
-@triton.jit(do_not_specialize=["N_K"])
+# The per-call N_K and the plan's counts vary between calls of one compiled kernel (or would
+# compile a variant per value for nothing): not specialized. Strides are, as they decide vector widths.
+@triton.jit(do_not_specialize=["N_K", "H_KV", "N_NEW", "CAPACITY", "SPLITS"])
 def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIBI_SLOPES, O_PART, LSE_PART, N_K,
                  stride_qz, stride_qm, stride_qh, stride_qk,
                  stride_kz, stride_kn, stride_kh, stride_kk,
@@ -269,7 +271,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                     HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H_KV", "SPLITS"])
 def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_oh, stride_ok, H_KV, N_Q, SPLITS,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
