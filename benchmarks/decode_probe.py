@@ -285,8 +285,10 @@ def main() -> int:
     paged_ratios = [r[key] for r in rows for key in ("kv-p16_vs_contiguous", "kv-p256_vs_contiguous") if r.get(key)]
     summary = {
         "checked": sum(1 for r in rows for k in r if k.endswith("_ok")),
-        "failed": [f"{r['shape']} {k[:-3]}" for r in rows for k in r if k.endswith("_ok") and not r[k]],
-        "errors": [f"{r['shape']} {k[:-6]}: {r[k]}" for r in rows for k in r if k.endswith("_error")],
+        "failed": [f"{r['shape']} {k[:-3]}" for r in rows for k in r if k.endswith("_ok") and not r[k]]
+        + [f"config {c['shape']} {c['config']} waves {c['waves']}" for c in configs if c.get("ok") is False],
+        "errors": [f"{r['shape']} {k[:-6]}: {r[k]}" for r in rows for k in r if k.endswith("_error")]
+        + [f"config {c['shape']} {c['config']}: {c['error']}" for c in configs if "error" in c],
         "flash_vs_cudnn": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)} if ratios
         else None,
         "paged_vs_contiguous": {"min": min(paged_ratios), "median": statistics.median(paged_ratios)}

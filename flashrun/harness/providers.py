@@ -389,9 +389,7 @@ def _flex_preparer() -> Callable[[Shape, torch.device], Attention]:
         if shape.kvcache:
             return kvcache.gathered(prepare)(shape, device)
         mask_mod, score_mod = _flex_mods(shape, device)
-        total_q, total_k = (sum(n for _, n, _, _ in _sequences(shape)), sum(n for *_, n in _sequences(shape)))
-        block_mask = (create_block_mask(mask_mod, None, None, total_q, total_k, device=device)
-                      if mask_mod is not None else None)
+        block_mask = _flex_block_mask(shape, device, mask_mod, create_block_mask)
         gqa = shape.num_kv_heads != shape.num_heads
         native_gqa = gqa and "enable_gqa" in inspect.signature(flex_attention).parameters
         kwargs = {"enable_gqa": True} if native_gqa else {}
@@ -449,6 +447,14 @@ def _flex_mods(shape: Shape, device: torch.device) -> tuple[Callable | None, Cal
 
     masked = shape.causal or shape.window != (-1, -1) or packed
     return mask_mod if masked else None, score_mod if shape.softcap or alibi is not None else None
+
+
+def _flex_block_mask(shape: Shape, device: torch.device, mask_mod: Callable | None, create_block_mask: Callable):
+    """The block mask of ``mask_mod`` over the (packed) scores; None when every pair is allowed."""
+    if mask_mod is None:
+        return None
+    spans = _sequences(shape)
+    return create_block_mask(mask_mod, None, None, sum(s[1] for s in spans), sum(s[3] for s in spans), device=device)
 
 
 def compile_settings(n_shapes: int) -> ContextManager:
