@@ -62,15 +62,16 @@ compile as they did without them. With ``off = Nk - Nq``:
     unmasked, and only the blocks on the window's two edges pay for the mask. The backward
     bounds its query loops (dK/dV, and the atomic dQ with them) and key loops (dQ) the same way;
   * paths   TMA loads support every variant as they are (masks and scores do not depend on how
-    a tile was loaded); flash-decoding too, its splits sharing out only the keys a window
-    leaves visible.
+    a tile was loaded); flash-decoding (:mod:`.decode`) too, its splits sharing out only the
+    keys a window leaves its row tile.
 Packed sequences (``flash_attention_varlen``, constexpr ``VARLEN``): q (total_q, H, D) and k, v
 (total_k, H_kv, D) hold B sequences back to back, sequence b in rows cu_seqlens[b] ..
 cu_seqlens[b+1] (int32). The grid spans the longest sequence; a program reads its sequence's
 bounds, addresses it as a batch entry whose "batch stride" is the row stride (so ``off`` and the
 window are per sequence), and returns at once when its tile lies past that sequence's end.
-LSE is (H, total_q). Flash-decoding and TMA loads are bypassed for packed sequences (the split
-plan would differ per sequence; a head's packed rows are not one block of rows).
+LSE is (H, total_q). Flash-decoding and TMA loads are bypassed for packed sequences (a head's
+packed rows are not one block of rows; the KV-cache API, :func:`.decode.flash_attention_with_kvcache`,
+is the decode path with per-sequence lengths).
 """
 
 from __future__ import annotations
