@@ -7,10 +7,10 @@ bandwidth and, per call, by the host. The kernel:
     (query, query head) pairs of the kv head's group, query-major (row r is query r // GROUP of
     head r % GROUP), padded to at least 16 rows for ``tl.dot``. Each K/V tile is loaded once for
     the whole group, not once per query head.
-  * **Splits.** B·H_kv programs cannot fill the GPU, so the keys are shared out over about
-    ``WAVES`` programs per SM. The share is computed in the kernel from the sequence's own length
-    (a KV cache's lengths are device values), in whole key blocks of at least ``MIN_CHUNK_BLOCKS``
-    blocks; splits past the keys write an empty partial. :func:`_attn_decode_combine` merges the
+  * **Splits.** B·H_kv programs cannot fill the GPU, so the keys are shared out over at most
+    ``WAVES`` programs per SM (two fit at once). The share is computed in the kernel from the
+    sequence's own length (a KV cache's lengths are device values), in whole key blocks, for
+    shares of at least ``MIN_CHUNK_BLOCKS`` blocks; splits past the keys write an empty partial. :func:`_attn_decode_combine` merges the
     partials by log-sum-exp: O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s. One split: no
     partials, no combine, one launch.
   * **Masks and variants** as in :mod:`flashrun.kernels.flash.attention` (bottom-right causal
@@ -21,9 +21,11 @@ bandwidth and, per call, by the host. The kernel:
     (B, max_pages) int32; key j of sequence b is in page ``block_table[b, j // PAGE_SIZE]`` at
     slot ``j % PAGE_SIZE``. Any page size: each key's page is looked up (one int32 load per key
     per block, cached), so a block may span pages. New keys and values (``k``, ``v`` of the API,
-    S_new per sequence) are written into the cache at positions cache_seqlens[b] .. + S_new by
-    the programs whose key range holds them, which read them from ``k``/``v`` directly; the
-    attention runs over the cache with them.
+    S_new per sequence) are copied into the cache at positions cache_seqlens[b] .. + S_new by
+    the programs whose share holds them, before their attention loops (a barrier between):
+    every program that copies a slot writes the same values, so whichever write a read sees
+    is right, and the loops read the cache alone (a second source in the loop cost registers).
+    Every new key lies in some share even where no query sees it.
 
 The host path is built so that a call does no work that depends only on the shape: a
 :class:`_Plan` per (shapes, strides, dtype, variant, alignment) holds the grid, split count,
@@ -56,7 +58,7 @@ from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 # least DECODE_MIN_KEYS keys (a row tile then faces many key blocks); the KV-cache API always.
 DECODE_MAX_QUERIES = 64
 DECODE_MIN_KEYS = 256
-WAVES = 2  # programs per SM the splits aim at (two fit per SM at the config below)
+WAVES = 2  # programs per SM the splits aim at (two fit per SM at the config below: ~180 registers)
 MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
 # Fixed configs, not tuned: the work is bound by reading K and V once (benchmarks/NOTES.md v3).
 # Past head_dim 128 (and for float32's IEEE dots) a 64-key tile of K and V spills registers
@@ -167,10 +169,11 @@ def block_m(group: int, n_q: int, head_dim: int) -> int:
 
 
 def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> int:
-    """Key splits for ``programs`` (batch, kv head, row tile) over at most ``keys`` keys: about
-    WAVES programs per SM, each split at least MIN_CHUNK_BLOCKS key blocks."""
+    """Key splits for ``programs`` (batch, kv head, row tile) over at most ``keys`` keys: at most
+    WAVES programs per SM (two fit at once: more would leave a second, partial wave), each split
+    at least MIN_CHUNK_BLOCKS key blocks."""
     chunk = MIN_CHUNK_BLOCKS * block_n
-    return max(1, min(triton.cdiv(WAVES * _multiprocessors(device), programs), triton.cdiv(keys, chunk)))
+    return max(1, min(WAVES * _multiprocessors(device) // programs, triton.cdiv(keys, chunk)))
 
 
 @dataclass(frozen=True)
