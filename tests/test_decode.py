@@ -169,6 +169,22 @@ def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
     assert decode._hooked()
 
 
+def test_a_launcher_that_refuses_the_direct_call_sends_launches_through_triton(monkeypatch, caplog):
+    class Refusing:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            raise TypeError("function takes exactly 20 arguments")
+
+    monkeypatch.setattr(decode._Launch, "direct", True)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 600, 16), torch.randn(1, 2, 600, 16)
+    want = flash_attention(q, k, v)
+    plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
+    plan.decode.compiled = Refusing()
+    assert torch.equal(flash_attention(q, k, v), want)  # launched by Triton instead
+    assert not decode._Launch.direct and "refused the direct call" in caplog.text
+
+
 def test_decode_shapes_route_here_and_one_causal_query_is_plain():
     q = torch.randn(2, 8, 1, 64, dtype=FP16)
     k, v = (torch.randn(2, 2, 300, 64, dtype=FP16) for _ in range(2))

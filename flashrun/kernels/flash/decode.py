@@ -38,6 +38,7 @@ CUDA-graph capture: per call, from the graph's pool). No host sync: a call is gr
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -53,6 +54,8 @@ from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
 from flashrun.kernels.flash.jit import SUPPORTED_DTYPES
 from flashrun.kernels.tuning import INTERPRETED, LaunchConfig
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+log = logging.getLogger("flashrun.decode")
 
 # flash_attention takes this path for at most DECODE_MAX_QUERIES queries per head against at
 # least DECODE_MIN_KEYS keys (a row tile then faces many key blocks); the KV-cache API always.
@@ -90,6 +93,7 @@ class _Launch:
     per-call integers are ``do_not_specialize``, so the kernel kept is the one Triton would pick."""
 
     __slots__ = ("kernel", "grid", "tail", "options", "compiled")
+    direct = True  # False once a launcher refused the direct call (then for every launch)
 
     def __init__(self, kernel, grid: tuple[int, int, int], tail: tuple, cfg: LaunchConfig) -> None:
         self.kernel, self.grid, self.tail = kernel, grid, tail
@@ -98,12 +102,17 @@ class _Launch:
 
     def __call__(self, stream: int | None, *args) -> None:
         ck = self.compiled
-        if ck is not None and not _hooked():
-            ck.run(*self.grid, stream, ck.function, ck.packed_metadata, None, None, None,
-                   *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *self.tail)
-            return
+        if ck is not None and self.direct and not _hooked():
+            try:
+                ck.run(*self.grid, stream, ck.function, ck.packed_metadata, None, None, None,
+                       *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *self.tail)
+                return
+            except TypeError as exc:  # a Triton whose launcher takes other arguments: its own path from now on
+                log.warning("decode launches through Triton's own path: its compiled kernel's launcher refused "
+                            "the direct call (%s)", exc)
+                _Launch.direct = False
         compiled = self.kernel[self.grid](*args, *self.tail, **self.options)
-        if not INTERPRETED and hasattr(compiled, "packed_metadata"):
+        if self.direct and not INTERPRETED and hasattr(compiled, "packed_metadata"):
             self.compiled = compiled
 
 
