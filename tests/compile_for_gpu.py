@@ -16,7 +16,9 @@ import collections
 import inspect
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,10 +32,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from flashrun.kernels import LaunchConfig  # noqa: E402
-from flashrun.kernels.flash import args as flash_args, attention as flash  # noqa: E402
+from flashrun.kernels.flash import args as flash_args, attention as flash, decode  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200
 PTX = []  # (kernel name, its constexprs, its PTX) for every kernel compiled
+RESOURCES = []  # (kernel name, its constexprs, (registers, spilled bytes)) likewise
 
 
 class CompileOnly:
@@ -56,10 +59,38 @@ class CompileOnly:
             compiled = triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
                                       options={"num_warps": num_warps, "num_stages": num_stages})
             PTX.append((self.fn.__name__, constants, compiled.asm["ptx"]))
-            flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ", "DQ_TMA")
-                             if constants.get(f))
-            print(f"  {self.fn.__name__} {flags}: {time.perf_counter() - start:.1f}s", flush=True)
+            RESOURCES.append((self.fn.__name__, constants, resources(compiled)))
+            flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ",
+                                         "DQ_TMA", "PAGE_SIZE", "SEQLENS", "APPEND", "SPLIT") if constants.get(f))
+            used = RESOURCES[-1][2]
+            print(f"  {self.fn.__name__} {flags}: {time.perf_counter() - start:.1f}s"
+                  + (f"  {used[0]} registers, {used[1]} B stack" if used else ""), flush=True)
         return launch
+
+
+def resources(compiled) -> tuple[int, int] | None:
+    """(registers, bytes spilled) of the compiled cubin, as cuobjdump (bundled with Triton)
+    reports them; None where it cannot."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists() or "cubin" not in compiled.asm:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "k.cubin").write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([str(tool), "-res-usage", str(Path(tmp, "k.cubin"))], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return (int(regs.group(1)), int(stack.group(1))) if regs and stack else None
+
+
+def kvcache(batch, h, h_kv, n_q, d, dtype, capacity, page_size, n_new, **variants):
+    """flash_attention_with_kvcache with ragged lengths (a tensor), paged when page_size > 0."""
+    q = torch.empty(batch, n_q, h, d, dtype=dtype)
+    pages = batch * capacity // max(page_size, 1)
+    cache = torch.empty(pages, page_size, h_kv, d, dtype=dtype) if page_size else \
+        torch.empty(batch, capacity, h_kv, d, dtype=dtype)
+    table = torch.zeros(batch, capacity // page_size, dtype=torch.int32) if page_size else None
+    new = torch.empty(batch, n_new, h_kv, d, dtype=dtype) if n_new else None
+    decode.flash_attention_with_kvcache(q, cache, cache, torch.zeros(batch, dtype=torch.int32), k=new, v=new,
+                                        block_table=table, **variants)
 
 
 def dense(shape, dtype, causal=False, backward=True, launch="default", bwd_launch="default", **variants):
@@ -117,10 +148,13 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - no CUDA backend/ptxas in this Triton: nothing to check
         print(f"cannot compile for {TARGET} here: {type(exc).__name__}: {exc}")
         return 3
-    for name in ("_attn_fwd", "_attn_fwd_split", "_attn_fwd_combine", "_attn_bwd_preprocess", "_attn_bwd_dkdv",
-                 "_attn_bwd_dq"):
+    for name in ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
         setattr(flash, name, CompileOnly(getattr(flash, name)))
-    flash_args._multiprocessors = lambda device: 132  # an H100/H200's
+    for name in ("_attn_decode", "_attn_decode_combine"):
+        setattr(decode, name, CompileOnly(getattr(decode, name)))
+    decode._multiprocessors = lambda device: 132  # an H100/H200's
+    decode._current_stream = lambda device: None  # no GPU here: no stream
+    decode._check_device = lambda q: None  # CPU tensors stand in for the GPU's
     flash._tma_ok = lambda q, k, v: True
     flash._dq_tma_ok = lambda dq: flash_args._split_head_dim(dq.shape[-1])[1] == 0  # as on Hopper
     start = time.perf_counter()
@@ -128,8 +162,13 @@ def main() -> int:
     print("dense: window, softcap, ALiBi (B, H), GQA; the forward through TMA with warp specialization")
     dense((2, 8, 2, 999, 1000, 64), torch.bfloat16, window=(100, 3),
           launch={"fwd": LaunchConfig(128, 128, 8, 3, True, True)}, **everything)
-    print("flash-decoding: a window and ALiBi (H,), one query, 16384 keys")
+    print("flash-decoding: a window and ALiBi (H,), one query, 16384 keys; GQA 32/8 plain, bf16 and fp32")
     dense((1, 2, 1, 1, 16384, 128), torch.float16, backward=False, window=(4096, 0), alibi_slopes=torch.ones(2))
+    dense((2, 32, 8, 1, 16384, 128), torch.bfloat16, backward=False)
+    dense((2, 32, 8, 1, 16384, 128), torch.float32, backward=False)
+    print("KV cache: paged (page 16) with 1 new key, causal; contiguous with 3 new keys, MQA, head_dim 256")
+    kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, causal=True)
+    kvcache(2, 16, 1, 2, 256, torch.float16, 4096, 0, 3)
     print("head_dim 192 = 128 + 64 columns: causal, GQA; the forward through TMA (two descriptors per tensor)")
     # the backward on 4-warp tiles: one warpgroup spans a tile's columns, so its 128 + 64 blocks are
     # n128 and n64 wgmmas (8 warps over a 64-row dK tile split the columns: n64 and n32)

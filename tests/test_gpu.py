@@ -274,7 +274,7 @@ def test_flash_decoding_with_variants_on_gpu(variants):
     # one query per head against 16384 keys: the split path, only over the keys a window leaves
     q, k, v, do, variants = _variant_inputs((2, 8, 8, 1, 16384, 128), BF16, variants, 30)
     mask = flash._variant(q, 2, 16384, True, variants.get("window", (-1, -1)), 0.0, None)
-    assert flash._decode_splits(q, k, mask.key_span(1, 16384))[0] > 1
+    assert flash.decode.plan(q, k, v, 0.125, mask).splits > 1
     _check(q, k, v, do, True, **variants)
 
 
@@ -422,3 +422,69 @@ def test_gluon_kernels_on_gpu(name, case):
     assert torch.equal(torch.isfinite(lse), seen)  # keyless rows: -inf, like the portable kernel
     assert (lse[seen] - lse_ref[seen]).abs().max().item() <= 1e-2
     _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=False), o, None)
+
+
+# -- decode and the KV cache (flashrun/kernels/flash/decode.py) ------------------------------------
+# (cache lengths, heads, kv heads, queries, head_dim, dtype, page size, new keys, causal): ragged
+# with an empty cache and 1 key, pages of 16, 48, 256 and 1 key, appends, MQA, split head dims,
+# lengths past 64k, more sequences than splits
+KV_CASES = [
+    ((16384, 0, 5000, 1), 32, 8, 1, 128, BF16, 16, 1, True),
+    ((4096,) * 16, 32, 1, 1, 128, FP16, 256, 0, False),
+    ((70000, 33), 16, 2, 4, 64, BF16, 0, 3, True),
+    ((3000, 12000), 8, 8, 2, 192, FP16, 48, 2, False),
+    ((8191, 1), 32, 8, 1, 256, BF16, 64, 1, True),
+    ((131072,), 32, 8, 1, 128, BF16, 1, 0, False),
+    ((777, 2048, 0), 8, 2, 16, 80, FP16, 16, 5, True),
+]
+
+
+@pytest.mark.parametrize("case", KV_CASES, ids=lambda c: _case_id(c).replace(", ", "_"))
+def test_kvcache_on_gpu(case):
+    from flashrun.harness.inputs import make_inputs
+    from flashrun.harness.shapes import Shape, kvcache
+    from flashrun.kernels import flash_attention_with_kvcache
+
+    lengths, h, h_kv, n_q, d, dtype, page, new, causal = case
+    shape = kvcache(Shape(1, h, h_kv, n_q, 1, d, str(dtype)[6:], causal), lengths, page, new)
+    inputs = make_inputs(shape, 0, "cuda")[0]
+    k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
+    with _poisoned_allocations():
+        out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
+                                           v=inputs.v_new, block_table=inputs.block_table, causal=causal)
+    failures = [c.reason() for c in Reference.for_kvcache(inputs, causal=causal).judge(out, None, POISON,
+                                                                                      cache=(k_cache, v_cache))
+                if not c.passed]
+    torch.cuda.empty_cache()
+    assert not failures, "; ".join(failures)
+
+
+def test_decode_replays_from_a_cuda_graph_and_launches_lean():
+    """flash_attention's decode path and the paged KV cache captured in one graph and replayed on
+    new values give what eager calls give; after their first calls both launch their kept
+    compiled kernels."""
+    from flashrun.kernels import flash_attention_with_kvcache
+    from flashrun.kernels.flash import decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 32, 1, 128, device="cuda", generator=gen).to(BF16)
+    k, v = (torch.randn(2, 8, 16384, 128, device="cuda", generator=gen).to(BF16) for _ in range(2))
+    pool = torch.randn(2 * 64, 256, 8, 128, device="cuda", generator=gen).to(BF16)
+    table = torch.randperm(128, device="cuda").view(2, 64).to(torch.int32)
+    lengths = torch.tensor([16000, 300], dtype=torch.int32, device="cuda")
+    q4 = q.transpose(1, 2).contiguous()
+
+    def step():
+        return flash_attention(q, k, v), flash_attention_with_kvcache(q4, pool, pool, lengths, block_table=table)
+
+    step()  # plans, compiles
+    assert all(p.decode.compiled is not None for p in decode._plans.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    q.copy_(torch.randn(q.shape, device="cuda", generator=gen).to(BF16))
+    q4.copy_(q.transpose(1, 2))
+    lengths.copy_(torch.tensor([7, 16383], dtype=torch.int32))
+    graph.replay()
+    for got, want in zip(outs, step()):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -181,8 +181,11 @@ def test_cases_files_with_variant_fields_round_trip(tmp_path):
 
 def test_offline_edge_cases_cover_the_variants():
     cases = offline_cases(16384)
-    variants = [c for c in cases if c.window or c.softcap or c.alibi or c.seqlens]
+    variants = [c for c in cases if c.window or c.softcap or c.alibi or c.seqlens or c.cache_seqlens]
     assert variants == variant_cases(16384)
+    caches = [c for c in variants if c.cache_seqlens]  # ragged with an empty cache, pages, appends
+    assert any(0 in c.cache_seqlens and c.page_size for c in caches) and any(c.new_keys for c in caches)
+    assert any(c.page_size and any(n > c.page_size for n in c.cache_seqlens) for c in caches)
     assert any(c.window == (0, 0) for c in variants)
     assert any(c.window and min(c.window) > max(c.seq_len, c.seq_len_k or 0) for c in variants)  # wider
     assert any(c.window and c.seq_len_k and c.seq_len_k > c.seq_len for c in variants)
@@ -279,10 +282,11 @@ def test_flex_mods_express_the_reference(shape):
     """FlexAttention's score_mod and block mask for a variant, run eagerly on the CPU (forward
     only there): the same numbers as the reference."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    from flashrun.harness.providers import _flex_mods, _unpacked
+    from flashrun.harness.providers import _flex_block_mask, _flex_mods, _unpacked
 
     inputs = make_inputs(shape, 0, "cpu")[0]
-    block_mask, score_mod = _flex_mods(shape, torch.device("cpu"), flex.create_block_mask)
+    mask_mod, score_mod = _flex_mods(shape, torch.device("cpu"))
+    block_mask = _flex_block_mask(shape, torch.device("cpu"), mask_mod, flex.create_block_mask)
     fn = _unpacked(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         enable_gqa=True), shape)
     with warnings.catch_warnings():

@@ -120,6 +120,11 @@ class ExperimentConfig(_Section):
     alibi: bool = False  # ALiBi with the standard slopes of num_heads
     seqlens: SeqLens | None = None  # packed sequences' query lengths (batch_size, seq_len follow)
     seqlens_k: SeqLens | None = None  # their key lengths; defaults to seqlens
+    # a KV-cache call: each sequence's cached keys (batch_size, seq_len_k follow), the cache's
+    # page size (0: contiguous), keys appended to each sequence by the call
+    cache_seqlens: SeqLens | None = None
+    page_size: NonNegativeInt = 0
+    new_keys: NonNegativeInt = 0
     seed: int = 0
     kernel: list[str] = ["flash"]
     # flash's backward: true the bitwise-repeatable one, false the 5-matmul one that adds dQ with
@@ -145,6 +150,14 @@ class ExperimentConfig(_Section):
                                  f"got {len(self.seqlens_k)}")
             if not any(self.seqlens) or not any(self.seqlens_k or self.seqlens):
                 raise ValueError("packed sequences need at least one non-empty sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_lengths(self) -> ExperimentConfig:
+        if self.cache_seqlens is None and (self.page_size or self.new_keys):
+            raise ValueError("page_size and new_keys describe a KV cache: they need cache_seqlens")
+        if self.cache_seqlens is not None and self.seqlens is not None:
+            raise ValueError("cache_seqlens (a KV-cache call) and seqlens (packed sequences) exclude each other")
         return self
 
 
@@ -188,6 +201,9 @@ class VerifyConfig(_Section):
     softcap: list[Softcap] | None = None
     alibi: list[bool] | None = None
     seqlens: list[list[NonNegativeInt]] | None = None  # [] in the list: not packed
+    cache_seqlens: list[list[NonNegativeInt]] | None = None  # [] in the list: no KV cache
+    page_size: list[NonNegativeInt] | None = None
+    new_keys: list[NonNegativeInt] | None = None
     grad: bool = False
     diagnose: bool = False
     # Through the interpreter, a case expected to take longer than this many seconds is skipped
@@ -196,9 +212,9 @@ class VerifyConfig(_Section):
 
     _lists = field_validator(
         "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",
-        "softcap", "alibi", mode="before",
+        "softcap", "alibi", "page_size", "new_keys", mode="before",
     )(_as_list)
-    _pairs = field_validator("window", "seqlens", mode="before")(_as_list_of_lists)
+    _pairs = field_validator("window", "seqlens", "cache_seqlens", mode="before")(_as_list_of_lists)
 
 
 class CasesConfig(_Section):
@@ -224,12 +240,15 @@ class BenchConfig(_Section):
     softcap: list[Softcap] = [0.0]
     alibi: list[bool] = [False]
     varlen: list[SeqLens] | None = None
+    # each dense shape also as a KV-cache call (every sequence's cache full: seq_len_k keys), once
+    # per page size listed (0: a contiguous cache)
+    page_size: list[NonNegativeInt] | None = None
     warmup_ms: PositiveInt = 25
     rep_ms: PositiveInt = 100
     out: PathField | None = None  # default <log_dir>/bench
 
     _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", "softcap", "alibi",
-                             mode="before")(_as_list)
+                             "page_size", mode="before")(_as_list)
     _pairs = field_validator("window", "varlen", mode="before")(_as_list_of_lists)
 
 

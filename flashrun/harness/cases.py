@@ -16,6 +16,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashrun.config import Dtype, HeadDim, PositiveInt
+from flashrun.config.schema import NonNegativeInt
 from flashrun.config.schema import SeqLens, Softcap, Window
 from flashrun.errors import InputError
 from flashrun.records.files import atomic_write_json
@@ -51,8 +52,10 @@ def variant_cases(max_seq_len: int) -> list[CaseSpec]:
     """Edge cases of FlashAttention-2's variants, each one a known bug class: a window of 0 (each
     query sees one key), a window wider than the sequence (unbounded), windows with Nq != Nk
     both ways (bottom-right alignment, rows that see no key), softcap and ALiBi with a window,
-    and packed batches with an empty and a length-1 sequence. Lengths above ``max_seq_len``
-    are left out."""
+    packed batches with an empty and a length-1 sequence, and KV-cache calls: ragged lengths
+    with an empty cache, page boundaries inside sequences (pages of 16 and of 48 keys), new keys
+    appended across a page boundary, new keys no query sees (a window of 0). Lengths above
+    ``max_seq_len`` are left out."""
     cases = [
         CaseSpec(seq_len=97, head_dim=64, window=(0, 0)),
         CaseSpec(seq_len=17, head_dim=32, window=(0, 0), causal=True),
@@ -63,9 +66,16 @@ def variant_cases(max_seq_len: int) -> list[CaseSpec]:
         CaseSpec(seq_len=17, head_dim=64, seqlens=[0, 1, 17, 5]),
         CaseSpec(seq_len=33, head_dim=32, seqlens=[17, 0, 1, 33], seqlens_k=[5, 9, 1, 40], causal=True,
                  window=(4, 0)),
+        CaseSpec(seq_len=1, head_dim=64, num_heads=8, num_kv_heads=2, cache_seqlens=[0, 17, 70], page_size=16),
+        CaseSpec(seq_len=3, head_dim=40, num_heads=4, num_kv_heads=1, cache_seqlens=[47, 0, 5], page_size=48,
+                 new_keys=2, causal=True),
+        CaseSpec(seq_len=2, head_dim=64, cache_seqlens=[15, 33], page_size=16, new_keys=3, causal=True,
+                 softcap=5.0, alibi=True),
+        CaseSpec(seq_len=1, head_dim=32, cache_seqlens=[9, 20], new_keys=3, window=(0, 0)),
     ]
     def longest(c: CaseSpec) -> int:
-        return max([c.seq_len or 0, c.seq_len_k or 0, *(c.seqlens or []), *(c.seqlens_k or [])])
+        return max([c.seq_len or 0, c.seq_len_k or 0, *(c.seqlens or []), *(c.seqlens_k or []),
+                    *((n + (c.new_keys or 0) for n in c.cache_seqlens) if c.cache_seqlens else [])])
 
     return [c for c in cases if longest(c) <= max_seq_len]
 
@@ -112,6 +122,9 @@ class CaseSpec(BaseModel):
     alibi: Optional[bool] = None
     seqlens: Optional[SeqLens] = None  # packed: batch_size and seq_len follow from these
     seqlens_k: Optional[SeqLens] = None
+    cache_seqlens: Optional[SeqLens] = None  # a KV-cache call: batch_size and seq_len_k follow from these
+    page_size: Optional[NonNegativeInt] = None
+    new_keys: Optional[NonNegativeInt] = None
 
 
 # Tags that the writer puts on a case and that are not part of its shape.

@@ -151,9 +151,11 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         return result
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     if job.diagnose:  # the range is always shown: "in range" is an answer too
-        # packed (total, H, D) -> (1, H, total, D): the range over every pair, across sequences too
-        result.logits = logit_range(*((t.transpose(0, 1)[None] for t in (q, k)) if case.varlen else (q, k)),
-                                    sm_scale)
+        # packed (total, H, D) -> (1, H, total, D): the range over every pair, across sequences too;
+        # a KV cache's over every query and cached slot
+        rows = (q.flatten(0, 1), k.flatten(0, 1)) if case.kvcache else (q, k)
+        result.logits = logit_range(*((t.transpose(0, 1)[None] for t in rows) if case.varlen or case.kvcache
+                                      else rows), sm_scale)
         low, high = result.logits
         saturates = max(abs(low), abs(high)) > 10
         result.notes.append(f"logits q·kᵀ·scale span [{low:.2f}, {high:.2f}]"
@@ -208,7 +210,7 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         if not is_oom(exc):
             raise
         return _oom(result, device, "the reference")
-    result.checks = reference.judge(out, grads, POISON)
+    result.checks = reference.judge(out, grads, POISON, cache=(kk, kv) if case.kvcache else None)
     failing = [c for c in result.checks if not c.passed]
     if failing:
         result.status = "fail"

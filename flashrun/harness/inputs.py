@@ -7,9 +7,14 @@ cast to the shape's dtype, in the order q, k, v, dout (then the next set, if sev
 zeros: some kernels are faster on zeros.
 
 Packed shapes (``shape.seqlens``) draw q and dout as ``(total_q, H, D)`` and k, v as
-``(total_k, H_kv, D)``, in the same order. Each :class:`Inputs` also carries what a kernel and
-the judge need besides the tensors: the variant arguments, the ALiBi slopes and the
-``cu_seqlens`` offsets (:meth:`Inputs.variant_args`, :meth:`Inputs.reference_args`).
+``(total_k, H_kv, D)``, in the same order. KV-cache shapes (``shape.cache_seqlens``) use
+FlashAttention's ``(batch, seq, heads, head_dim)`` layout: q and dout ``(B, Nq, H, D)``, k and v
+the caches - ``(B, capacity, H_kv, D)``, or paged ``(pages, page_size, H_kv, D)`` with a
+:func:`block_table` - filled whole (slots past a sequence's length hold keys too), then the new
+keys and values ``(B, new_keys, H_kv, D)``. Each :class:`Inputs` also carries what a kernel and
+the judge need besides the tensors: the variant arguments, the ALiBi slopes, the
+``cu_seqlens`` offsets and the cache's lengths and block table (:meth:`Inputs.variant_args`,
+:meth:`Inputs.reference_args`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class Inputs:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    cache_seqlens: torch.Tensor | None = None  # KV cache: int32 (B,), keys each sequence holds
+    block_table: torch.Tensor | None = None  # paged: int32 (B, pages per sequence)
+    k_new: torch.Tensor | None = None  # (B, new_keys, H_kv, D), appended to the cache by the call
+    v_new: torch.Tensor | None = None
 
     def leaves(self) -> list[torch.Tensor]:
         return [self.q, self.k, self.v]
@@ -53,6 +62,12 @@ class Inputs:
         if self.cu_seqlens_q is not None:
             args.update(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
                         max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k)
+        if self.cache_seqlens is not None:
+            args["cache_seqlens"] = self.cache_seqlens
+            if self.block_table is not None:
+                args["block_table"] = self.block_table
+            if self.k_new is not None:
+                args.update(k_new=self.k_new, v_new=self.v_new)
         return args
 
     def reference_args(self) -> dict[str, Any]:
@@ -64,6 +79,18 @@ class Inputs:
 def cu_seqlens(lengths: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
     """int32 offsets ``(B + 1,)`` of sequences of these lengths packed back to back."""
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def block_table(shape: Shape, device: torch.device | str) -> torch.Tensor | None:
+    """A paged shape's block table, int32 (B, capacity / page_size): sequence b's j-th page is
+    page P - 1 - (j·B + b) of P, so no sequence's pages are in order or side by side (an
+    addressing bug cannot pass). None for a contiguous cache."""
+    if not shape.page_size:
+        return None
+    per_sequence = shape.capacity // shape.page_size
+    pages = per_sequence * shape.batch_size
+    j, b = torch.meshgrid(torch.arange(per_sequence), torch.arange(shape.batch_size), indexing="ij")
+    return (pages - 1 - (j * shape.batch_size + b)).T.contiguous().to(device=device, dtype=torch.int32)
 
 
 def slopes(shape: Shape, device: torch.device | str) -> torch.Tensor | None:
@@ -79,9 +106,19 @@ def slopes(shape: Shape, device: torch.device | str) -> torch.Tensor | None:
 
 def make_inputs(shape: Shape, seed: int, device: torch.device | str, sets: int = 1,
                 requires_grad: bool = False) -> list[Inputs]:
-    """``sets`` input sets for ``shape``; ``requires_grad`` marks q, k, v as autograd leaves."""
+    """``sets`` input sets for ``shape``; ``requires_grad`` marks q, k, v as autograd leaves (not
+    for a KV-cache call: it has no backward)."""
     dtype = getattr(torch, shape.dtype)
-    if shape.seqlens is not None:
+    new_shape = None
+    if shape.cache_seqlens is not None:
+        q_shape = (shape.batch_size, shape.seq_len, shape.num_heads, shape.head_dim)
+        kv_shape = ((shape.batch_size * shape.capacity // shape.page_size, shape.page_size) if shape.page_size
+                    else (shape.batch_size, shape.capacity)) + (shape.num_kv_heads, shape.head_dim)
+        new_shape = (shape.batch_size, shape.new_keys, shape.num_kv_heads, shape.head_dim) if shape.new_keys else None
+        packing = {"cache_seqlens": torch.tensor(shape.cache_seqlens, dtype=torch.int32, device=device),
+                   "block_table": block_table(shape, device)}
+        requires_grad = False
+    elif shape.seqlens is not None:
         q_shape = (sum(shape.seqlens), shape.num_heads, shape.head_dim)
         kv_shape = (sum(shape.key_lengths), shape.num_kv_heads, shape.head_dim)
         packing = {"cu_seqlens_q": cu_seqlens(shape.seqlens, device),
@@ -98,5 +135,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device | str, sets: int =
         x = torch.randn(size, generator=gen, device=device, dtype=torch.float32).to(dtype)
         return x.requires_grad_(grad)
 
-    return [Inputs(draw(q_shape, requires_grad), draw(kv_shape, requires_grad), draw(kv_shape, requires_grad),
-                   draw(q_shape, False), shape.window, shape.softcap, alibi, **packing) for _ in range(sets)]
+    def one_set() -> Inputs:
+        tensors = [draw(q_shape, requires_grad), draw(kv_shape, requires_grad), draw(kv_shape, requires_grad),
+                   draw(q_shape, False)]
+        new = {"k_new": draw(new_shape, False), "v_new": draw(new_shape, False)} if new_shape else {}
+        return Inputs(*tensors, shape.window, shape.softcap, alibi, **packing, **new)
+
+    return [one_set() for _ in range(sets)]

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flashrun.harness.inputs import Inputs
-from flashrun.harness.reference import attention_ref
+from flashrun.harness.reference import attention_ref, cached_sequence, gather_kvcache
 from flashrun.harness.shapes import Shape
 
 FACTOR = 2.0
@@ -154,8 +154,11 @@ class Reference:
     each with every query head it serves (so dk/dv are complete sums); otherwise every batch
     element (always every sequence of a packed batch) and head. ``grads``: also the gradients
     for ``inputs.dout``. ``window``, ``softcap``, ``alibi_slopes``: the variants, with
-    :func:`~flashrun.harness.reference.attention_ref`'s meaning.
+    :func:`~flashrun.harness.reference.attention_ref`'s meaning. A KV-cache call
+    (:meth:`for_kvcache`) is judged as the packed sequences it attends to.
     """
+
+    cache: Inputs | None = None  # a KV-cache call's inputs (its output is (B, Nq, H, D))
 
     def __init__(self, inputs: Inputs, *, causal: bool, grads: bool, sm_scale: float | None = None,
                  edges: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -184,8 +187,23 @@ class Reference:
 
     @classmethod
     def for_shape(cls, inputs: Inputs, shape: Shape, grads: bool, edges: bool = False) -> Reference:
-        """The reference for ``inputs`` drawn for ``shape``: its mask and variants (packed too)."""
+        """The reference for ``inputs`` drawn for ``shape``: its mask and variants (packed and
+        KV-cache calls too)."""
+        if inputs.cache_seqlens is not None:
+            return cls.for_kvcache(inputs, causal=shape.causal)
         return cls(inputs, causal=shape.causal, grads=grads, edges=edges, **inputs.reference_args())
+
+    @classmethod
+    def for_kvcache(cls, inputs: Inputs, *, causal: bool, sm_scale: float | None = None) -> Reference:
+        """The reference for a KV-cache call (no gradients): the attention of each sequence's
+        queries over its cached keys and then its new ones, gathered from the cache as it was
+        before the call (:func:`~flashrun.harness.reference.gather_kvcache`)."""
+        q, k, v, cu_q, cu_k = gather_kvcache(inputs.q, inputs.k, inputs.v, inputs.cache_seqlens, inputs.block_table,
+                                             inputs.k_new, inputs.v_new)
+        reference = cls(Inputs(q, k, v, q), causal=causal, grads=False, sm_scale=sm_scale, window=inputs.window,
+                        softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        reference.cache = inputs
+        return reference
 
     def slice_q(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H, Nq, D) or (total_q, H, D) -> the checked (sequence, query head) pairs."""
@@ -200,10 +218,17 @@ class Reference:
             t.index_select(0, self._batch_idx).index_select(1, self._kv_idx)
 
     def judge(self, out: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              poison: float | None = None) -> list[Comparison]:
+              poison: float | None = None, cache: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> list[Comparison]:
         """Compare ``out`` (and ``(dq, dk, dv)``) with the reference; ``poison``: the value that
-        marks an element the kernel never wrote."""
+        marks an element the kernel never wrote. ``cache``: a KV-cache call's caches after it,
+        whose slots for the new keys and values must hold exactly them."""
+        if self.cache is not None:
+            out = out.flatten(0, 1)  # (B, Nq, H, D) -> the packed rows
         checks = [compare("out", self.slice_q(out), self.out, self.yard_out, poison)]
+        if cache is not None and self.cache is not None and self.cache.k_new is not None:
+            for name, after, new in (("k_cache", cache[0], self.cache.k_new), ("v_cache", cache[1], self.cache.v_new)):
+                checks.append(compare(name, self._appended(after), new, new))
         if grads is not None:
             if self.grads is None or self.yard_grads is None:
                 raise ValueError("this Reference was built without gradients")
@@ -211,6 +236,12 @@ class Reference:
                                                   self.grads, self.yard_grads):
                 checks.append(compare(name, cut(got), want, yard, poison))
         return checks
+
+    def _appended(self, cache: torch.Tensor) -> torch.Tensor:
+        """(B, new_keys, H_kv, D): each sequence's cache slots after its cached keys."""
+        lengths, new = self.cache.cache_seqlens.tolist(), self.cache.k_new.shape[1]
+        return torch.stack([cached_sequence(cache, self.cache.block_table, b)[n:n + new]
+                            for b, n in enumerate(lengths)])
 
     def _sequence(self, t: torch.Tensor, b: int, keys: bool) -> torch.Tensor:
         """Sequence ``b`` of ``t`` as ``(heads, n, D)``."""

@@ -26,6 +26,10 @@ get the same inputs as verify: packed ones ``(total, heads, head_dim)``. Who run
   * ``sdpa-flash``, ``sdpa-cudnn``: no variant (these backends refuse an explicit mask);
   * a user's kernel: the variants its signature takes (:meth:`flashrun.kernels.Kernel.missing`).
 
+KV-cache shapes (``cache_seqlens``): :mod:`~flashrun.harness.kvcache` says who reads the cache
+and who runs on it gathered. ``NAME+graph`` (any name above) replays NAME's forward from a CUDA
+graph (:mod:`~flashrun.harness.graphs`); the row's provider says which ran.
+
 What a provider cannot run is ``n/a`` with the reason.
 """
 
@@ -45,7 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from flashrun.errors import InputError, KernelError
-from flashrun.harness.inputs import cu_seqlens, slopes
+from flashrun.harness import graphs, kvcache
+from flashrun.harness.inputs import block_table, cu_seqlens, slopes
 from flashrun.harness.reference import alibi_bias, allowed, causal_mask, expand_kv
 from flashrun.harness.shapes import Shape
 from flashrun.limits import BUILTIN_KERNELS
@@ -98,12 +103,14 @@ def is_kernel_spec(name: str) -> bool:
 def check_names(names: list[str]) -> None:
     """Refuse unknown provider names before anything runs."""
     for name in names:
-        if name in NAMES or is_kernel_spec(name):
+        base = name.removesuffix(graphs.SUFFIX)
+        if base in NAMES or is_kernel_spec(base):
             continue
         close = difflib.get_close_matches(name, NAMES, n=1)
         raise InputError(
             f"unknown provider {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""),
-            hint=f"providers: {', '.join(NAMES)}, or PATH.py:FUNCTION for your own kernel",
+            hint=f"providers: {', '.join(NAMES)}, or PATH.py:FUNCTION for your own kernel; NAME{graphs.SUFFIX} "
+                 "replays NAME's forward from a CUDA graph",
         )
 
 
@@ -115,6 +122,10 @@ def resolve(name: str, device: torch.device) -> Provider:
     a wrong path or function is the user's mistake, reported before any timing.
     """
     check_names([name])
+    if name.endswith(graphs.SUFFIX):
+        base = resolve(name.removesuffix(graphs.SUFFIX), device)
+        return graphs.graphed(base) if device.type == "cuda" else Provider(name, _refuse(
+            "CUDA graphs need a CUDA GPU"), is_kernel=base.is_kernel)
     if device.type == "cpu" and name not in CPU_PROVIDERS:
         reason = ("Triton kernels are not timed on the CPU: the interpreter's timings mean nothing"
                   if is_kernel_spec(name) else
@@ -123,12 +134,18 @@ def resolve(name: str, device: torch.device) -> Provider:
     if is_kernel_spec(name):
         return _kernel(name)
     if name == "torch-naive":
-        return Provider(name, _naive)
+        return Provider(name, _dense_only(_naive))
     if name in SDPA:
-        return Provider(name, functools.partial(_sdpa, name))
+        return Provider(name, _dense_only(functools.partial(_sdpa, name)))
     if name == "flex":
         return Provider(name, _flex_preparer())
     return Provider(name, _flash_attn)  # the one name left: flash-attn
+
+
+def _dense_only(prepare: Callable[[Shape, torch.device], Attention]) -> Callable[[Shape, torch.device], Attention]:
+    """A provider that reads no KV cache: it runs a KV-cache shape on the gathered cache."""
+    cached = kvcache.gathered(prepare)
+    return lambda shape, device: cached(shape, device) if shape.kvcache else prepare(shape, device)
 
 
 def _refuse(reason: str) -> Callable[[Shape, torch.device], Attention]:
@@ -187,6 +204,12 @@ def variant_args(shape: Shape, device: torch.device) -> dict:
     if shape.seqlens is not None:
         args.update(cu_seqlens_q=cu_seqlens(shape.seqlens, device), cu_seqlens_k=cu_seqlens(shape.key_lengths, device),
                     max_seqlen_q=shape.seq_len, max_seqlen_k=shape.seq_len_k)
+    if shape.cache_seqlens is not None:
+        if shape.new_keys:  # the Attention takes (q, k, v): nothing to append with
+            raise KernelError("bench times KV-cache calls without new keys")
+        args["cache_seqlens"] = torch.tensor(shape.cache_seqlens, dtype=torch.int32, device=device)
+        if shape.page_size:
+            args["block_table"] = block_table(shape, device)
     return args
 
 
@@ -365,7 +388,12 @@ def _flex_preparer() -> Callable[[Shape, torch.device], Attention]:
         if not compiled:
             compiled.append(torch.compile(flex_attention, dynamic=False))
         flex = compiled[0]
-        block_mask, score_mod = _flex_mods(shape, device, create_block_mask)
+        if shape.kvcache and shape.page_size:
+            return kvcache.flex_paged(shape, device, flex, _flex_mods)
+        if shape.kvcache:
+            return kvcache.gathered(prepare)(shape, device)
+        mask_mod, score_mod = _flex_mods(shape, device)
+        block_mask = _flex_block_mask(shape, device, mask_mod, create_block_mask)
         gqa = shape.num_kv_heads != shape.num_heads
         native_gqa = gqa and "enable_gqa" in inspect.signature(flex_attention).parameters
         kwargs = {"enable_gqa": True} if native_gqa else {}
@@ -380,8 +408,9 @@ def _flex_preparer() -> Callable[[Shape, torch.device], Attention]:
     return prepare
 
 
-def _flex_mods(shape: Shape, device: torch.device, create_block_mask: Callable) -> tuple[object, Callable | None]:
-    """``(block_mask, score_mod)`` for ``shape``, the reference's semantics in FlexAttention's terms.
+def _flex_mods(shape: Shape, device: torch.device) -> tuple[Callable | None, Callable | None]:
+    """``(mask_mod, score_mod)`` for ``shape``, the reference's semantics in FlexAttention's terms
+    (None where every pair is allowed, or no score changes).
 
     Positions are per sequence: a packed batch is one long sequence of documents, and each
     query/key index is mapped to its document and its position in it (attention-gym's document
@@ -421,9 +450,15 @@ def _flex_mods(shape: Shape, device: torch.device, create_block_mask: Callable) 
         return score
 
     masked = shape.causal or shape.window != (-1, -1) or packed
-    total_q, total_k = int(doc_q.numel()), int(doc_k.numel())
-    block_mask = create_block_mask(mask_mod, None, None, total_q, total_k, device=device) if masked else None
-    return block_mask, score_mod if shape.softcap or alibi is not None else None
+    return mask_mod if masked else None, score_mod if shape.softcap or alibi is not None else None
+
+
+def _flex_block_mask(shape: Shape, device: torch.device, mask_mod: Callable | None, create_block_mask: Callable):
+    """The block mask of ``mask_mod`` over the (packed) scores; None when every pair is allowed."""
+    if mask_mod is None:
+        return None
+    spans = _sequences(shape)
+    return create_block_mask(mask_mod, None, None, sum(s[1] for s in spans), sum(s[3] for s in spans), device=device)
 
 
 def compile_settings(n_shapes: int) -> ContextManager:
@@ -454,6 +489,8 @@ def compile_settings(n_shapes: int) -> ContextManager:
 
 # -- flash-attn (Tri Dao's package) ---------------------------------------------------------------
 def _flash_attn(shape: Shape, device: torch.device) -> Attention:
+    if shape.kvcache:
+        return kvcache.flash_attn_kvcache(shape, device)
     try:
         from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError as exc:

@@ -20,6 +20,7 @@ result it has in the whole matrix, so callers bound the memory to one ``block x 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -139,6 +140,37 @@ def attention_ref_varlen(
         ob = attention_ref(qb, kb, vb, causal, sm_scale, upcast, window=window, softcap=softcap, alibi_slopes=slopes)
         outs.append(ob[0].transpose(0, 1))  # (Nq_b, H, D)
     return torch.cat(outs, dim=0)
+
+
+def cached_sequence(cache: torch.Tensor, block_table: torch.Tensor | None, b: int) -> torch.Tensor:
+    """Sequence b's slots of a cache, ``(capacity, H_kv, D)``: its row of a contiguous cache
+    ``(B, capacity, H_kv, D)``, or its pages of a paged one ``(pages, page_size, H_kv, D)`` back
+    to back, in ``block_table[b]`` order."""
+    if block_table is None:
+        return cache[b]
+    return cache.index_select(0, block_table[b].long()).flatten(0, 1)
+
+
+def gather_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                   block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                   v_new: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """A KV-cache call as packed sequences: ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` with q
+    ``(B·Nq, H, D)`` and sequence b's keys its first ``cache_seqlens[b]`` cached ones (pages in
+    ``block_table`` order when paged) followed by its new ones - what FlashAttention-2's
+    ``flash_attn_with_kvcache`` attends to. Layouts (batch, seq, heads, head_dim)."""
+    batch, n_q = q.shape[:2]
+    lengths = cache_seqlens.tolist()
+    keys, values = [], []
+    for b in range(batch):
+        keys.append(cached_sequence(k_cache, block_table, b)[:lengths[b]])
+        values.append(cached_sequence(v_cache, block_table, b)[:lengths[b]])
+        if k_new is not None:
+            keys.append(k_new[b])
+            values.append(v_new[b])
+    new = 0 if k_new is None else k_new.shape[1]
+    cu_q = torch.arange(0, batch * n_q + 1, n_q, dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, *itertools.accumulate(n + new for n in lengths)], dtype=torch.int32, device=q.device)
+    return q.flatten(0, 1), torch.cat(keys), torch.cat(values), cu_q, cu_k
 
 
 def logit_range(q: torch.Tensor, k: torch.Tensor, sm_scale: float | None = None) -> tuple[float, float]:

@@ -2,8 +2,9 @@
 ``--plot`` (TFLOP/s, and the roofline). No torch here.
 
 CSV columns are :data:`COLUMNS` in that order, then :data:`EXTRA_COLUMNS` (new columns are
-appended, so files written before them keep their columns; lists are written as JSON, ``[128, 0]``,
-empty for plain attention, and so are the kernels of ``--metrics``). The JSON file holds
+appended - the KV cache's ``cache_seqlens, page_size, new_keys`` last - so files written before
+them keep their columns; lists are written as JSON, ``[128, 0]``, empty for plain attention, and
+so are the kernels of ``--metrics``). The JSON file holds
 the same rows plus the environment fingerprint, the command and the settings of the run. Both
 are rewritten atomically after every provider, so an interrupted run leaves the rows measured
 so far (its JSON says ``"complete": false``).
@@ -29,10 +30,10 @@ COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", 
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
                  "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path",
                  "gbps", "intensity", "pct_roof", "bound", "gpu_us", "wall_us", "kernels", "gpu_kernels",
-                 "config")  # new columns go at the end
+                 "config", "cache_seqlens", "page_size", "new_keys")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
-       "window", "softcap", "alibi", "seqlens", "seqlens_k")
+       "window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class Row:
     # our kernels' launch configs and where each came from: "fwd 128x64 w4 s3 (table); ..." (table, tuned,
     # heuristic, pinned, default)
     config: str = ""
+    cache_seqlens: tuple[int, ...] | None = None  # a KV-cache call (shapes.Shape's fields)
+    page_size: int = 0
+    new_keys: int = 0
 
     @property
     def valid(self) -> bool:
@@ -94,7 +98,8 @@ class Row:
     @property
     def shape(self) -> Shape:
         return Shape(self.batch, self.heads, self.kv_heads, self.seq_len, self.seq_len_k, self.head_dim,
-                     self.dtype, self.causal, self.window, self.softcap, self.alibi, self.seqlens, self.seqlens_k)
+                     self.dtype, self.causal, self.window, self.softcap, self.alibi, self.seqlens, self.seqlens_k,
+                     self.cache_seqlens, self.page_size, self.new_keys)
 
     def key(self) -> tuple:
         return tuple(getattr(self, name) for name in KEY)
@@ -208,6 +213,8 @@ def _typed(raw: dict[str, Any]) -> dict[str, Any]:
         "window": tuple(_listed(raw.get("window")) or (-1, -1)), "softcap": float(raw.get("softcap") or 0.0),
         "alibi": str(raw.get("alibi")).strip().lower() == "true",
         "seqlens": _tuple_or_none(raw.get("seqlens")), "seqlens_k": _tuple_or_none(raw.get("seqlens_k")),
+        "cache_seqlens": _tuple_or_none(raw.get("cache_seqlens")), "page_size": int(raw.get("page_size") or 0),
+        "new_keys": int(raw.get("new_keys") or 0),
     }
 
 

@@ -13,6 +13,13 @@ back, ``seqlens_k`` the key lengths (None: the same as the queries). Then ``batc
 the number of sequences and ``seq_len``/``seq_len_k`` the longest ones (what the kernels' grid
 spans); :func:`packed` builds such a shape.
 
+A KV-cache call (``flash_attention_with_kvcache``): ``cache_seqlens`` are the keys each
+sequence holds in the cache, ``new_keys`` the keys (and values) the call appends to each, and
+``page_size`` the cache's page size (0: a contiguous cache). ``seq_len`` queries per sequence
+attend to its cached and new keys; ``batch_size`` is the number of sequences and ``seq_len_k``
+the longest cached + new (:func:`kvcache` builds such a shape); the cache holds
+:attr:`Shape.capacity` keys per sequence, past every sequence's end.
+
 Where shapes come from:
   * ``flashrun verify``: ``[experiment]`` as one shape, or the cartesian product of the
     ``[verify]`` lists (:func:`verify_shapes`), or a cases file (:meth:`Shape.from_fields`);
@@ -35,8 +42,9 @@ from flashrun.limits import SHORT_DTYPES
 
 FIELDS = ("batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal")
 # The variants, after the fields above (records, JSON and CSV keep the old order, these appended).
-VARIANT_FIELDS = ("window", "softcap", "alibi", "seqlens", "seqlens_k")
-PLAIN = {"window": (-1, -1), "softcap": 0.0, "alibi": False, "seqlens": None, "seqlens_k": None}
+VARIANT_FIELDS = ("window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys")
+PLAIN = {"window": (-1, -1), "softcap": 0.0, "alibi": False, "seqlens": None, "seqlens_k": None,
+         "cache_seqlens": None, "page_size": 0, "new_keys": 0}
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 # FLOPs of a mode relative to the forward. Forward: 2 matrix products (S = QKᵀ, O = PV).
@@ -63,10 +71,13 @@ class Shape:
     alibi: bool = False  # ALiBi with the standard slopes of num_heads (kernels.alibi_slopes)
     seqlens: tuple[int, ...] | None = None  # packed: query lengths per sequence (a length may be 0)
     seqlens_k: tuple[int, ...] | None = None  # packed: key lengths; None = seqlens
+    cache_seqlens: tuple[int, ...] | None = None  # KV cache: keys cached per sequence (a length may be 0)
+    page_size: int = 0  # KV cache: 0 contiguous, else paged
+    new_keys: int = 0  # KV cache: keys appended to each sequence by the call
 
     def __post_init__(self) -> None:
         # JSON records give lists; a frozen, hashable shape keeps tuples
-        for name in ("window", "seqlens", "seqlens_k"):
+        for name in ("window", "seqlens", "seqlens_k", "cache_seqlens"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -83,6 +94,18 @@ class Shape:
         return self.seqlens is not None
 
     @property
+    def kvcache(self) -> bool:
+        return self.cache_seqlens is not None
+
+    @property
+    def capacity(self) -> int:
+        """Keys the cache holds per sequence: past the longest sequence by at least one key, so
+        that every sequence has cache slots after its end (a kernel reading past it reads keys
+        that are there, but not its own), in whole pages."""
+        unit = self.page_size or 16
+        return -(-(self.seq_len_k + 1) // unit) * unit
+
+    @property
     def key_lengths(self) -> tuple[int, ...] | None:
         """The packed key lengths (``seqlens_k``, or the query lengths when not given)."""
         return None if self.seqlens is None else self.seqlens_k or self.seqlens
@@ -94,7 +117,7 @@ class Shape:
 
     @property
     def variant_label(self) -> str:
-        """``w128,0 cap30 alibi varlen[0,1,17]`` (empty for plain attention)."""
+        """``w128,0 cap30 alibi varlen[0,1,17] cache[0,300] page16 new1`` (empty for plain attention)."""
         parts = []
         if self.window != (-1, -1):
             parts.append(f"w{self.window[0]},{self.window[1]}")
@@ -105,6 +128,12 @@ class Shape:
         if self.seqlens is not None:
             parts.append("varlen[" + ",".join(map(str, self.seqlens)) + "]"
                          + ("x[" + ",".join(map(str, self.seqlens_k)) + "]" if self.seqlens_k else ""))
+        if self.cache_seqlens is not None:
+            parts.append("cache[" + ",".join(map(str, self.cache_seqlens)) + "]")
+            if self.page_size:
+                parts.append(f"page{self.page_size}")
+            if self.new_keys:
+                parts.append(f"new{self.new_keys}")
         return " ".join(parts)
 
     @property
@@ -131,6 +160,8 @@ class Shape:
             given["seqlens_k"] = None
         if given.get("seqlens") == []:  # [] in a [verify] seqlens list: not packed
             given["seqlens"] = given["seqlens_k"] = None
+        if given.get("cache_seqlens") == []:  # [] in a [verify] cache_seqlens list: no KV cache
+            given.update(cache_seqlens=None, page_size=0, new_keys=0)
         merged = {**base.model_dump(), **given}
         try:  # the same checks as [experiment] (types, ranges, heads divisible, packed lengths)
             exp = ExperimentConfig.model_validate({k: merged[k] for k in names if merged.get(k) is not None})
@@ -141,6 +172,8 @@ class Shape:
         shape = cls(exp.batch_size, exp.num_heads, exp.num_kv_heads or exp.num_heads, exp.seq_len,
                     exp.seq_len_k or exp.seq_len, exp.head_dim, exp.dtype, exp.causal, tuple(exp.window),
                     float(exp.softcap), exp.alibi)
+        if exp.cache_seqlens is not None:
+            return kvcache(shape, exp.cache_seqlens, exp.page_size, exp.new_keys)
         return packed(shape, exp.seqlens, exp.seqlens_k) if exp.seqlens is not None else shape
 
 
@@ -151,6 +184,14 @@ def packed(shape: Shape, seqlens: list[int] | tuple[int, ...], seqlens_k: list[i
     keys = seqlens_k or seqlens
     return replace(shape, batch_size=len(seqlens), seq_len=max(seqlens), seq_len_k=max(keys),
                    seqlens=tuple(seqlens), seqlens_k=tuple(seqlens_k) if seqlens_k else None)
+
+
+def kvcache(shape: Shape, cache_seqlens: list[int] | tuple[int, ...], page_size: int = 0, new_keys: int = 0
+            ) -> Shape:
+    """``shape`` as a KV-cache call over caches holding these lengths: batch = their number,
+    seq_len_k = the longest cached + new."""
+    return replace(shape, batch_size=len(cache_seqlens), seq_len_k=max(cache_seqlens) + new_keys,
+                   cache_seqlens=tuple(cache_seqlens), page_size=page_size, new_keys=new_keys)
 
 
 def verify_shapes(cfg: Config) -> list[Shape]:
@@ -169,7 +210,8 @@ def bench_shapes(bench: BenchConfig) -> list[Shape]:
 
     The variant lists (``window``, ``softcap``, ``alibi``) multiply the sweep like the others;
     each ``varlen`` batch (a list of sequence lengths, packed back to back) adds shapes after the
-    dense ones, for every dtype, head_dim, causal and variant value."""
+    dense ones, for every dtype, head_dim, causal and variant value; each ``page_size`` adds
+    every dense shape again as a KV-cache call whose caches are full (seq_len_k keys each)."""
     keys = ["mode", "dtype", "head_dim", "causal", "window", "softcap", "alibi"]
     if not bench.varlen:
         keys.append("seq_len")  # packed batches alone need no dense length
@@ -190,6 +232,10 @@ def bench_shapes(bench: BenchConfig) -> list[Shape]:
                           alibi)
             if shape not in shapes:
                 shapes.append(shape)
+    for shape, page_size in itertools.product([s for s in shapes if not s.varlen], bench.page_size or []):
+        cached = kvcache(shape, (shape.seq_len_k,) * shape.batch_size, page_size)
+        if cached not in shapes:
+            shapes.append(cached)
     for lengths, dtype, head_dim, causal in itertools.product(bench.varlen or [], bench.dtype, bench.head_dim,
                                                               bench.causal):
         heads, kv_heads = _bench_heads(bench, head_dim)
@@ -242,10 +288,13 @@ def visible_pairs(n_q: int, n_k: int, causal: bool, window: tuple[int, int] = (-
 
 def pairs(shape: Shape) -> float:
     """Visible (query, key) pairs of the whole batch, per head: ``B·visible_pairs`` dense, the sum
-    over the sequences packed (each sequence has its own bottom-right alignment and window)."""
+    over the sequences packed or cached (each sequence has its own bottom-right alignment and window)."""
     if shape.seqlens is not None:
         return sum(visible_pairs(n_q, n_k, shape.causal, shape.window)
                    for n_q, n_k in zip(shape.seqlens, shape.key_lengths) if n_q and n_k)
+    if shape.cache_seqlens is not None:
+        return sum(visible_pairs(shape.seq_len, n + shape.new_keys, shape.causal, shape.window)
+                   for n in shape.cache_seqlens if n + shape.new_keys)
     return shape.batch_size * visible_pairs(shape.seq_len, shape.seq_len_k, shape.causal, shape.window)
 
 

@@ -1,9 +1,11 @@
 """The FlashAttention-2 kernel family ("flash"), one module per concern:
 
 ``attention``  the maths (module docstring), launchers, autograd Function and public API
-``args``       argument checks, :class:`Variant`, the TMA and flash-decoding decisions
+``args``       argument checks, :class:`Variant`, the TMA decisions
 ``jit``        the ``@triton.jit`` helpers shared by the kernels (masks, scores, loads)
-``fwd``        forward kernels (+ flash-decoding's split and combine)
+``fwd``        the forward kernel
+``decode``     few queries against many keys (flash-decoding, GQA packing, lean launches) and the
+               KV-cache API; ``decode_jit`` its kernels
 ``bwd``        backward kernels
 ``hopper``     the sm_90 forward path (gate, first-use check, launcher); ``hopper_jit`` its Gluon kernel
 """
@@ -16,6 +18,7 @@ from flashrun.kernels.flash.attention import (
     flash_attention_varlen,
     forward_path,
 )
+from flashrun.kernels.flash.decode import flash_attention_with_kvcache
 
 __all__ = ["alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
-           "flash_attention_varlen", "forward_path"]
+           "flash_attention_varlen", "flash_attention_with_kvcache", "forward_path"]

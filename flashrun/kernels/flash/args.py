@@ -1,5 +1,5 @@
 """The flash launchers' preconditions and plans: input checks, FlashAttention-2's variant arguments
-checked into a :class:`Variant`, the TMA and flash-decoding decisions."""
+checked into a :class:`Variant`, the TMA decisions."""
 
 from __future__ import annotations
 
@@ -126,48 +126,6 @@ def _split_head_dim(head_dim: int) -> tuple[int, int]:
     d0 = 1 << (head_dim.bit_length() - 1)
     d1 = max(16, triton.next_power_of_2(head_dim - d0)) if head_dim > d0 else 0
     return (d0, d1) if d1 and d0 + d1 < padded else (padded, 0)
-
-
-# Flash-decoding applies when every head's queries fit one tile of at most DECODE_MAX_QUERIES
-# rows and B*H such tiles leave SMs idle; each split then takes at least 4 key blocks. Its launch
-# config is fixed (not tuned): the work is bound by reading K and V once.
-DECODE_MAX_QUERIES = 64
-DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
-
-
-def _decode_config() -> LaunchConfig:
-    return INTERPRETER if INTERPRETED else DECODE
-
-
-def _decode_block_m(n_q: int) -> int:
-    return max(16, triton.next_power_of_2(n_q))  # tl.dot needs 16 rows
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if INTERPRETED:
-        return 4  # small, so that the interpreter tests reach the split path with small shapes
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _decode_splits(q: torch.Tensor, k: torch.Tensor, keys: tuple[int, int] | None = None) -> tuple[int, int, int]:
-    """(number of key splits, keys per split, first key) for flash-decoding; one split means none.
-
-    ``keys``: the range [first, end) that the queries can see at all (a window narrows it);
-    the splits share it out, starting at ``first`` rounded down to a key block."""
-    z, h, n_q, _ = q.shape
-    n_k = k.shape[2]
-    block_n = _decode_config().block_n
-    first, end = keys if keys is not None else (0, n_k)
-    first = first // block_n * block_n
-    span = end - first
-    min_keys = 4 * block_n
-    programs = z * h
-    sms = _multiprocessors(q.device)
-    if n_q > DECODE_MAX_QUERIES or programs >= sms or span < 2 * min_keys:
-        return 1, n_k, 0
-    splits = min(triton.cdiv(2 * sms, programs), span // min_keys)  # about two waves of programs
-    keys_per_split = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n  # whole key blocks
-    return triton.cdiv(span, keys_per_split), keys_per_split, first
 
 
 def dot_options(dtype: torch.dtype) -> dict:

@@ -69,15 +69,16 @@ compile as they did without them. With ``off = Nk - Nq``:
     unmasked, and only the blocks on the window's two edges pay for the mask. The backward
     bounds its query loops (dK/dV, and the atomic dQ with them) and key loops (dQ) the same way;
   * paths   TMA loads support every variant as they are (masks and scores do not depend on how
-    a tile was loaded); flash-decoding too, its splits sharing out only the keys a window
-    leaves visible.
+    a tile was loaded); flash-decoding (:mod:`.decode`) too, its splits sharing out only the
+    keys a window leaves its row tile.
 Packed sequences (``flash_attention_varlen``, constexpr ``VARLEN``): q (total_q, H, D) and k, v
 (total_k, H_kv, D) hold B sequences back to back, sequence b in rows cu_seqlens[b] ..
 cu_seqlens[b+1] (int32). The grid spans the longest sequence; a program reads its sequence's
 bounds, addresses it as a batch entry whose "batch stride" is the row stride (so ``off`` and the
 window are per sequence), and returns at once when its tile lies past that sequence's end.
-LSE is (H, total_q). Flash-decoding and TMA loads are bypassed for packed sequences (the split
-plan would differ per sequence; a head's packed rows are not one block of rows).
+LSE is (H, total_q). Flash-decoding and TMA loads are bypassed for packed sequences (a head's
+packed rows are not one block of rows; the KV-cache API, :func:`.decode.flash_attention_with_kvcache`,
+is the decode path with per-sequence lengths).
 """
 
 from __future__ import annotations
@@ -89,14 +90,10 @@ import torch
 import triton
 
 from flashrun.errors import ArgumentError
-from flashrun.kernels.flash import hopper
+from flashrun.kernels.flash import decode, hopper
 from flashrun.kernels.flash.args import (
     Variant,
-    _block_d,
     _cu_seqlens_arg,
-    _decode_block_m,
-    _decode_config,
-    _decode_splits,
     _dq_tma_ok,
     _max_seqlen_arg,
     _rows_descriptors,
@@ -111,11 +108,7 @@ from flashrun.kernels.flash.bwd import (
     _attn_bwd_dq,
     _attn_bwd_preprocess,
 )
-from flashrun.kernels.flash.fwd import (
-    _attn_fwd,
-    _attn_fwd_combine,
-    _attn_fwd_split,
-)
+from flashrun.kernels.flash.fwd import _attn_fwd
 from flashrun.kernels import warmup
 from flashrun.kernels.tuning import Launch, LaunchConfig, choose, compiling
 from flashrun.kernels.tuning import launch as launch_kernel
@@ -146,10 +139,10 @@ def _dims(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> tuple[int, int,
 def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> bool:
     """Whether this forward takes the Gluon sm_90 path (:mod:`.hopper`): in its scope, not a
     flash-decoding shape, and its first-use check in this process passed."""
+    if decode.applies(q, k, variant):
+        return False  # few queries, many keys: flash-decoding fills the GPU better
     if hopper.eligible(q, k, v, variant) is not None:
         return False
-    if not variant.varlen and _decode_splits(q, k, variant.key_span(q.shape[2], k.shape[2]))[0] > 1:
-        return False  # few queries, many keys: flash-decoding's split fills the GPU better
     return hopper.ensure_checked(q.device, q.dtype, q.shape[-1], _portable_check)
 
 
@@ -174,7 +167,10 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
                   launch: Launch = None, try_gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)``: lse (B, H, Nq), or (H, total_q) for packed sequences, natural log, float32.
     ``try_gluon``: may take the Gluon sm_90 path (:mod:`.hopper`) where it applies; ``launch`` pins
-    only the portable kernel's config."""
+    only the portable kernel's config (flash-decoding's is fixed)."""
+    if decode.applies(q, k, variant):  # few queries, many keys: :mod:`.decode`
+        hopper.LAST_PATH = hopper.TRITON_PATH
+        return decode.forward(q, k, v, sm_scale, variant)
     if try_gluon and _hopper_ok(q, k, v, variant):
         out = hopper.forward(q, k, v, sm_scale, variant.causal)
         hopper.LAST_PATH = hopper.GLUON_PATH
@@ -186,22 +182,6 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     var = variant.kernel_args(sm_scale)
     d0, d1 = _split_head_dim(D)  # the head dim's column blocks (d1 = 0: one block)
     if N_Q == 0:  # packed sequences that are all empty
-        return o, lse
-
-    # flash-decoding: a fixed config, no tuning (bandwidth-bound; see _attn_fwd_split); packed
-    # sequences bypass it - the split plan would differ per sequence
-    splits, keys_per_split, first_key = (1, N_K, 0) if variant.varlen else _decode_splits(q, k, variant.key_span(N_Q, N_K))
-    if splits > 1:
-        cfg = _decode_config()
-        o_part = torch.empty((Z * H, N_Q, splits, D), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((Z * H, N_Q, splits), dtype=torch.float32, device=q.device)
-        launch_kernel(_attn_fwd_split, (splits, Z * H), q, k, v, o_part, lse_part, *q.stride(), *k.stride(),
-                      *v.stride(), H, N_Q, N_K, first_key, keys_per_split, **var,
-                      GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
-                      BLOCK_M=_decode_block_m(N_Q), BLOCK_N=cfg.block_n,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
-        launch_kernel(_attn_fwd_combine, (N_Q, Z * H), o_part, lse_part, o, lse, *o.stride(), H, N_Q, splits,
-                      HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_S=triton.next_power_of_2(splits))
         return o, lse
 
     def run(cfg: LaunchConfig) -> None:
@@ -368,6 +348,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     on the H200 (benchmarks/NOTES.md)."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _attn_forward(q, k, v, _scale(q, sm_scale), variant, launch)[0]  # no graph to record: no autograd
     return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
 
 

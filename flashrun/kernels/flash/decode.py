@@ -1,0 +1,474 @@
+"""Decode: a few queries against a long key cache (flash-decoding with GQA packing), the lean
+launch path it runs through, and the KV-cache API (:func:`flash_attention_with_kvcache`).
+
+Decode reads K and V once and does little arithmetic per byte, so it is bound by memory
+bandwidth and, per call, by the host. The kernel:
+  * **GQA packing.** One program per (batch, kv head, key split, row tile): its rows are the
+    (query, query head) pairs of the kv head's group, query-major (row r is query r // GROUP of
+    head r % GROUP), padded to at least 16 rows for ``tl.dot``. Each K/V tile is loaded once for
+    the whole group, not once per query head.
+  * **Splits.** B·H_kv programs cannot fill the GPU, so the keys are shared out over at most
+    ``WAVES`` programs per SM (two fit at once). The share is computed in the kernel from the
+    sequence's own length (a KV cache's lengths are device values), in whole key blocks, for
+    shares of at least ``MIN_CHUNK_BLOCKS`` blocks; splits past the keys write an empty partial. :func:`_attn_decode_combine` merges the
+    partials by log-sum-exp: O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s. One split: no
+    partials, no combine, one launch.
+  * **Masks and variants** as in :mod:`flashrun.kernels.flash.attention` (bottom-right causal
+    with ``off = N_K - N_Q`` per sequence, windows, softcap, ALiBi), through the same loop bounds
+    (``_key_range`` over the queries a row tile holds) and score helpers.
+  * **The cache.** Contiguous (B, S, H_kv, D) - any strides, so ``flash_attention``'s (B, H_kv,
+    N, D) is the same kernel - or paged: (num_pages, PAGE_SIZE, H_kv, D) with a block table
+    (B, max_pages) int32; key j of sequence b is in page ``block_table[b, j // PAGE_SIZE]`` at
+    slot ``j % PAGE_SIZE``. Any page size: each key's page is looked up (one int32 load per key
+    per block, cached), so a block may span pages. New keys and values (``k``, ``v`` of the API,
+    S_new per sequence) are copied into the cache at positions cache_seqlens[b] .. + S_new by
+    the programs whose share holds them, before their attention loops (a barrier between):
+    every program that copies a slot writes the same values, so whichever write a read sees
+    is right, and the loops read the cache alone (a second source in the loop cost registers).
+    Every new key lies in some share even where no query sees it.
+
+The host path is built so that a call does no work that depends only on the shape: a
+:class:`_Plan` per (shapes, strides, dtype, variant, alignment) holds the grid, split count,
+every launch argument but the data pointers, and on a GPU the compiled kernels, which later
+calls launch directly (``CompiledKernel.run`` with integer pointers, the calling convention
+``JITFunction.run`` itself uses in Triton 3.6 and 3.9) instead of through Triton's per-call
+specialization. The partials live in a per-(device, stream) workspace allocated once (during
+CUDA-graph capture: per call, from the graph's pool). No host sync: a call is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import triton
+from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
+
+from flashrun.errors import ArgumentError, KernelError
+from flashrun.kernels.flash.args import Variant, _split_head_dim, _variant, dot_options
+from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
+from flashrun.kernels.flash.jit import SUPPORTED_DTYPES
+from flashrun.kernels.tuning import INTERPRETED, LaunchConfig
+from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+log = logging.getLogger("flashrun.decode")
+
+# flash_attention takes this path for at most DECODE_MAX_QUERIES queries per head against at
+# least DECODE_MIN_KEYS keys (a row tile then faces many key blocks); the KV-cache API always.
+DECODE_MAX_QUERIES = 64
+DECODE_MIN_KEYS = 256
+WAVES = 2  # programs per SM the splits aim at (two fit per SM at the config below: ~180 registers)
+MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
+# Fixed configs, not tuned: the work is bound by reading K and V once (benchmarks/NOTES.md v3).
+# Past head_dim 128 (and for float32's IEEE dots) a 64-key tile of K and V spills registers
+# (ptxas for sm_90, tests/compile_for_gpu.py): 32 keys there.
+DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
+DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
+DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
+COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x head_dim)
+PLANS = 512  # plans kept (the oldest dropped)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Lean launches
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler such as Proton) wants Triton's own launch path."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Launch:
+    """One kernel at one grid with every argument after the per-call ones fixed (``tail``, in the
+    kernel's parameter order, constexprs included). The first call goes through Triton
+    (``kernel[grid]``: specializes, compiles, launches) and on a GPU keeps the CompiledKernel;
+    later calls launch it directly, tensors passed as integer pointers. The plan's key holds
+    everything that specialization reads (shapes, strides, dtypes, 16-byte alignment), and the
+    per-call integers are ``do_not_specialize``, so the kernel kept is the one Triton would pick."""
+
+    __slots__ = ("kernel", "grid", "tail", "options", "compiled")
+    direct = True  # False once a launcher refused the direct call (then for every launch)
+
+    def __init__(self, kernel, grid: tuple[int, int, int], tail: tuple, cfg: LaunchConfig) -> None:
+        self.kernel, self.grid, self.tail = kernel, grid, tail
+        self.options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        self.compiled = None
+
+    def __call__(self, stream: int | None, *args) -> None:
+        ck = self.compiled
+        if ck is not None and self.direct and not _hooked():
+            try:
+                ck.run(*self.grid, stream, ck.function, ck.packed_metadata, None, None, None,
+                       *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *self.tail)
+                return
+            except TypeError as exc:  # a Triton whose launcher takes other arguments: its own path from now on
+                log.warning("decode launches through Triton's own path: its compiled kernel's launcher refused "
+                            "the direct call (%s)", exc)
+                _Launch.direct = False
+        compiled = self.kernel[self.grid](*args, *self.tail, **self.options)
+        if self.direct and not INTERPRETED and hasattr(compiled, "packed_metadata"):
+            self.compiled = compiled
+
+
+_stream_of = None  # Triton's own current-stream getter (the raw CUstream), bound on first use
+
+
+def _current_stream(device: torch.device) -> int | None:
+    global _stream_of
+    if INTERPRETED:
+        return None
+    if _stream_of is None:
+        from triton.runtime import driver
+
+        _stream_of = driver.active.get_current_stream
+    return _stream_of(device.index)
+
+
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for the splits' partial outputs and log-sum-exps. One pair per (device,
+    stream), grown as needed: calls on one stream run in order, so they can share it. During
+    CUDA-graph capture, fresh ones from the graph's pool (which lives as long as the graph)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return (torch.empty(o_numel, dtype=torch.float32, device=device),
+                torch.empty(lse_numel, dtype=torch.float32, device=device))
+    key = (device.index or 0, stream or 0)
+    held = _workspaces.get(key)
+    if held is None or held[0].numel() < o_numel or held[1].numel() < lse_numel:
+        sizes = (o_numel, lse_numel) if held is None else (max(o_numel, held[0].numel()),
+                                                           max(lse_numel, held[1].numel()))
+        held = _workspaces[key] = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
+    return held
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+def _config(dtype: torch.dtype, head_dim: int) -> LaunchConfig:
+    if INTERPRETED:
+        return DECODE_INTERPRETER
+    return DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
+
+
+_sms: dict[int | None, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if INTERPRETED:
+        return 4  # small, so that the interpreter tests reach the split path with small shapes
+    if device.index not in _sms:
+        _sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms[device.index]
+
+
+def block_m(group: int, n_q: int, head_dim: int) -> int:
+    """Rows of a tile: the group's (query, head) pairs, at least 16 (``tl.dot``), at most 64
+    (32 past head_dim 128: the accumulator's registers)."""
+    return min(max(16, triton.next_power_of_2(group * n_q)), 64 if head_dim <= 128 else 32)
+
+
+def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> int:
+    """Key splits for ``programs`` (batch, kv head, row tile) over at most ``keys`` keys: at most
+    WAVES programs per SM (two fit at once: more would leave a second, partial wave), each split
+    at least MIN_CHUNK_BLOCKS key blocks."""
+    chunk = MIN_CHUNK_BLOCKS * block_n
+    return max(1, min(WAVES * _multiprocessors(device) // programs, triton.cdiv(keys, chunk)))
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """A call's sizes and strides. Strides are (batch, row, head, dim) - for a paged cache
+    (page, slot, head, dim) - whatever the tensors' own order of dims."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    n_q: int
+    head_dim: int
+    q: tuple[int, int, int, int]
+    k: tuple[int, int, int, int]
+    v: tuple[int, int, int, int]
+    out: tuple[int, ...]  # the output's shape, allocated contiguous
+    o: tuple[int, int, int, int]  # its strides
+    new: tuple[int, int, int, int] = (0, 0, 0, 0)  # appended k and v (one layout for both)
+    n_new: int = 0
+    capacity: int = 0  # keys a sequence's cache holds (KV cache; checked against n_new)
+    page_size: int = 0  # 0: contiguous cache
+    table_stride: int = 0  # the block table's row stride
+    keys: int = 0  # the most keys a sequence may hold: what the splits are sized for
+
+
+@dataclass(frozen=True)
+class _Plan:
+    decode: _Launch
+    combine: _Launch | None  # None: one split
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...] | None  # None: no LSE wanted
+    partials: tuple[int, int]  # float32 elements of O_PART and LSE_PART
+    splits: int
+    room: int  # cached keys a sequence may hold before the new ones (KV cache)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k: int, k_new=None, v_new=None,
+            seqlens=None, block_table=None, alibi=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        o = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        stream = _current_stream(q.device)
+        o_part = lse_part = None
+        if self.combine is not None:
+            o_part, lse_part = _workspace(q.device, stream, *self.partials)
+        self.decode(stream, q, k, v, o, lse, k_new, v_new, seqlens, block_table, alibi, o_part, lse_part, n_k)
+        if self.combine is not None:
+            self.combine(stream, o_part, lse_part, o, lse)
+        return o, lse
+
+
+def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: Variant, sm_scale: float,
+               seqlens: bool, write_lse: bool) -> _Plan:
+    """Everything a call of these dims launches with, but the data pointers and N_K."""
+    if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
+        variant = replace(variant, causal=False)
+    group = dims.heads // dims.kv_heads
+    cfg = _config(dtype, dims.head_dim)
+    bm = block_m(group, dims.n_q, dims.head_dim)
+    tiles = triton.cdiv(group * dims.n_q, bm)
+    pairs = dims.batch * dims.kv_heads
+    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
+    d0, d1 = _split_head_dim(dims.head_dim)
+    var = variant.kernel_args(sm_scale)
+    queries = bm // group + (2 if bm % group else 0)  # queries a tile's rows can belong to (at most)
+    tail = (*dims.q, *dims.k, *dims.v, *dims.o, *dims.new, dims.table_stride, var["stride_az"], var["stride_ah"],
+            dims.kv_heads, dims.n_q, dims.n_new, dims.capacity, splits, var["qk_scale"], var["softcap2"],
+            var["win_left"], var["win_right"],
+            group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
+            splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
+            *dot_options(dtype).values())
+    decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, cfg)
+    combine = None
+    if splits > 1:
+        block_s = min(triton.next_power_of_2(splits), COMBINE_SPLITS if dims.head_dim <= 128 else COMBINE_SPLITS // 2)
+        combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, 1),
+                          (*dims.o, dims.kv_heads, dims.n_q, splits, group, dims.head_dim, bm,
+                           max(16, triton.next_power_of_2(dims.head_dim)), block_s, write_lse),
+                          LaunchConfig(num_warps=4, num_stages=1))
+    rows = pairs * tiles * splits * bm
+    lse_shape = (dims.batch, dims.heads, dims.n_q) if write_lse else None
+    return _Plan(decode, combine, dims.out, lse_shape, (rows * dims.head_dim, rows), splits,
+                 dims.capacity - dims.n_new)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _keep_plan(key: tuple, plan: _Plan) -> _Plan:
+    if len(_plans) >= PLANS:  # the oldest goes
+        del _plans[next(iter(_plans))]
+    _plans[key] = plan
+    return plan
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on in a tensor argument: its layout, type, place, and the 16-byte
+    alignment Triton specializes a pointer on."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _hashable(x: Any) -> Any:
+    """An argument as part of a plan's key (a bad value only has to fail its check, once)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_hashable(v) for v in x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attention's decode shapes
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> bool:
+    """Whether ``flash_attention`` runs these inputs here: dense, few queries, many keys."""
+    return not variant.varlen and q.shape[2] <= DECODE_MAX_QUERIES and k.shape[2] >= DECODE_MIN_KEYS
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant) -> _Plan:
+    """The plan of a :func:`forward` call (cached by everything it depends on)."""
+    key = ("dense", _meta(q), _meta(k), _meta(v), _meta(variant.alibi_slopes), variant.causal, variant.window,
+           variant.softcap, sm_scale)
+    found = _plans.get(key)
+    if found is not None:
+        return found
+    batch, heads, n_q, head_dim = q.shape
+    first, end = variant.key_span(n_q, k.shape[2])
+
+    def order(t: torch.Tensor) -> tuple[int, int, int, int]:  # (B, H, N, D) -> (batch, row, head, dim)
+        return t.stride(0), t.stride(2), t.stride(1), t.stride(3)
+
+    o_strides = _contiguous_strides(q.shape)
+    dims = _Dims(batch, heads, k.shape[1], n_q, head_dim, order(q), order(k), order(v), tuple(q.shape),
+                 (o_strides[0], o_strides[2], o_strides[1], o_strides[3]), keys=end - first)
+    return _keep_plan(key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False, write_lse=True))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` for checked (B, H, Nq, D) inputs where :func:`applies`; lse (B, H, Nq)."""
+    return plan(q, k, v, sm_scale, variant).run(q, k, v, k.shape[2], alibi=variant.alibi_slopes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV-cache API
+
+
+def _tensor_arg(t, name: str, dims: int, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KernelError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise KernelError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise KernelError("tensors are on the CPU but Triton is set up for the GPU",
+                          hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported")
+
+
+def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dims:
+    """Check the KV-cache call's tensors (every message names the argument) and size it."""
+    _tensor_arg(q, "q", 4, "(batch, seqlen_q, heads, head_dim)")
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, kv_heads, head_dim)" if paged else "(batch, seqlen_cache, kv_heads, head_dim)"
+    _tensor_arg(k_cache, "k_cache", 4, cache_layout)
+    _tensor_arg(v_cache, "v_cache", 4, cache_layout)
+    batch, n_q, heads, head_dim = q.shape
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise KernelError(f"dtype {q.dtype} is not supported", hint="use float16, bfloat16 or float32")
+    if k_cache.shape != v_cache.shape:
+        raise KernelError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                          f"{tuple(v_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise KernelError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise KernelError(f"{name} is on {t.device}, q on {q.device}")
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise KernelError(f"head_dim differs: q has {head_dim}, k_cache/v_cache have {k_cache.shape[3]}")
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise KernelError(f"head_dim must be in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {head_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise KernelError(f"q's {heads} heads are not a multiple of the cache's {kv_heads} kv heads",
+                          hint="GQA/MQA needs num_heads % num_kv_heads == 0")
+    if batch == 0 or n_q == 0 or heads == 0:
+        raise KernelError(f"empty input: q {tuple(q.shape)}")
+    _check_device(q)
+    if paged:
+        _tensor_arg(block_table, "block_table", 2, "(batch, max_pages)")
+        if block_table.dtype != torch.int32:
+            raise ArgumentError(f"block_table must be int32, got {block_table.dtype}",
+                                hint="pass block_table.to(torch.int32)")
+        if block_table.shape[0] != batch or block_table.device != q.device or block_table.stride(1) != 1:
+            raise ArgumentError(f"block_table must be ({batch}, max_pages) on {q.device} with contiguous rows, got "
+                                f"{tuple(block_table.shape)} on {block_table.device}, strides {block_table.stride()}")
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != batch:
+            raise KernelError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch}",
+                              hint="without a block_table the cache is (batch, seqlen_cache, kv_heads, head_dim)")
+        page_size, capacity = 0, k_cache.shape[1]
+    if (k is None) != (v is None):
+        raise ArgumentError("k and v (the new keys and values) come together: give both or neither")
+    n_new, new_strides = 0, (0, 0, 0, 0)
+    if k is not None:
+        _tensor_arg(k, "k", 4, "(batch, seqlen_new, kv_heads, head_dim)")
+        _tensor_arg(v, "v", 4, "(batch, seqlen_new, kv_heads, head_dim)")
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise KernelError(f"k and v must be ({batch}, seqlen_new, {kv_heads}, {head_dim}), got "
+                              f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+            raise KernelError(f"k and v must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device} and "
+                              f"{v.dtype} on {v.device}")
+        if k.stride() != v.stride():
+            raise ArgumentError(f"k and v must have the same strides, got {k.stride()} and {v.stride()}",
+                                hint="pass k.contiguous() and v.contiguous()")
+        n_new, new_strides = k.shape[1], tuple(k.stride())
+        if n_new > capacity:
+            raise ArgumentError(f"{n_new} new keys do not fit a cache of {capacity} per sequence")
+    if isinstance(cache_seqlens, torch.Tensor):
+        if (cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,)
+                or cache_seqlens.device != q.device):
+            raise ArgumentError(f"cache_seqlens must be an int or an int32 ({batch},) tensor on {q.device}, got "
+                                f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)} on {cache_seqlens.device}",
+                                hint="pass cache_seqlens.to(torch.int32)")
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
+        raise ArgumentError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    o_strides = _contiguous_strides(q.shape)
+    return _Dims(batch, heads, kv_heads, n_q, head_dim, tuple(q.stride()), tuple(k_cache.stride()),
+                 tuple(v_cache.stride()), tuple(q.shape), o_strides, new_strides, n_new, capacity, page_size,
+                 0 if block_table is None else block_table.stride(0), capacity)
+
+
+def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 cache_seqlens: int | torch.Tensor, *, k: torch.Tensor | None = None,
+                                 v: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                                 causal: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                 alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None
+                                 ) -> torch.Tensor:
+    """Attention of ``q`` over a KV cache, FlashAttention-2's ``flash_attn_with_kvcache``
+    (forward only). Layouts are (batch, seq, heads, head_dim):
+
+    * ``q`` (B, Sq, H, D); ``k_cache``, ``v_cache`` (B, S, H_kv, D), or paged (num_pages,
+      page_size, H_kv, D) with ``block_table`` (B, max_pages) int32 (any page size; sequence b's
+      key j is in page ``block_table[b, j // page_size]``); H a multiple of H_kv;
+    * ``cache_seqlens``: the keys each sequence holds, an int or an int32 (B,) tensor (read on
+      the device: values are clamped to [0, capacity - S_new], not checked);
+    * ``k``, ``v`` (B, S_new, H_kv, D): written into the cache in place at positions
+      cache_seqlens[b] .. + S_new, then attended to with it (``cache_seqlens`` itself is not
+      advanced: that is the caller's);
+    * ``causal`` is bottom-right aligned against the sequence's cache_seqlens[b] + S_new keys,
+      ``window``, ``softcap``, ``alibi_slopes`` ((H,) or (B, H) float32) as in
+      :func:`~flashrun.kernels.flash_attention`.
+
+    Returns (B, Sq, H, D). No host sync: the call can be captured in a CUDA graph."""
+    slopes = alibi_slopes
+    key = ("kvcache", *(_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
+                        for t in (q, k_cache, v_cache, k, v, block_table, slopes, causal, window, softcap, sm_scale)),
+           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int)
+    plan = _plans.get(key)
+    if plan is None:
+        dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+        # the mask folded as flash_attention folds it, against the longest a sequence can be
+        variant = _variant(q.transpose(1, 2), dims.batch, dims.capacity, causal, window, softcap, alibi_slopes)
+        scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
+        plan = _keep_plan(key, _make_plan(dims, q.dtype, q.device, variant, scale,
+                                          seqlens=isinstance(cache_seqlens, torch.Tensor), write_lse=False))
+    n_k = 0
+    if not isinstance(cache_seqlens, torch.Tensor):
+        n_k = int(cache_seqlens)
+        if not 0 <= n_k <= plan.room:
+            raise ArgumentError(f"cache_seqlens must be in 0..{plan.room} (the cache's capacity less the new "
+                                f"keys), got {n_k}")
+        cache_seqlens = None
+    o, _ = plan.run(q, k_cache, v_cache, n_k, k, v, cache_seqlens, block_table, slopes)
+    return o

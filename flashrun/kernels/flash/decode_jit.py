@@ -1,0 +1,310 @@
+"""The decode kernels: flash-decoding with GQA packing over a contiguous or paged KV cache, and
+the combine that merges its splits. What they compute and why is in :mod:`.decode`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashrun.kernels.flash.jit import (
+    LOG2E_C,
+    NO_BLOCK,
+    _dot_cols,
+    _in_window,
+    _key_range,
+    _row_dots,
+    _scores,
+    _store_tile,
+)
+
+# ---------------------------------------------------------------------------------------------
+# @triton.jit helpers
+
+
+@triton.jit
+def _load_cols(ptrs_rows, row_ok, stride_d, COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Columns [COL, COL + WIDTH) of the rows at ``ptrs_rows`` (one pointer per row), zeros
+    where ``row_ok`` is false or past HEAD_DIM."""
+    cols = COL + tl.arange(0, WIDTH)
+    return tl.load(ptrs_rows[:, None] + cols[None, :] * stride_d, mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM),
+                   other=0.0)
+
+
+@triton.jit
+def _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Pointers to the rows of keys ``cols`` in K and V: row j of a contiguous cache, or slot
+    j % PAGE_SIZE of page PAGES[j // PAGE_SIZE] of a paged one (K, V point at the kv head, and
+    for a contiguous cache at the sequence)."""
+    if PAGE_SIZE > 0:
+        if MASKED:  # keys past the sequence may lie past its block table row
+            page = tl.load(PAGES + cols // PAGE_SIZE, mask=cols < n_k, other=0).to(tl.int64)
+        else:
+            page = tl.load(PAGES + cols // PAGE_SIZE).to(tl.int64)
+        slot = cols % PAGE_SIZE
+        k_rows = K + page * stride_kz + slot * stride_kn
+        v_rows = V + page * stride_vz + slot * stride_vn
+    else:
+        k_rows = K + cols.to(tl.int64) * stride_kn
+        v_rows = V + cols.to(tl.int64) * stride_vn
+    return k_rows, v_rows
+
+
+@triton.jit
+def _kv_tile(rows, row_ok, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+             MASKED: tl.constexpr):
+    """(x0, x1): the rows at pointers ``rows`` as the head dim's two column blocks (x1 =
+    NO_BLOCK when BLOCK_D1 = 0); only MASKED blocks (and columns past HEAD_DIM) pay for masks."""
+    cols0 = tl.arange(0, BLOCK_D0)
+    if MASKED:
+        x0 = tl.load(rows[:, None] + cols0[None, :] * stride_d, mask=row_ok[:, None] & (cols0[None, :] < HEAD_DIM),
+                     other=0.0)
+    elif BLOCK_D0 > HEAD_DIM:
+        x0 = tl.load(rows[:, None] + cols0[None, :] * stride_d, mask=cols0[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x0 = tl.load(rows[:, None] + cols0[None, :] * stride_d)
+    x1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        cols1 = BLOCK_D0 + tl.arange(0, BLOCK_D1)
+        mask1 = cols1[None, :] < HEAD_DIM
+        if MASKED:
+            mask1 = mask1 & row_ok[:, None]
+        x1 = tl.load(rows[:, None] + cols1[None, :] * stride_d, mask=mask1, other=0.0)
+    return x0, x1
+
+
+@triton.jit
+def _append(K, V, K_NEW, V_NEW, PAGES, lo, hi, n_cache, n_k, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
+            stride_vk, stride_nn, stride_nk, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            PAGE_SIZE: tl.constexpr):
+    """Copy the new keys and values among [lo, hi) (positions n_cache .. n_k) from K_NEW, V_NEW
+    into the cache, 16 rows at a time (few keys are new: a small tile keeps registers free)."""
+    offs_n = tl.arange(0, 16)
+    cols_d = tl.arange(0, BLOCK_D)
+    for start_n in range(tl.maximum(lo, n_cache), tl.minimum(hi, n_k), 16):
+        cols = start_n + offs_n
+        k_rows, v_rows = _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE, True)
+        mask = (cols < tl.minimum(hi, n_k))[:, None] & (cols_d[None, :] < HEAD_DIM)
+        new = (cols - n_cache).to(tl.int64) * stride_nn
+        k = tl.load((K_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
+        tl.store(k_rows[:, None] + cols_d[None, :] * stride_kk, k, mask=mask)
+        v = tl.load((V_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
+        tl.store(v_rows[:, None] + cols_d[None, :] * stride_vk, v, mask=mask)
+
+
+@triton.jit
+def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
+                  stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
+                  offs_i, qk_scale, softcap2, slope2, left, right,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
+    (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
+    cache); PAGES at the sequence's block table row (paged cache)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_rows, v_rows = _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE,
+                                  MASKED)
+        k0, k1 = _kv_tile(k_rows, cols < n_k, stride_kk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
+        v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
+        qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
+        # -- update m_i and l_i --
+        if MASKED:
+            qk, _ = _scores(qk, offs_i[:, None], cols[None, :], shift, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+            keep = cols[None, :] < n_k
+            if CAUSAL or WINDOW:
+                keep = keep & _in_window(offs_i[:, None], cols[None, :], shift, left, right, CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: exp2 gives 0, not NaN
+        elif SOFTCAP or ALIBI:
+            qk, _ = _scores(qk, offs_i[:, None], cols[None, :], shift, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_ij
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale
+            m_sub = m_ij
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- update the output accumulator --
+        acc0 = acc0 * alpha[:, None]
+        if BLOCK_D1 > 0:
+            acc1 = acc1 * alpha[:, None]
+        acc0, acc1 = _dot_cols(p.to(v0.dtype), v0, v1, acc0, acc1, BLOCK_D1, UPCAST, PRECISION)
+        m_i = m_ij
+    return acc0, acc1, l_i, m_i
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+# The per-call N_K and the plan's counts vary between calls of one compiled kernel (or would
+# compile a variant per value for nothing): not specialized. Strides are, as they decide vector widths.
+@triton.jit(do_not_specialize=["N_K", "H_KV", "N_NEW", "CAPACITY", "SPLITS"])
+def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIBI_SLOPES, O_PART, LSE_PART, N_K,
+                 stride_qz, stride_qm, stride_qh, stride_qk,
+                 stride_kz, stride_kn, stride_kh, stride_kk,
+                 stride_vz, stride_vn, stride_vh, stride_vk,
+                 stride_oz, stride_om, stride_oh, stride_ok,
+                 stride_nz, stride_nn, stride_nh, stride_nk,
+                 stride_bz, stride_az, stride_ah,
+                 H_KV, N_Q, N_NEW, CAPACITY, SPLITS, qk_scale, softcap2, win_left, win_right,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
+    head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
+    sequence holds N_K cached keys (or CACHE_SEQLENS[batch], clamped to [0, CAPACITY - N_NEW])
+    and N_NEW appended ones (APPEND). SPLIT: write this split's normalized output and log2-sum-exp2
+    into O_PART (splits, BLOCK_M, HEAD_DIM) and LSE_PART per (batch, kv head, row tile), for
+    :func:`_attn_decode_combine`; otherwise the output itself (and with WRITE_LSE the
+    natural-log LSE, (batch, heads, N_Q))."""
+    tl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
+    tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
+    split = tl.program_id(0)
+    tile = tl.program_id(1)
+    pair = tl.program_id(2)
+    off_z = (pair // H_KV).to(tl.int64)  # int64: batch and page offsets can pass 2**31 elements
+    off_hkv = pair % H_KV
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N_Q * GROUP
+    offs_i = rows // GROUP  # each row's query
+    offs_h = off_hkv * GROUP + rows % GROUP  # and query head
+    if SEQLENS:
+        n_cache = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + off_z), 0), CAPACITY - N_NEW)
+    else:
+        n_cache = N_K
+    n_k = n_cache + N_NEW
+
+    # keys the tile's queries may see ([lo, hi); [mid_lo, mid_hi) needs no mask), over at most
+    # QUERIES queries from the tile's first
+    lo, mid_lo, mid_hi, hi = _key_range((tile * BLOCK_M) // GROUP, N_Q, n_k, win_left, win_right, QUERIES, BLOCK_N,
+                                        CAUSAL, WINDOW)
+    if APPEND:  # every new key lies in some split's share, seen by a query or not (it is written there)
+        lo = tl.minimum(lo, (n_cache // BLOCK_N) * BLOCK_N)
+        hi = tl.maximum(hi, n_k)
+    # this split's share of [lo, hi), in whole key blocks (an empty share: an empty partial)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+    k_lo = lo + split * chunk
+    k_hi = tl.minimum(k_lo + chunk, hi)
+
+    # q stays in registers for the whole loop
+    q_rows = Q + off_z * stride_qz + offs_i * stride_qm + offs_h * stride_qh
+    q0 = _load_cols(q_rows, row_ok, stride_qk, 0, BLOCK_D0, HEAD_DIM)
+    q1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        q1 = _load_cols(q_rows, row_ok, stride_qk, BLOCK_D0, BLOCK_D1, HEAD_DIM)
+    if PAGE_SIZE > 0:  # pages: dim 0 of the cache is the page, found in the block table
+        k_src = K + off_hkv * stride_kh
+        v_src = V + off_hkv * stride_vh
+    else:
+        k_src = K + off_z * stride_kz + off_hkv * stride_kh
+        v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    pages = BLOCK_TABLE  # (an absent argument is None: used only where a constexpr says it exists)
+    if PAGE_SIZE > 0:
+        pages = BLOCK_TABLE + off_z * stride_bz
+    if APPEND:
+        # this split's new keys and values go into the cache first; every program with them in
+        # its share writes the same values there, so whichever write a read sees is right
+        _append(k_src, v_src, K_NEW + off_z * stride_nz + off_hkv * stride_nh,
+                V_NEW + off_z * stride_nz + off_hkv * stride_nh, pages, k_lo, k_hi, n_cache, n_k, stride_kz, stride_kn, stride_kk,
+                stride_vz, stride_vn, stride_vk, stride_nn, stride_nk, HEAD_DIM,
+                BLOCK_D0 if BLOCK_D1 == 0 else 2 * BLOCK_D0, PAGE_SIZE)
+        tl.debug_barrier()  # the program's own copies are visible to all its threads
+    if ALIBI:  # one slope per row's head, times log2 e
+        slope2 = (tl.load(ALIBI_SLOPES + off_z * stride_az + offs_h * stride_ah, mask=row_ok, other=0.0)
+                  * LOG2E_C)[:, None]
+    else:
+        slope2 = 0.0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_D0], dtype=tl.float32)
+    acc1 = NO_BLOCK
+    if BLOCK_D1 > 0:
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    if WINDOW:  # stage 0: the window's left edge - masked
+        acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+                                             tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), n_k, N_Q,
+                                             stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
+                                             offs_i, qk_scale, softcap2, slope2, win_left,
+                                             win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
+                                             CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+    # stage 1: key blocks every row of the tile sees in full - no mask
+    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+                                         tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_k, N_Q,
+                                         stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
+                                         offs_i, qk_scale, softcap2, slope2, win_left,
+                                         win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, False,
+                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+    # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
+    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+                                         tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,
+                                         stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
+                                         offs_i, qk_scale, softcap2, slope2, win_left,
+                                         win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
+                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+
+    # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
+    seen = l_i > 0.0
+    acc0 = acc0 / tl.where(seen, l_i, 1.0)[:, None]
+    if BLOCK_D1 > 0:
+        acc1 = acc1 / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if SPLIT:
+        part = ((pair * tl.num_programs(1) + tile).to(tl.int64) * SPLITS + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(LSE_PART + part, lse2, mask=row_ok)
+        _store_tile(O_PART, part, row_ok, HEAD_DIM, 1, acc0, acc1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
+    else:
+        if WRITE_LSE:
+            tl.store(LSE + (off_z * H_KV * GROUP + offs_h) * N_Q + offs_i, lse2 / LOG2E_C, mask=row_ok)
+        _store_tile(O + off_z * stride_oz, offs_i * stride_om + offs_h * stride_oh, row_ok, 1, stride_ok, acc0, acc1,
+                    HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
+
+
+@triton.jit(do_not_specialize=["H_KV", "SPLITS"])
+def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_oh, stride_ok, H_KV, N_Q, SPLITS,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Program (row of the group, batch * H_KV + kv head): merges the row's SPLITS partials,
+    BLOCK_S at a time with a running maximum. The head dim stays one padded BLOCK_D tile: no
+    matmul here, and masked padding costs no memory traffic."""
+    row = tl.program_id(0)
+    pair = tl.program_id(1)
+    tiles = tl.cdiv(N_Q * GROUP, BLOCK_M)
+    first = ((pair * tiles + row // BLOCK_M).to(tl.int64) * SPLITS) * BLOCK_M + row % BLOCK_M  # split 0's row
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        part = first + (s0 + offs_s) * BLOCK_M
+        lse_s = tl.load(LSE_PART + part, mask=s0 + offs_s < SPLITS, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split has seen a key yet: weights 0
+        w = tl.math.exp2(lse_s - m_sub)
+        scale = tl.math.exp2(m - m_sub)
+        o_s = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=(w[:, None] > 0.0) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        acc = acc * scale + tl.sum(w[:, None] * o_s, 0)
+        total = total * scale + tl.sum(w, 0)
+        m = m_new
+    o = acc / tl.where(total > 0.0, total, 1.0)
+    off_z = (pair // H_KV).to(tl.int64)
+    off_i = row // GROUP
+    off_h = (pair % H_KV) * GROUP + row % GROUP
+    if WRITE_LSE:
+        lse = tl.where(total > 0.0, (m + tl.math.log2(tl.where(total > 0.0, total, 1.0))) / LOG2E_C, float("-inf"))
+        tl.store(LSE + (off_z * H_KV * GROUP + off_h) * N_Q + off_i, lse)
+    tl.store(O + off_z * stride_oz + off_i * stride_om + off_h * stride_oh + offs_d * stride_ok,
+             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -1,0 +1,336 @@
+"""Decode and the KV cache through the CPU interpreter (tiny shapes): flash_attention_with_kvcache
+against the reference over the gathered cache, its argument checks, the plans and lean launches,
+and the KV-cache shapes through verify and bench. Big shapes are in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from flashrun.cli import app
+from flashrun.config import BenchConfig, ExperimentConfig
+from flashrun.errors import ArgumentError, KernelError
+from flashrun.harness import kvcache as bench_kvcache
+from flashrun.harness import providers
+from flashrun.harness.check import POISON, _poisoned_allocations
+from flashrun.harness.inputs import block_table, make_inputs
+from flashrun.harness.judge import Reference
+from flashrun.harness.shapes import Shape, bench_shapes, flops, kvcache
+from flashrun.harness.verify import reproduce_command
+from flashrun.kernels import alibi_slopes, flash_attention, flash_attention_with_kvcache, get
+from flashrun.kernels.flash import attention as flash
+from flashrun.kernels.flash import decode
+from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
+
+runner = CliRunner()
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _cache_inputs(lengths, heads, kv_heads, n_q, head_dim, dtype=FP16, page_size=0, new_keys=0, causal=False,
+                  seed=0, **variants):
+    shape = kvcache(Shape(1, heads, kv_heads, n_q, 1, head_dim, str(dtype)[6:], causal, **variants), lengths,
+                    page_size, new_keys)
+    return shape, make_inputs(shape, seed, "cpu")[0]
+
+
+def _check(shape, inputs, cache_seqlens=None, sm_scale=None):
+    """flash_attention_with_kvcache on clones of the caches, fresh allocations poisoned, judged
+    by the harness's judge (the output, and the appended slots exactly)."""
+    k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
+    with _poisoned_allocations():
+        out = flash_attention_with_kvcache(
+            inputs.q, k_cache, v_cache, inputs.cache_seqlens if cache_seqlens is None else cache_seqlens,
+            k=inputs.k_new, v=inputs.v_new, block_table=inputs.block_table, causal=shape.causal,
+            window=shape.window, softcap=shape.softcap, alibi_slopes=inputs.alibi_slopes, sm_scale=sm_scale)
+    assert out.shape == inputs.q.shape and out.dtype == inputs.q.dtype
+    checks = Reference.for_kvcache(inputs, causal=shape.causal, sm_scale=sm_scale).judge(out, None, POISON,
+                                                                                         cache=(k_cache, v_cache))
+    for check in checks:
+        assert check.passed, check.reason()
+    return out, k_cache, v_cache
+
+
+# (cache lengths, heads, kv heads, queries, head_dim, page size, new keys): ragged lengths with an
+# empty cache, pages of 16 (a page boundary inside most sequences), of 48 (not a power of two) and
+# of 1 key, new keys across a page boundary, more queries than keys, split head dims (40, 80), MQA
+CASES = [
+    ((0, 17, 300), 4, 2, 1, 64, 0, 0),
+    ((0, 17, 300), 4, 2, 1, 64, 16, 1),
+    ((37, 0, 290), 4, 1, 3, 40, 16, 2),
+    ((100, 0, 33), 8, 2, 2, 80, 48, 3),
+    ((15, 2), 2, 2, 4, 16, 16, 1),
+    ((250, 131), 8, 1, 1, 64, 1, 0),
+    ((1,), 4, 4, 5, 32, 0, 0),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_kvcache_matches_the_gathered_reference(case, causal):
+    lengths, heads, kv_heads, n_q, head_dim, page_size, new_keys = case
+    shape, inputs = _cache_inputs(lengths, heads, kv_heads, n_q, head_dim, page_size=page_size, new_keys=new_keys,
+                                  causal=causal)
+    _check(shape, inputs)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_kvcache_dtypes(dtype):
+    shape, inputs = _cache_inputs((33, 200), 4, 2, 2, 64, dtype, page_size=16, new_keys=2, causal=True)
+    _check(shape, inputs)
+
+
+@pytest.mark.parametrize("variants", [
+    {"window": (8, 0), "causal": True}, {"window": (0, 0)}, {"softcap": 5.0, "alibi": True, "causal": True},
+    {"window": (20, 3), "softcap": 2.0, "alibi": True}], ids=["sliding", "window0", "softcap-alibi", "all"])
+def test_kvcache_variants(variants):
+    # window (0, 0) with 3 new keys and one query: two of them no query sees - written all the same
+    shape, inputs = _cache_inputs((9, 0, 140), 4, 2, 1, 32, page_size=16, new_keys=3, **variants)
+    _check(shape, inputs)
+
+
+def test_kvcache_lengths_as_an_int_and_a_scale():
+    shape, inputs = _cache_inputs((140, 140), 4, 2, 2, 32, page_size=16, new_keys=1, causal=True)
+    out, *_ = _check(shape, inputs, cache_seqlens=140, sm_scale=0.3)
+    again, *_ = _check(shape, inputs, sm_scale=0.3)  # the same call with the lengths as a tensor
+    assert torch.equal(out, again)
+
+
+def test_kvcache_split_path_and_one_split():
+    shape, inputs = _cache_inputs((600,), 4, 2, 1, 64)
+    _check(shape, inputs)
+    assert max(p.splits for p in decode._plans.values() if p.lse_shape is None) > 1  # the interpreter has 4 "SMs"
+    shape, inputs = _cache_inputs(tuple(range(0, 160, 10)), 4, 2, 1, 16)  # 16 sequences: one split each
+    _check(shape, inputs)
+
+
+def test_kvcache_argument_errors():
+    q = torch.randn(2, 1, 4, 16, dtype=FP16)
+    cache = torch.randn(2, 32, 2, 16, dtype=FP16)
+    pages = torch.randn(8, 8, 2, 16, dtype=FP16)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    lengths = torch.tensor([3, 5], dtype=torch.int32)
+
+    def fails(kind, match, *args, **kwargs):
+        with pytest.raises(kind, match=match) as info:
+            flash_attention_with_kvcache(*args, **kwargs)
+        return info.value
+
+    fails(ArgumentError, "cache_seqlens must be an int or an int32", q, cache, cache, lengths.long())
+    fails(ArgumentError, r"cache_seqlens must be in 0\.\.31", q, cache, cache, 32, k=cache[:, :1], v=cache[:, :1])
+    fails(ArgumentError, "cache_seqlens must be an int or an int32 tensor", q, cache, cache, 3.0)
+    fails(ArgumentError, "block_table must be int32", q, pages, pages, lengths, block_table=table.long())
+    fails(ArgumentError, r"block_table must be \(2, max_pages\)", q, pages, pages, lengths, block_table=table[:1])
+    fails(ArgumentError, "give both or neither", q, cache, cache, lengths, k=cache[:, :1])
+    fails(KernelError, "k and v must be", q, cache, cache, lengths, k=cache[:1, :1], v=cache[:1, :1])
+    fails(KernelError, "k_cache and v_cache must have the same shape", q, cache, cache[:, :8], lengths)
+    fails(KernelError, "k_cache holds 2 sequences, q 3", torch.randn(3, 1, 4, 16, dtype=FP16), cache, cache, 1)
+    fails(KernelError, "heads are not a multiple", torch.randn(2, 1, 3, 16, dtype=FP16), cache, cache, 1)
+    fails(KernelError, "must have q's dtype", q, cache.float(), cache.float(), lengths)
+    fails(KernelError, r"q must have 4 dims", q[0], cache, cache, lengths)
+    error = fails(ArgumentError, "window must be a pair", q, cache, cache, lengths, window=(1,))
+    assert error.hint and isinstance(error, ValueError)  # a ValueError for Python callers
+
+
+def test_plans_are_cached_and_launch_every_parameter():
+    q, k, v = (torch.randn(1, 4, 1, 16, dtype=FP16) if i == 0 else torch.randn(1, 2, 600, 16, dtype=FP16)
+               for i in range(3))
+    flash_attention(q, k, v)
+    count = len(decode._plans)
+    flash_attention(q, k, v)
+    flash_attention(q.clone(), k.clone(), v.clone())  # other tensors, same layout and alignment: the same plan
+    assert len(decode._plans) == count
+    plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
+    # the lean launch passes the per-call arguments, then the tail, in the kernel's parameter order
+    assert plan.splits > 1 and plan.combine is not None
+    assert 13 + len(plan.decode.tail) == len(_attn_decode.arg_names)
+    assert 4 + len(plan.combine.tail) == len(_attn_decode_combine.arg_names)
+
+
+def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
+    """After the first call the kept CompiledKernel is launched with integer pointers (checked
+    here with a stand-in: the interpreter has no compiled kernels)."""
+    seen = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            seen.append(args)
+
+    launch = decode._Launch(_attn_decode, (3, 1, 2), ("tail",), decode.DECODE)
+    launch.compiled = Compiled()
+    t = torch.empty(4)
+    launch(7, t, None, 5)
+    assert seen == [(3, 1, 2, 7, "fn", "meta", None, None, None, t.data_ptr(), None, 5, "tail")]
+    monkeypatch.setattr(decode.knobs.runtime, "launch_enter_hook", lambda *a: None)  # a profiler's hook
+    assert decode._hooked()
+
+
+def test_a_launcher_that_refuses_the_direct_call_sends_launches_through_triton(monkeypatch, caplog):
+    class Refusing:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            raise TypeError("function takes exactly 20 arguments")
+
+    monkeypatch.setattr(decode._Launch, "direct", True)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 600, 16), torch.randn(1, 2, 600, 16)
+    want = flash_attention(q, k, v)
+    plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
+    plan.decode.compiled = Refusing()
+    assert torch.equal(flash_attention(q, k, v), want)  # launched by Triton instead
+    assert not decode._Launch.direct and "refused the direct call" in caplog.text
+
+
+def test_decode_shapes_route_here_and_one_causal_query_is_plain():
+    q = torch.randn(2, 8, 1, 64, dtype=FP16)
+    k, v = (torch.randn(2, 2, 300, 64, dtype=FP16) for _ in range(2))
+    variant = flash._variant(q, 2, 300, True, (-1, -1), 0.0, None)
+    assert decode.applies(q, k, variant) and flash.forward_path(q, k, v, causal=True) == "triton"
+    assert torch.equal(flash_attention(q, k, v, causal=True), flash_attention(q, k, v))
+    assert not decode.applies(q, k[:, :, :100], variant)  # few keys: the portable forward
+    assert not decode.applies(torch.randn(2, 8, 65, 64, dtype=FP16), k, variant)  # too many queries
+
+
+def test_workspace_is_shared_on_a_stream(monkeypatch):
+    monkeypatch.setattr(decode, "_workspaces", {})
+    first = decode._workspace(torch.device("cpu"), None, 100, 10)
+    assert decode._workspace(torch.device("cpu"), None, 50, 5) is first
+    grown = decode._workspace(torch.device("cpu"), None, 200, 10)
+    assert grown[0].numel() == 200 and grown[1].numel() == 10
+
+
+# -- through the tool -------------------------------------------------------------------------------
+def test_kvcache_shapes_labels_flops_and_records():
+    shape = kvcache(Shape(1, 8, 2, 1, 1, 64, "float16", True), (0, 17, 300), 16, 1)
+    assert shape.label == "B3 H8/2 N1x301 D64 fp16 causal cache[0,17,300] page16 new1"
+    assert (shape.batch_size, shape.seq_len_k, shape.capacity) == (3, 301, 304)
+    full = kvcache(Shape(1, 8, 2, 1, 1, 64, "float16", False), (0, 17, 300), 16, 1)
+    assert flops(full, "fwd") == 4 * 8 * 64 * (1 + 18 + 301)  # the query sees every key of its sequence
+    again = Shape(**json.loads(json.dumps(shape.to_json())))
+    assert again == shape
+    command = reproduce_command("flash", shape, 0, grad=False)
+    assert "--set experiment.cache_seqlens=[0,17,300]" in command and "--set experiment.page_size=16" in command
+    table = block_table(shape, "cpu")
+    assert table.shape == (3, 19) and sorted(table.flatten().tolist()) == list(range(57))
+    assert table[0, 1] - table[0, 0] == -3  # a sequence's pages are not side by side
+
+
+def test_kvcache_config_keys_validate():
+    exp = ExperimentConfig.model_validate({"cache_seqlens": [0, 5], "page_size": 16, "new_keys": 1})
+    shape = Shape.from_fields({}, exp, "test")
+    assert shape.cache_seqlens == (0, 5) and shape.seq_len_k == 6
+    for bad in ({"page_size": 16}, {"new_keys": 1}, {"cache_seqlens": [1], "seqlens": [1]}, {"cache_seqlens": []},
+                {"cache_seqlens": [-1]}, {"page_size": -1}):
+        with pytest.raises(Exception):
+            ExperimentConfig.model_validate(bad)
+    # [] in a [verify] sweep: the same shape without a cache
+    assert not Shape.from_fields({"cache_seqlens": [], "page_size": 16}, exp, "test").kvcache
+
+
+def test_bench_page_sizes_add_full_cache_shapes():
+    shapes = bench_shapes(BenchConfig(seq_len=[1], seq_len_k=[4096], head_dim=[128], causal=[False],
+                                      page_size=[0, 16], num_kv_heads=4))
+    assert [s.label for s in shapes] == ["B8 H16/4 N1x4096 D128 fp16", "B8 H16/4 N1x4096 D128 fp16 cache[" +
+                                         ",".join(["4096"] * 8) + "]", "B8 H16/4 N1x4096 D128 fp16 cache[" +
+                                         ",".join(["4096"] * 8) + "] page16"]
+
+
+def _verify(tmp_path, *args):
+    (tmp_path / "mine.py").write_text(
+        "import torch\n"
+        "from flashrun.kernels import flash_attention_with_kvcache\n\n"
+        "def dense(q, k, v, causal=False, sm_scale=None):\n    return q\n\n"
+        "def cached(q, k, v, causal=False, sm_scale=None, cache_seqlens=None, block_table=None, k_new=None,\n"
+        "           v_new=None):\n"
+        "    return flash_attention_with_kvcache(q, k, v, cache_seqlens, k=k_new, v=v_new, block_table=block_table,\n"
+        "                                        causal=causal, sm_scale=sm_scale)\n\n"
+        "def whole_cache(q, k, v, causal=False, sm_scale=None, cache_seqlens=None):\n"
+        "    # attends to every slot of the cache, not to each sequence's keys: must fail\n"
+        "    return flash_attention_with_kvcache(q, k, v, k.shape[1], causal=causal, sm_scale=sm_scale)\n")
+    result = runner.invoke(app, ["verify", "--device", "cpu", "--json", "--set", "experiment.num_heads=4",
+                                 "--set", "experiment.num_kv_heads=2", "--set", "experiment.head_dim=32",
+                                 "--set", "verify.seq_len=[2]", "--set", "verify.causal=[true]", *args])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_verify_runs_kvcache_cases(tmp_path):
+    code, data = _verify(tmp_path, "-k", "flash", "-k", "minimal", "-k", "mine.py:dense", "-k", "mine.py:cached",
+                         "--set", "verify.cache_seqlens=[[0,17,70],[33]]", "--set", "verify.page_size=[0,16]",
+                         "--set", "verify.new_keys=[2]")
+    assert code == 0, data["verdict"]
+    results = {(r["kernel"], r["label"]): r for r in data["results"]}
+    paged = "B3 H4/2 N2x72 D32 fp16 causal cache[0,17,70] page16 new2"
+    assert results["flash", paged]["status"] == "pass"
+    assert [c["name"] for c in results["flash", paged]["checks"]] == ["out", "k_cache", "v_cache"]
+    assert results["mine.py:cached", paged]["status"] == "pass"
+    assert results["mine.py:dense", paged]["status"] == "skipped"
+    assert "does not take cache_seqlens, block_table, k_new, v_new" in results["mine.py:dense", paged]["message"]
+    assert results["minimal", paged]["status"] == "unsupported"
+
+
+def test_verify_fails_a_kernel_that_ignores_the_lengths(tmp_path):
+    code, data = _verify(tmp_path, "-k", "mine.py:whole_cache", "--set", "experiment.cache_seqlens=[5,30]")
+    assert code == 1
+    assert data["results"][0]["status"] == "fail" and "out: max error" in data["results"][0]["message"]
+
+
+def test_bench_on_the_cpu_times_the_torch_providers_on_the_gathered_cache(tmp_path):
+    result = runner.invoke(app, ["bench", "--device", "cpu", "--seq-lens", "1", "--seq-lens-k", "300",
+                                 "--head-dims", "32", "--causal", "no", "-p", "sdpa", "-p", "torch-naive",
+                                 "-p", "flash", "-p", "flash+graph", "--set", "bench.page_size=[16]",
+                                 "--set", "bench.tokens=600", "--set", "bench.hidden=128",
+                                 "--set", "bench.num_kv_heads=2", "--set", "bench.rep_ms=5",
+                                 "--set", "bench.warmup_ms=1", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    cached = [r for r in rows if r["cache_seqlens"]]
+    assert {r["provider"] for r in cached} == {"sdpa", "torch-naive", "flash", "flash+graph"}
+    assert all(r["status"] == "ok" for r in cached if r["provider"] in ("sdpa", "torch-naive"))
+    assert all(r["page_size"] == 16 and r["cache_seqlens"] == [300, 300] for r in cached)
+    graph = next(r for r in cached if r["provider"] == "flash+graph")
+    assert graph["status"] == "n/a" and "CUDA graphs need a CUDA GPU" in graph["note"]
+
+
+def test_provider_names_with_graphs():
+    providers.check_names(["flash+graph", "sdpa-cudnn+graph", "mine.py:attention+graph"])
+    with pytest.raises(Exception, match="unknown provider 'nope\\+graph'"):
+        providers.check_names(["nope+graph"])
+    provider = providers.resolve("sdpa+graph", torch.device("cpu"))
+    with pytest.raises(KernelError, match="CUDA graphs need a CUDA GPU"):
+        provider.prepare(Shape(1, 2, 2, 1, 8, 16, "float32", False), torch.device("cpu"))
+
+
+def test_flex_paged_path_on_the_cpu():
+    # FlexAttention eager (the bench compiles it on a GPU): the page pool under a converted block mask
+    from torch.nn.attention.flex_attention import flex_attention
+
+    for variants in ({}, {"causal": True, "window": (50, 0), "softcap": 2.0, "alibi": True}):
+        shape, inputs = _cache_inputs((300, 300), 8, 2, 3, 32, FP32, page_size=128, **variants)
+        attn = bench_kvcache.flex_paged(shape, torch.device("cpu"), flex_attention, providers._flex_mods)
+        for check in Reference.for_shape(inputs, shape, grads=False).judge(attn.fn(inputs.q, inputs.k, inputs.v)):
+            assert check.passed, check.reason()
+    with pytest.raises(KernelError, match="ragged"):
+        bench_kvcache.dense_shape(kvcache(shape, (3, 5), 16))
+
+
+def test_the_judge_sees_an_append_that_did_not_happen():
+    shape, inputs = _cache_inputs((5, 20), 4, 2, 1, 32, page_size=16, new_keys=2)
+    k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
+    out = flash_attention_with_kvcache(inputs.q, k_cache.clone(), v_cache.clone(), inputs.cache_seqlens,
+                                       k=inputs.k_new, v=inputs.v_new, block_table=inputs.block_table)
+    checks = Reference.for_kvcache(inputs, causal=False).judge(out, cache=(k_cache, v_cache))  # caches left as were
+    assert [c.passed for c in checks] == [True, False, False]
+
+
+def test_kernel_registry_routes_cache_arguments():
+    shape, inputs = _cache_inputs((7, 40), 4, 2, 1, 32, page_size=16, new_keys=1, alibi=True)
+    kernel = get("flash")
+    assert {"cache_seqlens", "block_table", "k_new", "v_new"} <= kernel.accepts
+    out = kernel(inputs.q, inputs.k.clone(), inputs.v.clone(), **inputs.variant_args())
+    assert torch.equal(inputs.alibi_slopes, alibi_slopes(4))
+    assert Reference.for_kvcache(inputs, causal=False).judge(out)[0].passed
