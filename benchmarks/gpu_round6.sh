@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_round6.sh probes   # the Gluon forward's new kernels (gluon_probe.py) and the
 #                                          # backward designs (bwd_probe.py), checked then timed
 #   bash benchmarks/gpu_round6.sh models   # flashrun model, every family at 1b (model_h200.sh)
-#   bash benchmarks/gpu_round6.sh decode   # decode_probe.py, then first_use.sh within what is left
+#   bash benchmarks/gpu_round6.sh final    # gemma2's checks again (the float32 launch-config fix), the
+#                                          # decode kernels' GPU tests and quick probe, bench --metrics
+#                                          # (metrics_run.sh), then first_use.sh within what is left
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 OUT=${OUT:-$PWD/gpu-session}
@@ -26,9 +28,21 @@ case "${1:-}" in
     tail -45 "$OUT/bwd_probe.log" | cut -c1-160 ;;
   models)
     bash benchmarks/model_h200.sh ;;
-  decode)
-    timeout 200 python3 benchmarks/decode_probe.py > "$OUT/decode_probe.log" 2>&1
-    echo "decode_probe rc $?"; tail -40 "$OUT/decode_probe.log" | cut -c1-160
-    DEADLINE=$(( 560 - SECONDS )) bash benchmarks/first_use.sh ;;
-  *) echo "usage: $0 probes|models|decode" >&2; exit 2 ;;
+  final)
+    W="$OUT/w"; mkdir -p "$W"
+    python3 -m flashrun model --arch gemma2 --size 1b --batch 1 --no-speed --json \
+      --set "logging.log_dir='$W'" > "$W/gemma2-checks.json" 2> "$W/gemma2-checks.log"
+    echo "gemma2 checks rc $?"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['verdict'], r['model']['kernel_calls'])
+for c in r['checks']: print(' ', 'pass' if c['passed'] else 'FAIL', c['name'], c['summary'][:140])" "$W/gemma2-checks.json"
+    timeout 150 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE \
+      -k "kvcache or decod or cuda_graph" > "$W/decode-suite.log" 2>&1
+    echo "decode GPU tests rc $?"; tail -4 "$W/decode-suite.log" | cut -c1-200
+    OUT="$W" timeout 70 python3 benchmarks/decode_probe.py --quick > "$W/decode_probe.log" 2>&1
+    echo "decode_probe rc $?"; tail -25 "$W/decode_probe.log" | cut -c1-160
+    OUT="$W/metrics" timeout 200 bash benchmarks/metrics_run.sh > /dev/null 2>&1
+    echo "metrics_run rc $?"; grep -E "largest change|agrees|passed|failed|total" "$W/metrics/summary.txt" | head -8
+    OUT="$W/first" DEADLINE=$(( 575 - SECONDS )) bash benchmarks/first_use.sh 2>&1 | tail -25
+    tar -czf "$OUT/final.tar.gz" -C "$OUT" w && rm -rf "$W" ;;
+  *) echo "usage: $0 probes|models|final" >&2; exit 2 ;;
 esac
