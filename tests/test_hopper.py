@@ -169,7 +169,8 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
     q, k, v = _inputs()
     with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel.__name__)):
         assert flash_hopper.ensure_checked(q.device, q.dtype, 64, flash._portable_check)
-    assert handed == ["_attn_fwd", "_attn_fwd"]  # the portable side of the check, causal and not
+    # the portable side of the check, causal and not, for each kernel the gate uses at head_dim 64
+    assert handed == ["_attn_fwd"] * 2 * len(flash_hopper.gated_kernels(64))
     assert flash_hopper._checked == {}  # no verdict yet: a wrong kernel is still caught ...
     assert flash.forward_path(q, k, v) == "triton"  # ... on the first real call
 
