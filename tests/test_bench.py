@@ -25,7 +25,7 @@ import flashrun
 from flashrun.cli import app
 from flashrun.config import BenchConfig, load_config
 from flashrun.errors import GPUFault, InputError, KernelError
-from flashrun.harness import measure, providers, results
+from flashrun.harness import flex, measure, providers, results
 from flashrun.harness.bench import provider_names
 from flashrun.harness.inputs import make_inputs
 from flashrun.harness.judge import Reference
@@ -523,7 +523,7 @@ def test_flex_settings_keep_one_compile_per_shape_and_a_rerunnable_backward() ->
     import torch._functorch.config as functorch_config
 
     before = functorch_config.donated_buffer, dynamo_config.recompile_limit
-    with providers.compile_settings(48):
+    with flex.compile_settings(48):
         assert functorch_config.donated_buffer is False
         assert dynamo_config.recompile_limit >= 48
     assert (functorch_config.donated_buffer, dynamo_config.recompile_limit) == before

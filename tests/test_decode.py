@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from flashrun.cli import app
 from flashrun.config import BenchConfig, ExperimentConfig
 from flashrun.errors import ArgumentError, KernelError
+from flashrun.harness import flex as flex_provider
 from flashrun.harness import kvcache as bench_kvcache
 from flashrun.harness import providers
 from flashrun.harness.check import POISON, _poisoned_allocations
@@ -311,7 +312,7 @@ def test_flex_paged_path_on_the_cpu():
 
     for variants in ({}, {"causal": True, "window": (50, 0), "softcap": 2.0, "alibi": True}):
         shape, inputs = _cache_inputs((300, 300), 8, 2, 3, 32, FP32, page_size=128, **variants)
-        attn = bench_kvcache.flex_paged(shape, torch.device("cpu"), flex_attention, providers._flex_mods)
+        attn = bench_kvcache.flex_paged(shape, torch.device("cpu"), flex_attention, flex_provider.mods)
         for check in Reference.for_shape(inputs, shape, grads=False).judge(attn.fn(inputs.q, inputs.k, inputs.v)):
             assert check.passed, check.reason()
     with pytest.raises(KernelError, match="ragged"):

@@ -282,11 +282,12 @@ def test_flex_mods_express_the_reference(shape):
     """FlexAttention's score_mod and block mask for a variant, run eagerly on the CPU (forward
     only there): the same numbers as the reference."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    from flashrun.harness.providers import _flex_block_mask, _flex_mods, _unpacked
+    from flashrun.harness.flex import block_mask_of, mods
+    from flashrun.harness.providers import _unpacked
 
     inputs = make_inputs(shape, 0, "cpu")[0]
-    mask_mod, score_mod = _flex_mods(shape, torch.device("cpu"))
-    block_mask = _flex_block_mask(shape, torch.device("cpu"), mask_mod, flex.create_block_mask)
+    mask_mod, score_mod = mods(shape, torch.device("cpu"))
+    block_mask = block_mask_of(shape, torch.device("cpu"), mask_mod, flex.create_block_mask)
     fn = _unpacked(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         enable_gqa=True), shape)
     with warnings.catch_warnings():

@@ -116,7 +116,7 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
     from flashrun import device as device_mod
     from flashrun.harness.judge import Reference
     from flashrun.harness.measure import Cell, free_memory, make_sets, measure
-    from flashrun.harness.providers import compile_settings
+    from flashrun.harness.flex import compile_settings
 
     chosen = device_mod.select(job.device)  # a Ray worker: before any kernel module is imported
     import torch
