@@ -278,13 +278,14 @@ def render(report: Report, console: Console) -> None:
                   f"parameters, {m.get('layers')} layers, {m.get('heads')}/{m.get('kv_heads')} heads, head_dim "
                   f"{m.get('head_dim')}) in {report.plan.dtype} on {report.plan.device}, kernel "
                   f"{escape(report.plan.kernel)}, against {m.get('baseline')}")
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("check", no_wrap=True)
-    table.add_column("result", no_wrap=True)
-    table.add_column("detail", overflow="fold")
-    for c in report.checks:
-        table.add_row(c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", escape(c.summary))
-    console.print(table)
+    if report.checks:
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+        table.add_column("check", no_wrap=True)
+        table.add_column("result", no_wrap=True)
+        table.add_column("detail", overflow="fold")
+        for c in report.checks:
+            table.add_row(c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", escape(c.summary))
+        console.print(table)
     if report.speed:
         _render_speed(report, console)
     for path in report.files:
