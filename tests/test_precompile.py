@@ -102,6 +102,7 @@ def gpu_tuning(monkeypatch, tmp_path):
                                             "fwd|float16|d128|causal|g1|nq1024|nk1024": dict(WINNER, num_warps=4, block_n=64)})
     monkeypatch.setattr(tuning, "_origin", dict.fromkeys(tuning._memory, "table"))
     monkeypatch.setattr(tuning, "_guessed", {})
+    monkeypatch.setattr(tuning, "_launchable_here", {})
     monkeypatch.setattr(tuning, "CHOSEN", {})
     timed = []
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: timed.append(fn) or 1.0)
@@ -117,8 +118,10 @@ def test_a_key_the_table_misses_runs_the_nearest_keys_config_without_tuning(gpu_
     ran = []
     cfg = tuning.choose("fwd", q, k, False, None, ran.append)
     assert cfg == LaunchConfig(**WINNER)  # the full-attention d128 winner: same kernel, dtype, class, mask
-    assert gpu_tuning == [] and ran == []  # nothing compiled or timed
+    # nothing timed; launched once, to see that it fits this GPU (the caller's own launch follows)
+    assert gpu_tuning == [] and ran == [cfg]
     assert tuning.chosen() == {"fwd": {"config": "128x128 w8 s3 tma", "source": "heuristic"}}
+    assert tuning.choose("fwd", q, k, False, None, ran.append) == cfg and ran == [cfg]  # known now: no launch
     causal = tuning.choose("fwd", q, k, True, None, ran.append)
     assert causal == LaunchConfig(**dict(WINNER, num_warps=4, block_n=64))  # the causal one
 
