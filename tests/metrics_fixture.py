@@ -56,6 +56,10 @@ def main(check: bool) -> int:
         return 3
     if not check:
         FIXTURE.mkdir(parents=True, exist_ok=True)
+        # library paths are this machine's: kept relative to Triton's package, so the fixture names none
+        triton_dir = str(Path(triton.__file__).parent)
+        metadata["extern_libs"] = [[name, path.replace(triton_dir, "<triton>")] for name, path in
+                                   metadata.get("extern_libs", [])]
         (FIXTURE / "_article_fwd.json").write_text(json.dumps(metadata, indent=1) + "\n")
         (FIXTURE / "ptxas.log").write_text(log)
         print(f"wrote {FIXTURE}: {parse_ptxas(log)}")
