@@ -295,3 +295,25 @@ def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
     assert sdpa.speedup_train == pytest.approx(1.0)
     assert flash.speedup_train == pytest.approx(sdpa.train_ms / flash.train_ms)
     assert fa2.status == "n/a" and "flash-attn" in fa2.note
+
+
+def test_the_reference_is_finite_on_padded_rows_and_a_nonfinite_one_fails():
+    # transformers' eager attention leaves a padded query row NaN in float64, and the NaN reaches
+    # every real row one layer later (0 x NaN in P·V): a reference like that would judge nothing
+    from flashrun import kernels
+    from flashrun.harness.judge import compare_scaled
+    from flashrun.model import checks
+
+    swap.register(kernels.get("flash"))
+    config = families.build_config("llama", "mini")
+    model = families.build(config, torch.float64, "cpu", 0)
+    batch = data.padded(data.copy_task(config.vocab_size, 1, 32, 0))  # one row, 10 padded positions
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(**batch.kwargs(), use_cache=False).logits
+    assert torch.isnan(eager[batch.valid()]).any()  # what the reference must not be
+    logits, layers = checks._forward(model, swap.REFERENCE, batch)
+    assert torch.isfinite(logits).all() and all(torch.isfinite(layer).all() for layer in layers)
+    ref = eager[batch.valid()]
+    judged = compare_scaled("logits", logits[batch.valid()].float(), ref, logits[batch.valid()].float())
+    assert not judged.passed and "the reference itself has" in judged.reason()

@@ -57,6 +57,7 @@ class Comparison:
     first_bad: list[int] | None  # index of the worst element when failing
     passed: bool
     rel_bound: float | None = None  # the rel-L2 allowed, where it depends on the yardstick (compare_scaled)
+    reference_nonfinite: int = 0  # compare_scaled: NaN/Inf in the reference itself (nothing to judge against)
 
     @property
     def ratio(self) -> float | None:
@@ -68,6 +69,9 @@ class Comparison:
             return ""
         if self.unwritten:
             return f"{self.name}: {self.unwritten} element(s) never written"
+        if self.reference_nonfinite:
+            return (f"{self.name}: the reference itself has {self.reference_nonfinite} NaN/Inf value(s): nothing to "
+                    "judge against")
         if self.nonfinite:
             return f"{self.name}: {self.nonfinite} NaN/Inf value(s)"
         at = f" at {tuple(self.first_bad)}" if self.first_bad else ""
@@ -120,7 +124,9 @@ def compare_scaled(name: str, out: torch.Tensor, ref: torch.Tensor, yardstick: t
         max|out - ref|        <= FACTOR * max|yardstick - ref|  + atol * max|ref|
         ||out - ref|| / ||ref|| <= FACTOR * ||yardstick - ref|| / ||ref|| + atol
 
-    Computed in float64 on the tensors' own device (a model's logits are too large to copy).
+    A reference that is NaN/Inf anywhere fails the comparison (``reference_nonfinite``): a whole
+    model's reference is finite, or it cannot judge. Computed in float64 on the tensors' own
+    device (a model's logits are too large to copy).
     ``dtype``: the precision whose rounding floors the bounds, where ``out`` is not in it (a
     bf16 model's losses, collected as float64 numbers)."""
     atol = TOLERANCE[dtype or out.dtype].atol
@@ -138,11 +144,13 @@ def compare_scaled(name: str, out: torch.Tensor, ref: torch.Tensor, yardstick: t
     ref_max = float(ref64[finite_ref].abs().max()) if finite_ref.any() else 0.0
     bound = FACTOR * yard_max + atol * ref_max
     rel_bound = FACTOR * yard_rel + atol
-    passed = not nonfinite and max_abs <= bound and rel_l2 <= rel_bound
+    reference_nonfinite = int((~finite_ref).sum())
+    passed = not nonfinite and not reference_nonfinite and max_abs <= bound and rel_l2 <= rel_bound
     first_bad = None
     if not passed and diff.numel():
         first_bad = [int(i) for i in torch.unravel_index(diff.argmax().cpu(), diff.shape)]
-    return Comparison(name, max_abs, rel_l2, yard_max, bound, nonfinite, 0, first_bad, passed, rel_bound)
+    return Comparison(name, max_abs, rel_l2, yard_max, bound, nonfinite, 0, first_bad, passed, rel_bound,
+                      reference_nonfinite)
 
 
 class Reference:

@@ -1,7 +1,8 @@
 """The checks of ``flashrun model``: is a model with the kernel swapped in still the same model?
 
 Every check runs the model three ways on the same weights and inputs - the *reference* (a
-float64 copy on the CPU, float32 on a GPU, with transformers' ``eager`` attention), the
+float64 copy on the CPU, float32 on a GPU, with transformers' ``eager`` attention of the family,
+padded query rows zeroed: :func:`~flashrun.model.swap.reference_attention`), the
 *yardstick* (the model in its own dtype with the family's baseline attention: ``sdpa``, or
 ``eager`` where SDPA cannot run the family faithfully) and the *kernel* - and judges the kernel
 by :func:`flashrun.harness.judge.compare_scaled`: no worse than twice the yardstick's own error.
@@ -59,12 +60,12 @@ class Subject:
     @classmethod
     def of(cls, model: Any, baseline: str, reference_dtype: torch.dtype) -> Subject:
         reference = copy.deepcopy(model).to(reference_dtype)
-        reference.set_attn_implementation("eager")
+        reference.set_attn_implementation(swap.REFERENCE)
         return cls(model, reference, baseline, next(model.parameters()).dtype)
 
     def runs(self) -> list[tuple[str, Any, str]]:
         """(role, model, attention implementation), the reference first."""
-        return [("reference", self.reference, "eager"), ("yardstick", self.model, self.baseline),
+        return [("reference", self.reference, swap.REFERENCE), ("yardstick", self.model, self.baseline),
                 ("kernel", self.model, swap.NAME)]
 
 

@@ -25,6 +25,7 @@ the reason: the model fails, it never falls back to SDPA.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 from flashrun.errors import KernelError
 
 NAME = "fr_kernel"
+REFERENCE = "fr_reference"  # the checks' reference: the family's eager attention, blind rows zeroed
 
 
 class Unsupported(KernelError):
@@ -167,13 +169,34 @@ def _packed_call(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def reference_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The module's own family's eager attention (softcap and all), with every query row that may
+    see no key - a padded position - set to zero, as flashrun's kernels write it. Eager leaves such
+    rows NaN in float64 (its additive mask overflows to -inf), and a NaN row reaches every real
+    row of the next layer through 0 x NaN in P·V; real rows never see padded keys, so zeroing the
+    padded rows changes no real one."""
+    family = sys.modules[type(module).__module__]
+    eager = getattr(family, "eager_attention_forward", None)
+    if eager is None:  # a family without its own: the plain one
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+    out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None:  # eager's additive float mask: (B, 1, Nq, Nk), 0 or the dtype's min
+        blind = (attention_mask <= torch.finfo(attention_mask.dtype).min / 2).all(-1)  # (B, 1, Nq)
+        out = out.masked_fill(blind.transpose(1, 2).unsqueeze(-1), 0.0)  # out: (B, Nq, H, D)
+    return out, weights
+
+
 def register(kernel: Any) -> Swap:
-    """Register ``kernel`` as the attention implementation :data:`NAME` (process-wide, as
-    transformers' registry is); returns the :class:`Swap`, whose ``calls`` count its uses."""
+    """Register ``kernel`` as the attention implementation :data:`NAME`, and the checks'
+    reference as :data:`REFERENCE` (process-wide, as transformers' registry is); returns the
+    :class:`Swap`, whose ``calls`` count its uses."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, flash_attention_mask
 
     swap = Swap(kernel)
     AttentionInterface.register(NAME, swap)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionInterface.register(REFERENCE, reference_attention)
+    AttentionMaskInterface.register(REFERENCE, eager_mask)
     return swap
