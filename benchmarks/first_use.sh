@@ -12,8 +12,10 @@
 #   first call's time goes (benchmarks/first_call.py breakdown; cold, warm, warm without the
 #   Gluon check's remembered verdict).
 # With 2+ GPUs and Ray installed it also times `bench --workers 2` against `--workers 1`.
-# Files (8 at most): first-use-summary.json (every number below), the cold runs' --json outputs,
-# the breakdowns, the first call's profile, the stderr of every step.
+# offline-cold runs twice: with the compiles in processes (the default) and in threads
+# (FLASHRUN_COMPILE_PROCESSES=0), both with -v, whose compile timelines are kept.
+# Files: first-use-summary.json (every number below), the cold runs' --json outputs, the
+# breakdowns, the first calls' profiles, the compile timelines, the stderr of every step.
 set -u
 REPO=$PWD
 OUT=${OUT:-$PWD/gpu-session}
@@ -45,14 +47,16 @@ step() {
 
 python3 -m flashrun gen-cases --offline -o cases.json > /dev/null || exit 1
 fresh
-step offline-cold 150 python3 -m flashrun verify --cases cases.json --grad --json
+step offline-cold 150 python3 -m flashrun verify --cases cases.json --grad --json -v
 step offline-warm 60 python3 -m flashrun verify --cases cases.json --grad --json
+fresh  # the same cold run with the compiles in threads of this process (round 6's way)
+FLASHRUN_COMPILE_PROCESSES=0 step offline-cold-threads 150 python3 -m flashrun verify --cases cases.json --grad --json -v
 fresh
 step variants-cold 150 python3 -m flashrun verify --config "$REPO/configs/variants.toml" --grad --json
 step variants-warm 60 python3 -m flashrun verify --config "$REPO/configs/variants.toml" --grad --json
 fresh
-step api-cold 60 python3 "$REPO/benchmarks/first_call.py" new-key
-step api-warm 40 python3 "$REPO/benchmarks/first_call.py" new-key
+step api-cold 60 python3 "$REPO/benchmarks/first_call.py" new-key --profile "$OUT/first-call-api-cold-profile.txt"
+step api-warm 40 python3 "$REPO/benchmarks/first_call.py" new-key --profile "$OUT/first-call-api-warm-profile.txt"
 fresh
 step bench-cold 150 python3 -m flashrun bench -p flash --set bench.rep_ms=20 --set bench.warmup_ms=5 --out "$WORK/bench" --json
 fresh
@@ -68,7 +72,10 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && python3 -c "import ray" 2
   step bench-workers2 120 python3 -m flashrun bench -p flash --set bench.rep_ms=20 --set bench.warmup_ms=5 --out "$WORK/bench" --workers 2 --json
 fi
 
-for name in offline-cold variants-cold bench-cold api-cold; do cp "$name.json" "$OUT/first-use-$name.json" 2>/dev/null; done
+cp offline-cold.json "$OUT/first-use-offline-cold.json" 2>/dev/null  # the rest are in the summary (8 files at most come back)
+for name in offline-cold offline-cold-threads; do  # -v's compile timeline: when each kernel was listed, compiled, ready
+  echo "== $name"; grep -E "compiling [0-9]+ kernels|compiled in a|not compiled in a|ready .* into the compile step|compile processes" "$name.err"
+done > "$OUT/first-use-compile-timeline.txt" 2>/dev/null
 cat breakdown-*.json > "$OUT/first-call-breakdowns.jsonl" 2>/dev/null
 for f in *.err; do echo "== $f"; tail -25 "$f"; done > "$OUT/first-use-stderr.txt"
 python3 - "$OUT/first-use-summary.json" <<'PY'

@@ -91,8 +91,13 @@ def main() -> int:
     k, v = torch.randn(1, 1, 17, 64, dtype=torch.float16), torch.randn(1, 1, 17, 64, dtype=torch.float16)
     api_batch, api_backward = flash._compile_ahead(q, k, v, 0.125, flash._variant(q, 1, 17, True, (-1, -1), 0.0, None),
                                                    "default", True, True)
+    # the compile processes map libtorch only where a kernel's module imports torch (minimal's)
+    processes = [warmup._processes._idle.get() for _ in range(warmup.workers())] if warmup._processes else []
+    without_torch = sum("libtorch" not in Path(f"/proc/{p.pid}/maps").read_text() for p in processes)
     report = {
         "kernels": compiled.kernels if compiled else 0, "workers": compiled.workers if compiled else 0,
+        "pool": compiled.pool if compiled else None, "processes": len(processes),
+        "processes without torch": without_torch,
         "in Triton's memory caches": in_memory,
         "needs": {index: sorted(handles(index)) for index in ahead.needs},
         "job 1 shares with job 0": sorted(name for name, h in handles(1).items() if handles(0).get(name) == h),

@@ -38,6 +38,10 @@ def test_a_plans_kernels_compile_ahead_once_each(python):
     assert got["job 2 shares with job 0"] == ["_attn_fwd"]
     assert got["job 3 shares with job 0"] == []
     assert got["last progress"] == [7, 7, got["workers"]]
+    # they compiled in processes (one per core), which import Triton and the kernel's module only:
+    # at most one of them compiled minimal's kernel, whose module imports torch
+    assert got["pool"] == "processes" and got["processes"] == got["workers"]
+    assert got["processes without torch"] >= got["processes"] - 1
     # the Python API's first call lists the backward's kernels with the forward's; here all known
     assert got["api first call, backward kernels"] == ["_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_bwd_preprocess"]
     assert got["api first call, compiled"] == 0
@@ -166,10 +170,11 @@ def test_compiling_ahead_a_key_to_tune_compiles_its_candidates_and_times_nothing
 def test_compile_time_is_reported_apart():
     from flashrun.harness import verify
 
-    compiled = precompile.Compiled(kernels=23, workers=16, seconds=12.34, waited_s=4.5, cases=35)
+    compiled = precompile.Compiled(kernels=23, workers=16, pool="processes", seconds=12.34, waited_s=4.5, cases=35)
     line = compiled.line()
-    assert "23 kernels" in line and "12.3 s" in line and "16 threads" in line and "waited 4.5 s" in line
-    assert compiled.to_json() == {"kernels": 23, "workers": 16, "seconds": 12.34, "waited_s": 4.5, "cases": 35}
+    assert "23 kernels" in line and "12.3 s" in line and "16 processes" in line and "waited 4.5 s" in line
+    assert compiled.to_json() == {"kernels": 23, "workers": 16, "pool": "processes", "seconds": 12.34,
+                                  "waited_s": 4.5, "cases": 35}
     assert precompile.describe(23, 16) == "compiling 23 kernels, 16 workers"
 
     case = Shape(1, 2, 1, 17, 17, 64, "float16", True)

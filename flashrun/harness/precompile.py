@@ -5,7 +5,7 @@ kernels (flash, flash-atomic, flash-deterministic, minimal) will run, the kernel
 the run will call it - the same seeded inputs (so the same shapes, strides and alignment), the
 same variant arguments and launch configs, forward and, where gradients are checked or timed,
 backward - inside a compile-only :class:`~flashrun.kernels.warmup.Batch`: no kernel runs, every
-launch is handed to the compile pool (one thread per core), and each distinct specialization
+launch is handed to the compile pool (one process per core), and each distinct specialization
 (Triton's own key) compiles once however many cases share it. Then:
 
 * verify in this process starts each check as soon as its own kernels are ready
@@ -16,7 +16,7 @@ launch is handed to the compile pool (one thread per core), and each distinct sp
   driver's ``TRITON_CACHE_DIR`` is passed to them, :mod:`.cluster`) instead of compiling it
   once per worker. Workers on other hosts compile their own, as before.
 
-The step is reported apart from the run (:class:`Compiled`: kernels, threads, seconds, and how
+The step is reported apart from the run (:class:`Compiled`: kernels, workers, seconds, and how
 long the run waited). Users' kernels compile on their first call, as before: their launches
 cannot be listed. Through Triton's interpreter nothing compiles, and the step is skipped. A case
 whose launches cannot be listed (it raises, it does not fit in memory) is left to its run, which
@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -52,19 +53,20 @@ class Compiled:
     """The compile step of a run, as reports show it."""
 
     kernels: int  # distinct specializations compiled (or loaded from Triton's disk cache) ahead
-    workers: int  # threads compiling at once
+    workers: int  # kernels compiling at once
+    pool: str  # "processes" (flashrun's kernels) or "threads" (FLASHRUN_COMPILE_PROCESSES=0)
     seconds: float  # from the start of the step until its last kernel was ready
     waited_s: float  # how long the run waited for them (less than seconds when checks ran meanwhile)
     cases: int  # the cases whose launches were listed
 
     def to_json(self) -> dict[str, Any]:
-        return {"kernels": self.kernels, "workers": self.workers, "seconds": round(self.seconds, 3),
+        return {"kernels": self.kernels, "workers": self.workers, "pool": self.pool, "seconds": round(self.seconds, 3),
                 "waited_s": round(self.waited_s, 3), "cases": self.cases}
 
     def line(self) -> str:
         """One sentence for a table's footer."""
         text = (f"compiled {self.kernels} kernel{'s' if self.kernels != 1 else ''} ahead in {self.seconds:.1f} s "
-                f"on {self.workers} threads (Triton's cache first)")
+                f"in {self.workers} {self.pool} (Triton's cache first)")
         if self.waited_s < self.seconds - 0.05:
             text += f"; the run waited {self.waited_s:.1f} s for them, the rest overlapped it"
         return text
@@ -122,7 +124,8 @@ class Ahead:
         self.batch.close()
         if not self.batch.submitted:
             return None
-        return Compiled(self.batch.submitted, warmup.workers(), self.batch.seconds, self.waited_s, self.cases)
+        return Compiled(self.batch.submitted, warmup.workers(), warmup.compiled_in(), self.batch.seconds, self.waited_s,
+                        self.cases)
 
 
 def _start(units: list[tuple[int, Callable[[], None]]], progress: Progress | None) -> Ahead:
@@ -149,7 +152,8 @@ def _start(units: list[tuple[int, Callable[[], None]]], progress: Progress | Non
             log.debug("not compiling ahead for unit %d: %s: %s", index, type(exc).__name__, exc)
         if progress is not None:
             progress(counts["ready"], batch.submitted, warmup.workers())
-    log.debug("compiling %d kernels ahead for %d units", batch.submitted, len(units))
+    log.debug("compiling %d kernels ahead for %d units (listed in %.2f s)", batch.submitted, len(units),
+              time.perf_counter() - batch.started)
     return Ahead(batch, needs, len(units))
 
 

@@ -16,7 +16,6 @@ from triton.tools.tensor_descriptor import (
 from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.jit import (
     LOG2E,
-    SUPPORTED_DTYPES,
     UNBOUNDED,
 )
 from flashrun.kernels.tuning import (
@@ -25,6 +24,8 @@ from flashrun.kernels.tuning import (
     LaunchConfig,
 )
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---------------------------------------------------------------------------------------------
 # Python launchers

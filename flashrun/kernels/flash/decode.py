@@ -49,9 +49,8 @@ import triton
 from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
 
 from flashrun.errors import ArgumentError, KernelError
-from flashrun.kernels.flash.args import Variant, _split_head_dim, _variant, dot_options
+from flashrun.kernels.flash.args import SUPPORTED_DTYPES, Variant, _split_head_dim, _variant, dot_options
 from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
-from flashrun.kernels.flash.jit import SUPPORTED_DTYPES
 from flashrun.kernels.tuning import INTERPRETED, LaunchConfig
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 

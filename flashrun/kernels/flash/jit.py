@@ -4,13 +4,11 @@ is in :mod:`flashrun.kernels.flash`."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # 1/ln(2): we use exp2
 LOG2E_C = tl.constexpr(LOG2E)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # An unbounded side of a window, as the kernels see it: wider than any key or query range, and
 # small enough that i + off ± UNBOUNDED stays inside int32.
 UNBOUNDED = 2**30
