@@ -1,0 +1,60 @@
+"""Where a short flash forward's host time goes (issue 23's finding at N = 512: the wall time per
+call is above the GPU time). For each shape of the default sweep at N = 512 and 1024 (float16,
+hidden 2048, B = 32768 / N): the host time per call (200 calls enqueued without waiting for the
+GPU), the wall time per call (200 calls, then one synchronize), and a cProfile of 100 calls (the
+15 functions with the most own time). Run on a GPU from the repo root:
+
+    python benchmarks/host_overhead.py > host-overhead.txt
+"""
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashrun
+
+import torch  # noqa: E402
+
+from flashrun.kernels import flash_attention  # noqa: E402
+
+SHAPES = [(512, 64, False), (512, 64, True), (512, 128, False), (512, 128, True), (1024, 64, True), (1024, 128, True)]
+
+
+def main() -> None:
+    for n, d, causal in SHAPES:
+        b, h = 32768 // n, 2048 // d
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        for _ in range(10):
+            flash_attention(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            flash_attention(q, k, v, causal=causal)
+        host = (time.perf_counter() - start) / 200
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / 200
+        # the GPU alone: the kernel time of one call from CUDA events around 50 calls
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        events[0].record()
+        for _ in range(50):
+            flash_attention(q, k, v, causal=causal)
+        events[1].record()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(100):
+            flash_attention(q, k, v, causal=causal)
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+        print(f"== B{b} H{h} N{n} D{d} fp16 {'causal' if causal else 'full'}: host {host * 1e6:.0f} us/call, "
+              f"wall {wall * 1e6:.0f} us/call, events {events[0].elapsed_time(events[1]) * 1e3 / 50:.0f} us/call")
+        print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip())[:3000])
+
+
+if __name__ == "__main__":
+    main()
