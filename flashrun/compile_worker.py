@@ -31,7 +31,9 @@ the kernel the parent launches is Triton's own object, built in the parent.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import pickle
 import signal
@@ -64,17 +66,33 @@ class Job:
     parts: dict[str, str]  # what went into it (:func:`hash_parts`), to say what differs when a worker's does not match
 
 
-def source_hash(kernel: Any) -> str:
-    """A @triton.jit function's source and its callees' keys, hashed as Triton's ``cache_key``
-    does before it appends the constexpr globals seen so far (Triton 3.6 to 3.9)."""
-    import inspect
+def source_hash(kernel: Any, _known: dict[int, str] | None = None) -> str:
+    """A @triton.jit function's source and, recursively, its callees' sources, hashed as Triton's
+    ``cache_key`` hashes them (its dependency finder, Triton 3.6 to 3.9) but without the
+    constexpr globals seen so far, which Triton appends to every function's key, callees'
+    included, and which depend on what the process compiled before."""
+    known = {} if _known is None else _known
+    if id(kernel) not in known:
+        known[id(kernel)] = f"recursion:{kernel._fn_name}"  # a function that calls itself
+        finder = _finder()(name=kernel._fn_name, globals=kernel.__globals__,
+                           nonlocals=inspect.getclosurevars(kernel.fn).nonlocals, src=kernel.src)
+        finder.known = known
+        finder.visit(kernel.parse())
+        known[id(kernel)] = finder.ret + str(kernel.starting_line_number)
+    return known[id(kernel)]
 
+
+@functools.cache
+def _finder() -> type:
     from triton.runtime.jit import DependenciesFinder
 
-    finder = DependenciesFinder(name=kernel._fn_name, globals=kernel.__globals__,
-                                nonlocals=inspect.getclosurevars(kernel.fn).nonlocals, src=kernel.src)
-    finder.visit(kernel.parse())
-    return finder.ret + str(kernel.starting_line_number)
+    class SourceFinder(DependenciesFinder):
+        known: dict[int, str]
+
+        def _update_hash(self, func: Any) -> None:  # a callee: its source hash, not its cache_key
+            self.hasher.update((source_hash(func, self.known) + str(getattr(func, "noinline", False))).encode())
+
+    return SourceFinder
 
 
 def hash_parts(src: Any) -> dict[str, str]:

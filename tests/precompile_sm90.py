@@ -15,6 +15,7 @@ the test to judge. Exit status 0: it ran; 3: this Triton cannot compile for sm_9
 """
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -72,6 +73,15 @@ def main() -> int:
             Job(3, "flash", Shape(1, 2, 1, 17, 17, 64, "float16", True, window=(8, 0)), 3, False, False, "cpu"),
             Job(4, "minimal", plain, 4, False, False, "cpu")]
     seen = []
+    threads = []  # kernels the compile processes could not take (warmup logs each)
+
+    class Threads(logging.Handler):
+        def emit(self, record):
+            if "not compiled in a process" in record.getMessage():
+                threads.append(record.getMessage())
+
+    logging.getLogger("flashrun.warmup").addHandler(Threads())
+    logging.getLogger("flashrun.warmup").setLevel(logging.DEBUG)
     try:
         ahead = precompile._start([(job.index, precompile._verify_launches(job, "cpu")) for job in jobs],
                                   lambda done, total, workers: seen.append((done, total, workers)))
@@ -97,7 +107,7 @@ def main() -> int:
     report = {
         "kernels": compiled.kernels if compiled else 0, "workers": compiled.workers if compiled else 0,
         "pool": compiled.pool if compiled else None, "processes": len(processes),
-        "processes without torch": without_torch,
+        "processes without torch": without_torch, "compiled in a thread": threads,
         "in Triton's memory caches": in_memory,
         "needs": {index: sorted(handles(index)) for index in ahead.needs},
         "job 1 shares with job 0": sorted(name for name, h in handles(1).items() if handles(0).get(name) == h),
