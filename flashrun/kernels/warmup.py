@@ -328,8 +328,11 @@ class Batch:
         future = getattr(handle, "future", None)
         compile_ = Compile(getattr(kernel, "__name__", str(kernel)), handle, submitted=isinstance(future, Future))
         self.kernels[id(handle)] = compile_
-        if isinstance(future, Future):  # compiling now: load it in the thread that compiled it
-            future.add_done_callback(lambda done: self._loaded(compile_, _result(done)))
+        if isinstance(future, Future):  # compiling now: loaded by a pool thread once compiled, never
+            # by the caller (a callback on a future already done runs in the caller's thread, and
+            # loading builds Triton 3.6's C launcher with gcc: in the profile of the API's first
+            # call on the H200, five builds of 0.35 s ran one after the other in the caller's)
+            future.add_done_callback(lambda done: pool().submit(self._loaded, compile_, _result(done)))
         elif getattr(handle, "module", True) is None:  # in memory, not loaded yet
             pool().submit(self._loaded, compile_, handle)
         else:
