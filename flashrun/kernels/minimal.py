@@ -22,7 +22,7 @@ import triton.language as tl
 from flashrun.errors import KernelError
 from flashrun.kernels.flash.args import check_inputs, dot_options
 from flashrun.kernels.flash.jit import _dot
-from flashrun.kernels.tuning import launch
+from flashrun.kernels.tuning import cdiv, launch, next_power_of_2
 
 BLOCK_M = 64
 BLOCK_N = 64  # the single key block: the longest key sequence this kernel can compute
@@ -86,9 +86,9 @@ def minimal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     o = torch.empty((Z, H, N_Q, D), dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(N_Q, BLOCK_M), Z * H)
+    grid = (cdiv(N_Q, BLOCK_M), Z * H)
     launch(_minimal_fwd, grid, q, k, v, o, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
            H, N_Q, N_K, float(sm_scale), GROUP=H // H_KV, HEAD_DIM=D,
-           BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+           BLOCK_D=max(16, next_power_of_2(D)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
            CAUSAL=bool(causal), num_warps=4, **dot_options(q.dtype))
     return o

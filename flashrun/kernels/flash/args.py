@@ -8,7 +8,6 @@ import numbers
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import (
     TensorDescriptor,  # host-side TMA descriptors (triton >= 3.4)
 )
@@ -22,6 +21,7 @@ from flashrun.kernels.tuning import (
     INTERPRETED,
     INTERPRETER,
     LaunchConfig,
+    next_power_of_2,
 )
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
@@ -114,7 +114,7 @@ def _rows_descriptors(t: torch.Tensor, block_rows: int) -> tuple:
 
 def _block_d(head_dim: int) -> int:
     """The head dim padded to one power-of-two tile (flash-decoding's combine still pads)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _split_head_dim(head_dim: int) -> tuple[int, int]:
@@ -125,7 +125,7 @@ def _split_head_dim(head_dim: int) -> tuple[int, int]:
     (powers of two; 24 = 16 + 16 or 112 = 64 + 64), one block: (next power of two, 0)."""
     padded = _block_d(head_dim)
     d0 = 1 << (head_dim.bit_length() - 1)
-    d1 = max(16, triton.next_power_of_2(head_dim - d0)) if head_dim > d0 else 0
+    d1 = max(16, next_power_of_2(head_dim - d0)) if head_dim > d0 else 0
     return (d0, d1) if d1 and d0 + d1 < padded else (padded, 0)
 
 

@@ -87,7 +87,6 @@ import itertools
 import math
 
 import torch
-import triton
 
 from flashrun.errors import ArgumentError
 from flashrun.kernels.flash import decode, hopper
@@ -110,7 +109,7 @@ from flashrun.kernels.flash.bwd import (
 )
 from flashrun.kernels.flash.fwd import _attn_fwd
 from flashrun.kernels import warmup
-from flashrun.kernels.tuning import Launch, LaunchConfig, choose, compiling
+from flashrun.kernels.tuning import Launch, LaunchConfig, cdiv, choose, compiling, next_power_of_2
 from flashrun.kernels.tuning import launch as launch_kernel
 from flashrun.limits import DETERMINISTIC_BACKWARD
 
@@ -185,7 +184,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         return o, lse
 
     def run(cfg: LaunchConfig) -> None:
-        grid = (triton.cdiv(N_Q, cfg.block_m), Z * H)
+        grid = (cdiv(N_Q, cfg.block_m), Z * H)
         tma = bool(cfg.tma) and not variant.varlen and _tma_ok(q, k, v)  # packed: pointers only
         if tma:  # a descriptor per tensor and column block (the second None where the head dim is not split)
             (q0, q1), (k0, k1), (v0, v1) = (_rows_descriptors(q, cfg.block_m), _rows_descriptors(k, cfg.block_n),
@@ -226,7 +225,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                              ((0, *_strides(o)[1:]), (0, *_strides(do)[1:])))
     pre_m = 64 if rows >= 64 else 16
     if rows:
-        launch_kernel(_attn_bwd_preprocess, (triton.cdiv(rows, pre_m), (1 if variant.varlen else Z) * H),
+        launch_kernel(_attn_bwd_preprocess, (cdiv(rows, pre_m), (1 if variant.varlen else Z) * H),
                       o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
                       BLOCK_M=pre_m)
 
@@ -235,7 +234,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
         dq_arg = (_rows_descriptors(dq, cfg.block_m)[0] if dq_tma else dq) if atomic_dq else None
-        launch_kernel(_attn_bwd_dkdv, (triton.cdiv(N_K, cfg.block_n), Z * H_KV),
+        launch_kernel(_attn_bwd_dkdv, (cdiv(N_K, cfg.block_n), Z * H_KV),
             q, k, v, do, lse, delta, dk, dv, dq_arg, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
             H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
@@ -246,7 +245,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         run_dkdv(cfg, atomic_dq=True)
 
     def run_dq(cfg: LaunchConfig) -> None:
-        launch_kernel(_attn_bwd_dq, (triton.cdiv(N_Q, cfg.block_m), Z * H),
+        launch_kernel(_attn_bwd_dq, (cdiv(N_Q, cfg.block_m), Z * H),
             q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
             *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, sm_scale, GROUP=group,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
@@ -281,7 +280,7 @@ def _compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     if not warmup.available() or compiling():
         return None, []
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
-    kind = (q.device, q.dtype, q.dim(), D, H // H_KV, triton.next_power_of_2(N_Q), triton.next_power_of_2(N_K),
+    kind = (q.device, q.dtype, q.dim(), D, H // H_KV, next_power_of_2(N_Q), next_power_of_2(N_K),
             N_Q % 16 == 0, N_K % 16 == 0, variant.causal, variant.tuning(N_Q, N_K)["variants"],
             tuple(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1]) for t in (q, k, v)),
             repr(launch), deterministic, grad)

@@ -45,13 +45,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import triton
 from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
 
 from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.args import SUPPORTED_DTYPES, Variant, _split_head_dim, _variant, dot_options
 from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
-from flashrun.kernels.tuning import INTERPRETED, LaunchConfig
+from flashrun.kernels.tuning import INTERPRETED, LaunchConfig, cdiv, next_power_of_2
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 log = logging.getLogger("flashrun.decode")
@@ -173,7 +172,7 @@ def _multiprocessors(device: torch.device) -> int:
 def block_m(group: int, n_q: int, head_dim: int) -> int:
     """Rows of a tile: the group's (query, head) pairs, at least 16 (``tl.dot``), at most 64
     (32 past head_dim 128: the accumulator's registers)."""
-    return min(max(16, triton.next_power_of_2(group * n_q)), 64 if head_dim <= 128 else 32)
+    return min(max(16, next_power_of_2(group * n_q)), 64 if head_dim <= 128 else 32)
 
 
 def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> int:
@@ -181,7 +180,7 @@ def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> 
     WAVES programs per SM (two fit at once: more would leave a second, partial wave), each split
     at least MIN_CHUNK_BLOCKS key blocks."""
     chunk = MIN_CHUNK_BLOCKS * block_n
-    return max(1, min(WAVES * _multiprocessors(device) // programs, triton.cdiv(keys, chunk)))
+    return max(1, min(WAVES * _multiprocessors(device) // programs, cdiv(keys, chunk)))
 
 
 @dataclass(frozen=True)
@@ -239,7 +238,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     group = dims.heads // dims.kv_heads
     cfg = _config(dtype, dims.head_dim)
     bm = block_m(group, dims.n_q, dims.head_dim)
-    tiles = triton.cdiv(group * dims.n_q, bm)
+    tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
     splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
     d0, d1 = _split_head_dim(dims.head_dim)
@@ -254,10 +253,10 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, cfg)
     combine = None
     if splits > 1:
-        block_s = min(triton.next_power_of_2(splits), COMBINE_SPLITS if dims.head_dim <= 128 else COMBINE_SPLITS // 2)
+        block_s = min(next_power_of_2(splits), COMBINE_SPLITS if dims.head_dim <= 128 else COMBINE_SPLITS // 2)
         combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, 1),
                           (*dims.o, dims.kv_heads, dims.n_q, splits, group, dims.head_dim, bm,
-                           max(16, triton.next_power_of_2(dims.head_dim)), block_s, write_lse),
+                           max(16, next_power_of_2(dims.head_dim)), block_s, write_lse),
                           LaunchConfig(num_warps=4, num_stages=1))
     rows = pairs * tiles * splits * bm
     lse_shape = (dims.batch, dims.heads, dims.n_q) if write_lse else None

@@ -58,7 +58,7 @@ import torch
 import triton
 
 from flashrun.kernels import tuning
-from flashrun.kernels.tuning import INTERPRETED, compiling, launch
+from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 log = logging.getLogger("flashrun.hopper")
 
@@ -287,7 +287,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
-    tiles = triton.cdiv(n_q, cfg.block_m) * z * h
+    tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))
     return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
