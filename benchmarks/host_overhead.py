@@ -5,25 +5,70 @@ GPU), the wall time per call (200 calls, then one synchronize), and a cProfile o
 15 functions with the most own time). Run on a GPU from the repo root:
 
     python benchmarks/host_overhead.py > host-overhead.txt
+
+``--stubbed`` measures flashrun's own part alone, on any machine, GPU or not: Triton's driver
+replaced by one that names an sm_90 target (tests/precompile_sm90.py's), every launch handed to
+a no-op instead of Triton (so neither Triton's per-call launch nor the GPU is timed), and the
+mean host time per forward call over 2000 calls, without and with autograd, on the same shapes:
+
+    python benchmarks/host_overhead.py --stubbed
 """
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashrun
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's flashrun
+STUBBED = "--stubbed" in sys.argv
+if STUBBED:
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels' launchers, never run (read at their import)
 
 import torch  # noqa: E402
-
-from flashrun.kernels import flash_attention  # noqa: E402
 
 SHAPES = [(512, 64, False), (512, 64, True), (512, 128, False), (512, 128, True), (1024, 64, True), (1024, 128, True)]
 
 
+def stubbed() -> None:
+    """flashrun's own host time per forward call, launches stubbed, on a fake sm_90 device."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import triton
+    from precompile_sm90 import Sm90
+
+    triton.runtime.driver.set_active(Sm90())
+    torch.cuda.get_device_name = lambda *args: "NVIDIA H200"  # the shipped table's GPU
+    torch.cuda.current_device = lambda: 0
+    from flashrun.kernels import flash_attention, tuning
+    from flashrun.kernels.flash import args, attention
+
+    attention.check_inputs = lambda *a, **k: None  # "tensors on the CPU": they are, here
+    attention._tma_ok = lambda q, k, v: False  # TMA descriptors would ask the (absent) GPU
+    args._multiprocessors = lambda device: 132
+    with tuning.compile_only(lambda kernel, grid, args, kwargs: None):
+        for n, d, causal in SHAPES:
+            b, h = 32768 // n, 2048 // d
+            times = []
+            for grad in (False, True):
+                q = torch.randn(b, h, n, d, dtype=torch.float16, requires_grad=grad)
+                for _ in range(20):
+                    flash_attention(q, q, q, causal=causal)
+                start = time.perf_counter()
+                for _ in range(2000):
+                    flash_attention(q, q, q, causal=causal)
+                times.append((time.perf_counter() - start) / 2000 * 1e6)
+            print(f"B{b} H{h} N{n} D{d} fp16 {'causal' if causal else 'full':6}: flashrun's own host time "
+                  f"{times[0]:.1f} us/call, {times[1]:.1f} us with autograd (launch stubbed)")
+
+
 def main() -> None:
+    if STUBBED:
+        return stubbed()
+    from flashrun.kernels import flash_attention
+
     for n, d, causal in SHAPES:
         b, h = 32768 // n, 2048 // d
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
