@@ -19,6 +19,7 @@ from flashrun.harness import providers
 from flashrun.harness.check import POISON, _poisoned_allocations
 from flashrun.harness.inputs import block_table, make_inputs
 from flashrun.harness.judge import Reference
+from flashrun.harness.probe import launches
 from flashrun.harness.shapes import Shape, bench_shapes, flops, kvcache
 from flashrun.harness.verify import reproduce_command
 from flashrun.kernels import alibi_slopes, flash_attention, flash_attention_with_kvcache, get
@@ -166,6 +167,10 @@ def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
     t = torch.empty(4)
     launch(7, t, None, 5)
     assert seen == [(3, 1, 2, 7, "fn", "meta", None, None, None, t.data_ptr(), None, 5, "tail")]
+    assert not decode._hooked()
+    with launches():  # bench --metrics' recorder wraps CompiledKernel.launch_metadata: Triton's path
+        assert decode._hooked()
+    assert not decode._hooked()
     monkeypatch.setattr(decode.knobs.runtime, "launch_enter_hook", lambda *a: None)  # a profiler's hook
     assert decode._hooked()
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
+from triton.compiler.compiler import CompiledKernel
 
 from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.args import SUPPORTED_DTYPES, Variant, _split_head_dim, _variant, dot_options
@@ -76,10 +77,16 @@ PLANS = 512  # plans kept (the oldest dropped)
 # Lean launches
 
 
+_LAUNCH_METADATA = CompiledKernel.launch_metadata  # Triton's own, as imported
+
+
 def _hooked() -> bool:
-    """Whether a launch hook (a profiler such as Proton) wants Triton's own launch path."""
+    """Whether something watches launches and so wants Triton's own launch path: a launch hook (a
+    profiler such as Proton), or a wrapped ``CompiledKernel.launch_metadata`` (``bench
+    --metrics``' recorder, :func:`flashrun.harness.probe.launches`, which a direct launch skips:
+    round 7's H200 metrics listed no kernels for flash's decode rows)."""
     hook = knobs.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
+    return (hook is not None and bool(getattr(hook, "calls", True))) or CompiledKernel.launch_metadata is not _LAUNCH_METADATA
 
 
 class _Launch:
