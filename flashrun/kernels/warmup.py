@@ -63,9 +63,13 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+MAX_WORKERS = 32  # a compile process holds ~160 MB (Triton, LLVM; measured on the CPU machine)
+
+
 def workers() -> int:
-    """Kernels compiling at once: one per core of this machine."""
-    return os.cpu_count() or 4
+    """Kernels compiling at once: one per core of this machine, at most :data:`MAX_WORKERS` (a
+    run's ~100 kernels gain little from more, and a 128-core host would hold 20 GB of them)."""
+    return min(os.cpu_count() or 4, MAX_WORKERS)
 
 
 def pool() -> ThreadPoolExecutor:
@@ -167,7 +171,7 @@ def processes() -> _Processes | None:
 
 
 def compiled_in() -> str:
-    """"processes" or "threads": where this process's batches compile now."""
+    """Where this process's batches compile now: ``"processes"`` or ``"threads"``."""
     return "processes" if _processes is not None and not _processes_broken else "threads"
 
 
