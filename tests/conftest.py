@@ -44,6 +44,9 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     # setting it through monkeypatch restores the session's value after every test.
     monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
     monkeypatch.setattr(redact, "_secrets", set())
+    attention = sys.modules.get("flashrun.kernels.flash.attention")  # (not imported for it)
+    if attention is not None:  # flash's lean-launch plans keep the kernel and launch of the test that made them
+        monkeypatch.setattr(attention, "_forward_plans", {})
     monkeypatch.chdir(tmp_path)
     yield tmp_path
     logging.getLogger("flashrun").handlers.clear()  # the CLI bound them to a now-closed stream

@@ -25,6 +25,7 @@ from flashrun.harness.verify import reproduce_command
 from flashrun.kernels import alibi_slopes, flash_attention, flash_attention_with_kvcache, get
 from flashrun.kernels.flash import attention as flash
 from flashrun.kernels.flash import decode
+from flashrun.kernels.flash import launch as launch_mod
 from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
 
 runner = CliRunner()
@@ -162,17 +163,17 @@ def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
         def run(self, *args):
             seen.append(args)
 
-    launch = decode._Launch(_attn_decode, (3, 1, 2), ("tail",), decode.DECODE)
+    launch = launch_mod._Launch(_attn_decode, (3, 1, 2), ("tail",), decode.DECODE)
     launch.compiled = Compiled()
     t = torch.empty(4)
     launch(7, t, None, 5)
     assert seen == [(3, 1, 2, 7, "fn", "meta", None, None, None, t.data_ptr(), None, 5, "tail")]
-    assert not decode._hooked()
+    assert not launch_mod._hooked()
     with launches():  # bench --metrics' recorder wraps CompiledKernel.launch_metadata: Triton's path
-        assert decode._hooked()
-    assert not decode._hooked()
-    monkeypatch.setattr(decode.knobs.runtime, "launch_enter_hook", lambda *a: None)  # a profiler's hook
-    assert decode._hooked()
+        assert launch_mod._hooked()
+    assert not launch_mod._hooked()
+    monkeypatch.setattr(launch_mod.knobs.runtime, "launch_enter_hook", lambda *a: None)  # a profiler's hook
+    assert launch_mod._hooked()
 
 
 def test_a_launcher_that_refuses_the_direct_call_sends_launches_through_triton(monkeypatch, caplog):
@@ -182,13 +183,13 @@ def test_a_launcher_that_refuses_the_direct_call_sends_launches_through_triton(m
         def run(self, *args):
             raise TypeError("function takes exactly 20 arguments")
 
-    monkeypatch.setattr(decode._Launch, "direct", True)
+    monkeypatch.setattr(launch_mod._Launch, "direct", True)
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 600, 16), torch.randn(1, 2, 600, 16)
     want = flash_attention(q, k, v)
     plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
     plan.decode.compiled = Refusing()
     assert torch.equal(flash_attention(q, k, v), want)  # launched by Triton instead
-    assert not decode._Launch.direct and "refused the direct call" in caplog.text
+    assert not launch_mod._Launch.direct and "refused the direct call" in caplog.text
 
 
 def test_decode_shapes_route_here_and_one_causal_query_is_plain():

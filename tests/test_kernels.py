@@ -31,6 +31,8 @@ from flashrun.kernels import (
     minimal_attention,
 )
 from flashrun.kernels.flash import attention as flash
+from flashrun.kernels.flash.fwd import _attn_fwd
+from flashrun.kernels import tuning
 from flashrun.kernels.tuning import candidates
 from flashrun.limits import DETERMINISTIC_BACKWARD, MAX_HEAD_DIM, MIN_HEAD_DIM
 
@@ -315,9 +317,13 @@ def test_launchers_plan_the_split(head_dim, blocks):
         patch.setattr(flash, "launch_kernel", spy)
         for deterministic in (True, False):
             torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), do)
+    # the second forward is the first one's plan (a lean launch, not through launch_kernel)
     assert [name for name, *_ in seen] == ["_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
-                                           "_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv"]
+                                           "_attn_bwd_preprocess", "_attn_bwd_dkdv"]
     assert {tuple(b) for _, *b in seen} == {blocks}
+    (plan,) = flash._forward_plans.values()
+    names = _attn_fwd.arg_names[flash.PER_CALL:]
+    assert (plan.launch.tail[names.index("BLOCK_D0")], plan.launch.tail[names.index("BLOCK_D1")]) == blocks
 
 
 # -- minimal: right where it claims to be, refuses elsewhere -------------------------------------
@@ -440,3 +446,33 @@ def test_a_heuristic_config_that_cannot_launch_gives_way_to_the_next_candidate()
     assert tuning._launchable("fwd|float32|d256|test", big, [big, small], run) == small  # kept: no second try
     assert tried == [big, small]
     tuning._launchable_here.pop("fwd|float32|d256|test")
+
+
+# -- lean launches: a forward's plan, made by its first call, reused by the next ------------------
+@pytest.mark.parametrize("head_dim", [40, 64])
+def test_a_forward_plan_is_reused_for_new_tensors_of_the_same_layout(head_dim):
+    q, k, v, _ = _inputs((2, 4, 2, 37, 53, head_dim), torch.float16, requires_grad=False)
+    first = flash_attention(q, k, v, causal=True)
+    assert len(flash._forward_plans) == 1
+    seen = []
+    real = flash.launch_kernel
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash, "launch_kernel", lambda *a, **kw: seen.append(a[0]) or real(*a, **kw))
+        again = flash_attention(q, k, v, causal=True)
+        fresh = [t.clone().mul_(1.5) for t in (q, k, v)]
+        planned = flash_attention(*fresh, causal=True)
+    assert seen == [] and len(flash._forward_plans) == 1  # both through the plan
+    assert torch.equal(again, first)
+    _judge(planned, None, *fresh, torch.zeros_like(q), True)
+    flash_attention(q, k, v)  # another variant (not causal): another plan
+    assert len(flash._forward_plans) == 2
+
+
+def test_packed_alibi_and_compile_only_calls_make_no_plan():
+    q, k, v, _ = _inputs((1, 4, 4, 33, 33, 32), torch.float16, requires_grad=False)
+    flash_attention(q, k, v, alibi_slopes=alibi_slopes(4))
+    assert flash._forward_plans == {}  # ALiBi's slopes are a per-call tensor among the fixed arguments
+    handed = []
+    with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel)):
+        flash_attention(q, k, v)
+    assert handed == [_attn_fwd] and flash._forward_plans == {}  # compiling ahead launches nothing

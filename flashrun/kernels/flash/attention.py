@@ -85,10 +85,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from flashrun.errors import ArgumentError
+from flashrun.kernels import warmup
 from flashrun.kernels.flash import decode, hopper
 from flashrun.kernels.flash.args import (
     Variant,
@@ -108,8 +110,17 @@ from flashrun.kernels.flash.bwd import (
     _attn_bwd_preprocess,
 )
 from flashrun.kernels.flash.fwd import _attn_fwd
-from flashrun.kernels import warmup
-from flashrun.kernels.tuning import Launch, LaunchConfig, cdiv, choose, compiling, next_power_of_2
+from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta
+from flashrun.kernels.tuning import (
+    CHOSEN,
+    Launch,
+    LaunchConfig,
+    cdiv,
+    choose,
+    compiling,
+    next_power_of_2,
+    tune_on_miss,
+)
 from flashrun.kernels.tuning import launch as launch_kernel
 from flashrun.limits import DETERMINISTIC_BACKWARD
 
@@ -175,6 +186,13 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         hopper.LAST_PATH = hopper.GLUON_PATH
         return out
     hopper.LAST_PATH = hopper.TRITON_PATH
+    lean = not variant.varlen and variant.alibi_slopes is None and not compiling()  # a plan's calls
+    if lean:
+        key = (_meta(q), _meta(k), _meta(v), variant.causal, variant.window, variant.softcap, sm_scale,
+               _hashable(launch), tune_on_miss())
+        plan = _forward_plans.get(key)
+        if plan is not None:
+            return plan.run(q, k, v)
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     o = torch.empty_like(q)  # laid out like q: a model's (B, N, H, D) view comes back as one
     lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
@@ -183,22 +201,79 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     if N_Q == 0:  # packed sequences that are all empty
         return o, lse
 
-    def run(cfg: LaunchConfig) -> None:
-        grid = (cdiv(N_Q, cfg.block_m), Z * H)
+    def arguments(cfg: LaunchConfig) -> tuple[tuple[int, int, int], tuple, dict, bool]:
+        """The launch of ``cfg``: grid, positional and keyword arguments, and whether it reads TMA."""
         tma = bool(cfg.tma) and not variant.varlen and _tma_ok(q, k, v)  # packed: pointers only
         if tma:  # a descriptor per tensor and column block (the second None where the head dim is not split)
             (q0, q1), (k0, k1), (v0, v1) = (_rows_descriptors(q, cfg.block_m), _rows_descriptors(k, cfg.block_n),
                                             _rows_descriptors(v, cfg.block_n))
         else:
             (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
-        launch_kernel(_attn_fwd, grid, q0, k0, v0, q1, k1, v1, o, lse, *_strides(q), *_strides(k), *_strides(v),
-                      *_strides(o), *_lse_strides(lse), H, N_Q, N_K, **var,
-                      GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(q.dtype))
+        args = (q0, k0, v0, q1, k1, v1, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                *_lse_strides(lse), H, N_Q, N_K)
+        kwargs = dict(var, GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws), **dot_options(q.dtype))
+        return (cdiv(N_Q, cfg.block_m), Z * H, 1), args, kwargs, tma
 
-    run(choose("fwd", q, k, variant.causal, launch, run, **variant.tuning(N_Q, N_K)))
+    def run(cfg: LaunchConfig) -> None:
+        grid, args, kwargs, _ = arguments(cfg)
+        launch_kernel(_attn_fwd, grid, *args, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = choose("fwd", q, k, variant.causal, launch, run, **variant.tuning(N_Q, N_K))
+    run(cfg)
+    if lean:
+        _keep_forward_plan(key, _ForwardPlan.of(cfg, *arguments(cfg)))
     return o, lse
+
+
+# -- lean launches of the portable forward (:mod:`.launch`) ------------------------------------------
+
+FORWARD_PLANS = 512  # plans kept (the oldest dropped)
+PER_CALL = 8  # _attn_fwd's arguments that change from call to call: Q, K, V, Q1, K1, V1, O, LSE
+
+
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """The portable forward for one key of :func:`_attn_forward` (the inputs' shapes, strides,
+    dtype and alignment, the variant, the scale, the launch argument): everything but its
+    :data:`PER_CALL` arguments, taken from the call that made it, so that later calls skip the
+    tuning lookup and Triton's per-call specialization. Packed sequences and ALiBi (whose
+    per-call tensors sit among the fixed arguments) keep the full path."""
+
+    launch: _Launch
+    lse_shape: tuple[int, ...]
+    tma: bool
+    block_m: int
+    block_n: int
+    chosen: tuple[LaunchConfig, str] | None  # what choose() reported for the call that made it
+
+    @classmethod
+    def of(cls, cfg: LaunchConfig, grid: tuple[int, int, int], args: tuple, kwargs: dict, tma: bool) -> _ForwardPlan:
+        ordered = list(args) + [kwargs[name] for name in _attn_fwd.arg_names[len(args):]]
+        return cls(_Launch(_attn_fwd, grid, tuple(ordered[PER_CALL:]), cfg), tuple(args[7].shape), tma,
+                   cfg.block_m, cfg.block_n, CHOSEN.get("fwd"))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.tma:
+            (q0, q1), (k0, k1), (v0, v1) = (_rows_descriptors(q, self.block_m), _rows_descriptors(k, self.block_n),
+                                            _rows_descriptors(v, self.block_n))
+        else:
+            (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
+        self.launch(_current_stream(q.device), q0, k0, v0, q1, k1, v1, o, lse)
+        if self.chosen is not None:
+            CHOSEN["fwd"] = self.chosen
+        return o, lse
+
+
+_forward_plans: dict[tuple, _ForwardPlan] = {}
+
+
+def _keep_forward_plan(key: tuple, plan: _ForwardPlan) -> None:
+    if len(_forward_plans) >= FORWARD_PLANS:  # the oldest goes
+        del _forward_plans[next(iter(_forward_plans))]
+    _forward_plans[key] = plan
 
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

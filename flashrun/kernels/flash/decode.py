@@ -30,31 +30,30 @@ bandwidth and, per call, by the host. The kernel:
 The host path is built so that a call does no work that depends only on the shape: a
 :class:`_Plan` per (shapes, strides, dtype, variant, alignment) holds the grid, split count,
 every launch argument but the data pointers, and on a GPU the compiled kernels, which later
-calls launch directly (``CompiledKernel.run`` with integer pointers, the calling convention
-``JITFunction.run`` itself uses in Triton 3.6 and 3.9) instead of through Triton's per-call
-specialization. The partials live in a per-(device, stream) workspace allocated once (during
+calls launch directly (:mod:`.launch`) instead of through Triton's per-call specialization. The partials live in a per-(device, stream) workspace allocated once (during
 CUDA-graph capture: per call, from the graph's pool). No host sync: a call is graph-capturable.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
-from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
-from triton.compiler.compiler import CompiledKernel
 
 from flashrun.errors import ArgumentError, KernelError
-from flashrun.kernels.flash.args import SUPPORTED_DTYPES, Variant, _split_head_dim, _variant, dot_options
+from flashrun.kernels.flash.args import (
+    SUPPORTED_DTYPES,
+    Variant,
+    _split_head_dim,
+    _variant,
+    dot_options,
+)
 from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
+from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta
 from flashrun.kernels.tuning import INTERPRETED, LaunchConfig, cdiv, next_power_of_2
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
-
-log = logging.getLogger("flashrun.decode")
 
 # flash_attention takes this path for at most DECODE_MAX_QUERIES queries per head against at
 # least DECODE_MIN_KEYS keys (a row tile then faces many key blocks); the KV-cache API always.
@@ -71,68 +70,6 @@ DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x head_dim)
 PLANS = 512  # plans kept (the oldest dropped)
 
-
-
-# ---------------------------------------------------------------------------------------------
-# Lean launches
-
-
-_LAUNCH_METADATA = CompiledKernel.launch_metadata  # Triton's own, as imported
-
-
-def _hooked() -> bool:
-    """Whether something watches launches and so wants Triton's own launch path: a launch hook (a
-    profiler such as Proton), or a wrapped ``CompiledKernel.launch_metadata`` (``bench
-    --metrics``' recorder, :func:`flashrun.harness.probe.launches`, which a direct launch skips:
-    round 7's H200 metrics listed no kernels for flash's decode rows)."""
-    hook = knobs.runtime.launch_enter_hook
-    return (hook is not None and bool(getattr(hook, "calls", True))) or CompiledKernel.launch_metadata is not _LAUNCH_METADATA
-
-
-class _Launch:
-    """One kernel at one grid with every argument after the per-call ones fixed (``tail``, in the
-    kernel's parameter order, constexprs included). The first call goes through Triton
-    (``kernel[grid]``: specializes, compiles, launches) and on a GPU keeps the CompiledKernel;
-    later calls launch it directly, tensors passed as integer pointers. The plan's key holds
-    everything that specialization reads (shapes, strides, dtypes, 16-byte alignment), and the
-    per-call integers are ``do_not_specialize``, so the kernel kept is the one Triton would pick."""
-
-    __slots__ = ("kernel", "grid", "tail", "options", "compiled")
-    direct = True  # False once a launcher refused the direct call (then for every launch)
-
-    def __init__(self, kernel, grid: tuple[int, int, int], tail: tuple, cfg: LaunchConfig) -> None:
-        self.kernel, self.grid, self.tail = kernel, grid, tail
-        self.options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        self.compiled = None
-
-    def __call__(self, stream: int | None, *args) -> None:
-        ck = self.compiled
-        if ck is not None and self.direct and not _hooked():
-            try:
-                ck.run(*self.grid, stream, ck.function, ck.packed_metadata, None, None, None,
-                       *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *self.tail)
-                return
-            except TypeError as exc:  # a Triton whose launcher takes other arguments: its own path from now on
-                log.warning("decode launches through Triton's own path: its compiled kernel's launcher refused "
-                            "the direct call (%s)", exc)
-                _Launch.direct = False
-        compiled = self.kernel[self.grid](*args, *self.tail, **self.options)
-        if self.direct and not INTERPRETED and hasattr(compiled, "packed_metadata"):
-            self.compiled = compiled
-
-
-_stream_of = None  # Triton's own current-stream getter (the raw CUstream), bound on first use
-
-
-def _current_stream(device: torch.device) -> int | None:
-    global _stream_of
-    if INTERPRETED:
-        return None
-    if _stream_of is None:
-        from triton.runtime import driver
-
-        _stream_of = driver.active.get_current_stream
-    return _stream_of(device.index)
 
 
 _workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -279,23 +216,6 @@ def _keep_plan(key: tuple, plan: _Plan) -> _Plan:
         del _plans[next(iter(_plans))]
     _plans[key] = plan
     return plan
-
-
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    """What a plan depends on in a tensor argument: its layout, type, place, and the 16-byte
-    alignment Triton specializes a pointer on."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-
-
-def _hashable(x: Any) -> Any:
-    """An argument as part of a plan's key (a bad value only has to fail its check, once)."""
-    if isinstance(x, (tuple, list)):
-        return tuple(_hashable(v) for v in x)
-    try:
-        hash(x)
-    except TypeError:
-        return repr(x)
-    return x
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

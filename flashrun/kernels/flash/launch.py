@@ -1,0 +1,101 @@
+"""Lean launches: a kernel launched through its ``CompiledKernel`` directly, not through
+Triton's per-call ``JITFunction.run``.
+
+``JITFunction.run`` binds every argument, works out the specialization and looks the kernel up
+on every call: tens of microseconds for a kernel with fifty arguments, more than the kernel
+itself at short lengths (round 7's H200 metrics: flash's forward at N = 512 is launch-bound). A
+caller that knows the specialization cannot change between calls - a plan keyed on the shapes,
+strides, dtypes and 16-byte alignment Triton specializes on - launches through :class:`_Launch`:
+the first call goes through Triton (and compiles), later ones call ``CompiledKernel.run`` with
+integer pointers, the calling convention ``JITFunction.run`` itself uses in Triton 3.6 and 3.9.
+Whatever watches launches (a profiler's launch hook, ``bench --metrics``' recorder) gets Triton's
+own path (:func:`_hooked`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from triton import knobs  # triton >= 3.4 (3.6 and 3.9 alike): the launch hooks
+from triton.compiler.compiler import CompiledKernel
+
+from flashrun.kernels.tuning import INTERPRETED, LaunchConfig
+
+log = logging.getLogger("flashrun.launch")
+
+_LAUNCH_METADATA = CompiledKernel.launch_metadata  # Triton's own, as imported
+
+
+def _hooked() -> bool:
+    """Whether something watches launches and so wants Triton's own launch path: a launch hook (a
+    profiler such as Proton), or a wrapped ``CompiledKernel.launch_metadata`` (``bench
+    --metrics``' recorder, :func:`flashrun.harness.probe.launches`, which a direct launch skips:
+    round 7's H200 metrics listed no kernels for flash's decode rows)."""
+    hook = knobs.runtime.launch_enter_hook
+    return (hook is not None and bool(getattr(hook, "calls", True))) or CompiledKernel.launch_metadata is not _LAUNCH_METADATA
+
+
+class _Launch:
+    """One kernel at one grid with every argument after the per-call ones fixed (``tail``, in the
+    kernel's parameter order, constexprs included). The first call goes through Triton
+    (``kernel[grid]``: specializes, compiles, launches) and on a GPU keeps the CompiledKernel;
+    later calls launch it directly, tensors passed as integer pointers. The plan's key holds
+    everything that specialization reads (shapes, strides, dtypes, 16-byte alignment), and the
+    per-call integers are ``do_not_specialize``, so the kernel kept is the one Triton would pick."""
+
+    __slots__ = ("kernel", "grid", "tail", "options", "compiled")
+    direct = True  # False once a launcher refused the direct call (then for every launch)
+
+    def __init__(self, kernel, grid: tuple[int, int, int], tail: tuple, cfg: LaunchConfig) -> None:
+        self.kernel, self.grid, self.tail = kernel, grid, tail
+        self.options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        self.compiled = None
+
+    def __call__(self, stream: int | None, *args) -> None:
+        ck = self.compiled
+        if ck is not None and self.direct and not _hooked():
+            try:
+                ck.run(*self.grid, stream, ck.function, ck.packed_metadata, None, None, None,
+                       *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *self.tail)
+                return
+            except TypeError as exc:  # a Triton whose launcher takes other arguments: its own path from now on
+                log.warning("flash launches through Triton's own path: a compiled kernel's launcher refused "
+                            "the direct call (%s)", exc)
+                _Launch.direct = False
+        compiled = self.kernel[self.grid](*args, *self.tail, **self.options)
+        if self.direct and not INTERPRETED and hasattr(compiled, "packed_metadata"):
+            self.compiled = compiled
+
+
+_stream_of = None  # Triton's own current-stream getter (the raw CUstream), bound on first use
+
+
+def _current_stream(device: torch.device) -> int | None:
+    global _stream_of
+    if INTERPRETED:
+        return None
+    if _stream_of is None:
+        from triton.runtime import driver
+
+        _stream_of = driver.active.get_current_stream
+    return _stream_of(device.index)
+
+
+# -- plan keys ----------------------------------------------------------------------------------
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on in a tensor argument: its layout, type, place, and the 16-byte
+    alignment Triton specializes a pointer on."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _hashable(x: Any) -> Any:
+    """An argument as part of a plan's key (a bad value only has to fail its check, once)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_hashable(v) for v in x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
