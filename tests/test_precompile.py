@@ -240,3 +240,21 @@ print(len(callees), before[0] == after[0], before[1] != after[1])
     assert result.returncode == 0, result.stderr[-3000:]
     count, same, moved = result.stdout.split()
     assert int(count) > 3 and same == "True" and moved == "True"
+
+
+def test_a_kernel_compiled_after_the_compile_threads_stopped_is_dropped_quietly(monkeypatch):
+    """At interpreter exit the pool shuts down while kernels compiled ahead for later cells may
+    still finish: their done-callbacks must not raise (the H200 printed three tracebacks)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from flashrun.kernels import warmup
+
+    stopped = ThreadPoolExecutor(1)
+    stopped.shutdown()
+    monkeypatch.setattr(warmup, "_pool", stopped)
+    done: Future = Future()
+    done.set_result(None)
+    batch = warmup.Batch.__new__(warmup.Batch)  # only _load_later is exercised: no processes started
+    compile_ = warmup.Compile("_attn_fwd", handle=None)
+    batch._load_later(compile_, done)
+    assert not compile_.ready.is_set()

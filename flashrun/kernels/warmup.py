@@ -336,12 +336,18 @@ class Batch:
             # by the caller (a callback on a future already done runs in the caller's thread, and
             # loading builds Triton 3.6's C launcher with gcc: in the profile of the API's first
             # call on the H200, five builds of 0.35 s ran one after the other in the caller's)
-            future.add_done_callback(lambda done: pool().submit(self._loaded, compile_, _result(done)))
+            future.add_done_callback(lambda done: self._load_later(compile_, done))
         elif getattr(handle, "module", True) is None:  # in memory, not loaded yet
             pool().submit(self._loaded, compile_, handle)
         else:
             self._loaded(compile_, None)
         return compile_
+
+    def _load_later(self, compile_: Compile, done: Future) -> None:
+        try:
+            pool().submit(self._loaded, compile_, _result(done))
+        except RuntimeError:  # the pool is shut down: the process is exiting, and nothing waits for it
+            log.debug("%s compiled after the compile threads stopped: not loaded", compile_.name)
 
     def _loaded(self, compile_: Compile, compiled: Any) -> None:
         if compiled is not None:
