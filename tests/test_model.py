@@ -154,6 +154,24 @@ def test_restarting_position_ids_become_packed_sequences():
     assert swap._packing(None, q, q, {"position_ids": torch.arange(6)[None]}) is None
 
 
+def test_a_forward_reads_its_padding_and_positions_once_not_per_layer(monkeypatch):
+    """Reading the mask or position_ids back waits for the GPU: once per forward, then every
+    layer reuses the answer (a new mask or new positions are read again)."""
+    from flashrun import kernels
+
+    reads = []
+    monkeypatch.setattr(swap, "_packing", lambda *args: reads.append(args) or None)
+    model = families.build(families.build_config("llama", "mini"), torch.float32, "cpu", 0)
+    fn = swap.register(kernels.get("flash"))
+    model.set_attn_implementation(swap.NAME)
+    ids = torch.arange(12)[None] % 7
+    with torch.no_grad():
+        model(input_ids=ids)
+        assert len(reads) == 1 and sum(fn.calls.values()) == model.config.num_hidden_layers
+        model(input_ids=ids)  # a new forward: new position_ids
+    assert len(reads) == 2
+
+
 def test_dropout_is_refused_not_ignored():
     module = _Module()
     module.training = True

@@ -49,6 +49,7 @@ class Swap:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel  # flashrun.kernels.Kernel
         self.calls: Counter[str] = Counter()
+        self._batch: tuple[tuple, tuple, dict | None] | None = None  # (key, its tensors, _packing's answer)
 
     def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -66,7 +67,7 @@ class Swap:
         dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
             else query.dtype  # autocast hands fp32 q/k with a bf16 v: one compute dtype
         q, k, v = (t.to(dtype) for t in (query, key, value))
-        packed = _packing(attention_mask, q, k, kwargs)
+        packed = self._packing(attention_mask, q, k, kwargs)
         if packed is not None:
             variant.update(packed)
         self._refuse_missing(variant, packed is not None)
@@ -77,6 +78,19 @@ class Swap:
         else:
             out = _packed_call(self.kernel, q, k, v, causal, scaling, variant, packed)
         return out.to(query.dtype), None
+
+    def _packing(self, mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> dict | None:
+        """:func:`_packing` once per forward, not once per layer: every layer gets the same mask and
+        position_ids, and reading them back (is the padding contiguous? do positions restart?)
+        waits for the GPU - on the H200 those per-layer syncs idled it between layers. Keyed on the
+        tensors' identity and version (held while remembered, so that their ids stay theirs)."""
+        sources = (mask, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
+        key = (tuple(None if t is None else (id(t), t._version) for t in sources), q.shape[0], q.shape[2], k.shape[2])
+        if self._batch is not None and self._batch[0] == key:
+            return self._batch[2]
+        packed = _packing(mask, q, k, kwargs)
+        self._batch = (key, sources, packed)
+        return packed
 
     def _refuse_missing(self, variant: dict[str, Any], packed: bool) -> None:
         missing = self.kernel.missing({name: value for name, value in variant.items() if not name.startswith("_")})
