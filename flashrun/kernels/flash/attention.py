@@ -113,6 +113,7 @@ from flashrun.kernels.flash.fwd import _attn_fwd
 from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta
 from flashrun.kernels.tuning import (
     CHOSEN,
+    INTERPRETED,
     Launch,
     LaunchConfig,
     cdiv,
@@ -309,11 +310,19 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
         dq_arg = (_rows_descriptors(dq, cfg.block_m)[0] if dq_tma else dq) if atomic_dq else None
-        launch_kernel(_attn_bwd_dkdv, (cdiv(N_K, cfg.block_n), Z * H_KV),
-            q, k, v, do, lse, delta, dk, dv, dq_arg, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(do), *_strides(dk), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
-            H, H_KV, N_Q, N_K, sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
-            DQ_TMA=atomic_dq and dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+        split = 1 if variant.varlen else _kv_split(cdiv(N_K, cfg.block_n) * Z * H_KV, group, q.device)
+        # split: each part's partial dK/dV in float32, summed below (in a fixed order: repeatable)
+        dk_out, dv_out = (dk, dv) if split == 1 else (
+            torch.empty((Z, H_KV * split, N_K, D), dtype=torch.float32, device=k.device) for _ in range(2))
+        launch_kernel(_attn_bwd_dkdv, (cdiv(N_K, cfg.block_n), Z * H_KV * split),
+            q, k, v, do, lse, delta, dk_out, dv_out, dq_arg, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(do), *_strides(dk_out), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
+            H, H_KV * split, N_Q, N_K, sm_scale, GROUP=group // split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and dq_tma, KV_SPLIT=split, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **common)
+        if split > 1:
+            dk.copy_(dk_out.view(Z, H_KV, split, N_K, D).sum(2))
+            dv.copy_(dv_out.view(Z, H_KV, split, N_K, D).sum(2))
 
     def run_fused(cfg: LaunchConfig) -> None:
         dq.zero_()  # the tuner times this more than once: each run must start from zeros
@@ -335,6 +344,23 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if N_Q:
         run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
+
+
+SPLIT_WAVES = 4  # dK/dV programs per SM below which a GQA group is split over more programs
+
+
+def _kv_split(programs: int, group: int, device: torch.device) -> int:
+    """Over how many programs each k/v head's GQA group is spread in the dK/dV kernel: 1 when
+    ``programs`` (key blocks x batch x k/v heads) already give every SM :data:`SPLIT_WAVES` of
+    them, else the smallest divisor of the group that does (or the whole group). With few k/v
+    heads (qwen2-1b: 2 of them, group 6) one program per k/v head left the H200 under two waves of
+    dK/dV programs at 4 x 2048 tokens."""
+    if group == 1 or (device.type != "cuda" and not INTERPRETED):  # (compiling for a GPU on a CPU: unsplit)
+        return 1
+    target = SPLIT_WAVES * decode._multiprocessors(device)
+    if programs >= target:
+        return 1
+    return next((s for s in range(2, group) if group % s == 0 and programs * s >= target), group)
 
 
 # -- first calls: the forward's and backward's kernels compile together --------------------------

@@ -156,12 +156,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, KV_SPLIT: tl.constexpr = 1):
     """dK, dV for one block of keys of one k/v head; with ATOMIC_DQ also the dQ partials of every
     query block it visits, added into DQ (float32, zeroed by the launcher, any strides; scaled by
     sm_scale here) - with DQ_TMA, DQ is a tensor descriptor over its (batch*heads*Nq, head_dim)
     rows. LSE and Delta: (batch, heads, Nq) or, packed, (heads, total_q), addressed
-    through stride_lz/stride_lh like the tensors (see _sequence)."""
+    through stride_lz/stride_lh like the tensors (see _sequence).
+
+    KV_SPLIT > 1 splits each k/v head's GQA group over that many programs (H_KV and GROUP are
+    then per part: H_KV parts of GROUP query heads): part p of k/v head p // KV_SPLIT writes its
+    partial dK/dV as head p of DK/DV, which the launcher sums."""
     tl.static_assert(not (CAUSAL and WINDOW))
     start_n = tl.program_id(0) * BLOCK_N
     off_zh = tl.program_id(1)
@@ -174,10 +178,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
             return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     # k and v stay on chip while every query block that sees them streams past
-    k_src = K + off_zk * stride_kz + off_hkv * stride_kh
+    k_src = K + off_zk * stride_kz + (off_hkv // KV_SPLIT) * stride_kh
     k0, k1 = _load_tile(k_src, k_src, 0, start_n, stride_kn, stride_kk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         True, False)
-    v_src = V + off_zk * stride_vz + off_hkv * stride_vh
+    v_src = V + off_zk * stride_vz + (off_hkv // KV_SPLIT) * stride_vh
     v0, v1 = _load_tile(v_src, v_src, 0, start_n, stride_vn, stride_vk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         True, False)
     dk0 = tl.zeros([BLOCK_N, BLOCK_D0], dtype=tl.float32)
