@@ -1,13 +1,17 @@
 """`bench --metrics`, `--profile` and the roofline, on the CPU: reading a compiled kernel's metadata
 (from a checked-in fixture: no kernel can be loaded here), the occupancy and roofline maths, the
-trace writer, the per-kernel CSV, the tables at 80 columns, and the refusal without a GPU. The GPU
-suite (tests/test_gpu.py) reads a kernel launched for real and checks it against ``ptxas -v``.
+trace writer, Proton's child process, the per-kernel CSV, the tables at 80 columns, and the refusal
+without a GPU. The GPU suite (tests/test_gpu.py) reads a kernel launched for real and checks it
+against ``ptxas -v``.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import pickle
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +21,15 @@ import torch
 from typer.testing import CliRunner
 
 from flashrun.cli import app
-from flashrun.harness import measure, metrics, probe, providers, results, sweep
+from flashrun.harness import (
+    measure,
+    metrics,
+    probe,
+    proton_pass,
+    providers,
+    results,
+    sweep,
+)
 from flashrun.harness.bench import BenchReport
 from flashrun.harness.bench_table import render
 from flashrun.harness.judge import Reference
@@ -242,6 +254,71 @@ def test_a_probe_pass_writes_its_trace_and_says_what_it_could_not_see(tmp_path: 
 def test_file_names_keep_labels_and_provider_paths_readable() -> None:
     assert probe.file_stem("003 B2 H8/2 N1x4096 D64 fp16 causal", "experiments/my.py:attn-fwd") == (
         "003_B2_H8_2_N1x4096_D64_fp16_causal-experiments_my_py_attn-fwd")
+
+
+# -- Proton's views, in a child process (CUPTI takes one profiler per process) ----------------------------
+PROTON_CASE = Shape(1, 2, 2, 16, 16, 16, "float32", True)
+
+
+def proton_cell(tmp_path: Path, provider: str, mode: str) -> proton_pass.Cell:
+    return proton_pass.Cell(PROTON_CASE, provider, mode, 0, str(tmp_path / f"000-{provider}-{mode}"), 3)
+
+
+def test_the_proton_child_answers_every_cell_on_the_cpu(tmp_path: Path) -> None:
+    """The child as bench starts it: each cell runs up to Proton, which has no GPU to profile
+    here; every cell gets a note (or, where Proton can profile, its file), and the child lives."""
+    cells = [proton_cell(tmp_path, provider, mode) for provider, mode in (("sdpa", "fwd"), ("sdpa", "bwd"),
+                                                                          ("torch-naive", "fwd_bwd"))]
+    outcomes = proton_pass.spawn(proton_pass.Request("cpu", tuple(cells)), timeout=60)
+    assert len(outcomes) == len(cells)
+    for outcome in outcomes:
+        assert Path(outcome.hatchet).is_file() if outcome.hatchet else outcome.note.startswith("Proton")
+
+
+def test_a_cell_that_cannot_run_is_a_note_and_the_others_still_run(tmp_path: Path) -> None:
+    cells = (proton_cell(tmp_path, "no-such-provider", "fwd"), proton_cell(tmp_path, "sdpa", "fwd"))
+    done = subprocess.run([sys.executable, "-m", "flashrun.harness.proton_pass"],
+                          input=pickle.dumps(proton_pass.Request("cpu", cells)), capture_output=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    unknown, sdpa = json.loads(done.stdout)  # stdout holds the reply and nothing else
+    assert unknown == {"hatchet": None, "note": "could not run it: InputError: unknown provider 'no-such-provider'"}
+    assert sdpa["hatchet"] or sdpa["note"].startswith("Proton")  # it got as far as Proton
+
+
+def test_the_proton_notice_counts_the_views_and_names_a_failure(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    job = sweep.ShapeJob(7, TINY_CASE, ("sdpa", "flash"), ("fwd", "bwd"), "cuda", 3, "sdpa", measure.Timing(1, 2), 9)
+    env = {"gpu": "g", "torch": None, "triton": None, "where": ""}
+
+    def row(provider: str, mode: str, status: str = "ok") -> results.Row:
+        cell = measure.Cell(mode, status, True, ms=(0.1, 0.1, 0.1) if status == "ok" else None)
+        return sweep._row(provider, TINY_CASE, cell, None, Ceilings(None, None), env)
+
+    rows = [row("sdpa", "fwd"), row("sdpa", "bwd", "n/a"), row("flash", "fwd"), row("flash", "bwd")]
+    cells = proton_pass.cells_of([job], [sweep.ShapeRows(7, rows, Ceilings(None, None), "g")], tmp_path)
+    assert [(c.provider, c.mode, c.seed, c.calls) for c in cells] == [  # the ok cells; 20 ms of 0.1 ms: 50 calls
+        ("sdpa", "fwd", 3, 50), ("flash", "fwd", 3, 50), ("flash", "bwd", 3, 50)]
+    trace = probe.file_stem(job.prefix, "flash-bwd")  # the view is named like the trace
+    assert cells[2].stem == str(tmp_path / trace) and trace == "007_B2_H4_2_N16_D16_fp32_causal-flash-bwd"
+
+    outcomes = [proton_pass.Outcome("a.hatchet"), proton_pass.Outcome(None, "Proton: RuntimeError: error 39"),
+                proton_pass.Outcome("b.hatchet")]
+    monkeypatch.setattr(proton_pass, "spawn", lambda request, timeout: outcomes)
+    assert proton_pass.write_views(cells, "cuda", tmp_path) == (
+        f"Proton's per-kernel views: 2 written to {tmp_path} (in a child process: CUPTI takes one profiler per "
+        f"process); 1 not, flash fwd on {TINY_CASE.label}: Proton: RuntimeError: error 39")
+
+    def died(request, timeout):
+        raise proton_pass.ChildFailed("exit code 1: ImportError: libcupti.so")
+
+    monkeypatch.setattr(proton_pass, "spawn", died)
+    assert proton_pass.write_views(cells, "cuda", tmp_path) == ("Proton's per-kernel views: none written: the child "
+                                                                "process that writes them failed (exit code 1: "
+                                                                "ImportError: libcupti.so)")
+    assert proton_pass.write_views([], "cuda", tmp_path) is None
+    monkeypatch.setenv("TRITON_PROTON_DISABLE", "1")
+    assert not proton_pass.available()  # switched off: no child at all
 
 
 # -- the flow: measured after the timing, into the rows and files -----------------------------------------

@@ -29,7 +29,7 @@ from rich.console import Console
 from flashrun.config import Config
 from flashrun.env.fingerprint import fingerprint
 from flashrun.errors import DeviceError, InputError
-from flashrun.harness import results
+from flashrun.harness import proton_pass, results
 from flashrun.harness.metrics import Ceilings
 from flashrun.harness.shapes import Shape, bench_shapes
 from flashrun.harness.sweep import Here, ShapeJob, Sweep, resolve, row_env
@@ -98,7 +98,8 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
     With ``[cluster]`` workers > 1 or an address, each shape is a Ray task
     (:mod:`~flashrun.harness.cluster`); ``per_gpu_type`` runs the sweep once on each GPU type
     of the cluster. ``metrics``: each timed call is then profiled (:mod:`~flashrun.harness.probe`);
-    ``profile``: so is it with its traces written to that folder (``metrics`` implied)."""
+    ``profile``: so is it with its traces written to that folder (``metrics`` implied), and on this
+    machine's GPU Proton's views too, after the sweep (:mod:`~flashrun.harness.proton_pass`)."""
     from flashrun.harness import cluster
     from flashrun.harness import providers as providers_mod  # torch from here on
 
@@ -192,6 +193,10 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
         here_ceilings = ceilings(device, timing)  # measured once, before the sweep
         header["ceiling_tflops"], header["ceiling_gbps"] = here_ceilings.tflops, here_ceilings.gbps
         parts = sweep.run(console, Here(resolved, here_ceilings, row_env(env, device.type)))
+        if profile is not None and device.type == "cuda" and proton_pass.available():
+            notice = proton_pass.write_views(proton_pass.cells_of(jobs, parts, profile), device.type, profile,
+                                             console)
+            notices += [notice] if notice else []
     else:
         parts = sweep.run_on(pool, console)
     rows = [row for part in parts for row in part.rows]

@@ -9,9 +9,9 @@ callable that was timed (same inputs, same mode):
 2. the wall time per call: calls back to back, synchronized once at each end;
 3. the same calls under ``torch.profiler``: the GPU time of every kernel (cuDNN's and PyTorch's
    too), so GPU time against wall time is the host's share; with ``--profile DIR`` its
-   Chrome/Perfetto trace is written there, and, where Triton's Proton profiler is present, a
-   Proton pass over the same calls, run just before, writes its per-kernel view (``.hatchet``,
-   read by ``proton-viewer``).
+   Chrome/Perfetto trace is written there. Proton's per-kernel view of the same calls is not
+   taken here but after the sweep, in a child process (:mod:`~flashrun.harness.proton_pass`):
+   CUPTI takes one profiler per process, and torch.profiler keeps it.
 
 Why the grid is read at ``CompiledKernel.launch_metadata``: Triton's launch hooks
 (``triton.knobs.runtime.launch_enter_hook``, a hook chain in 3.6 and 3.9) are given the kernel's
@@ -118,7 +118,7 @@ class Probe:
     """What ``--metrics``/``--profile`` read, on this process's GPU."""
 
     limits: SMLimits
-    profile_dir: Path | None = None  # --profile: traces (and Proton's views) go here
+    profile_dir: Path | None = None  # --profile: the traces go here
     prefix: str = ""  # the shape's part of the file names
 
     @classmethod
@@ -151,49 +151,28 @@ class Probe:
 
         from torch.profiler import ProfilerActivity, profile
 
-        n_profiled = _calls(PROFILED_MS, ms, MAX_PROFILED_CALLS)
-        notes = []
-        if self.profile_dir is not None:  # Proton before torch.profiler: CUPTI takes one subscriber, and
-            # on the H200 Proton's pass failed on every cell when it came after (round 7; this order is
-            # not yet measured there)
-            notes += _proton(call, n_profiled, self.profile_dir / file_stem(self.prefix, name))
+        n_profiled = profiled_calls(ms)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(n_profiled):
                 call()
             torch.cuda.synchronize()
         gpu_kernels = kernel_times(prof.events(), n_profiled)
         gpu_us = sum(k.us for k in gpu_kernels) if gpu_kernels else None
-        if not gpu_kernels:
-            notes.append("the profiler recorded no GPU activity")
         if self.profile_dir is not None:
             write_trace(prof, self.profile_dir / f"{file_stem(self.prefix, name)}.trace.json")
-        return CallMetrics(gpu_us, wall_us, kernels, gpu_kernels, "; ".join(notes))
+        note = "" if gpu_kernels else "the profiler recorded no GPU activity"
+        return CallMetrics(gpu_us, wall_us, kernels, gpu_kernels, note)
+
+
+def profiled_calls(ms: float) -> int:
+    """How many calls of median ``ms`` a profiler watches: about :data:`PROFILED_MS` of them (a
+    trace stays small), the same number under torch.profiler here and under Proton
+    (:mod:`~flashrun.harness.proton_pass`)."""
+    return _calls(PROFILED_MS, ms, MAX_PROFILED_CALLS)
 
 
 def _calls(budget_ms: float, ms: float, most: int) -> int:
     return max(MIN_CALLS, min(most, math.ceil(budget_ms / max(ms, 1e-3))))
-
-
-def _proton(call: Callable[[], None], calls: int, stem: Path) -> list[str]:
-    """Proton's per-kernel view of ``calls`` calls at ``stem``.hatchet, when triton.profiler is
-    there; what went wrong otherwise (a note on the row, never a failed cell)."""
-    try:
-        import triton.profiler as proton
-    except ImportError:
-        return []
-    try:
-        session = proton.start(str(stem), hook="triton")
-        if session is None:  # Proton switched off (TRITON_PROTON_DISABLE, or run under proton's CLI)
-            return []
-        try:
-            for _ in range(calls):
-                call()
-            torch.cuda.synchronize()
-        finally:
-            proton.finalize(session)  # its launch hook must not outlive the pass
-    except Exception as exc:  # noqa: BLE001 - an optional view: say why it is missing
-        return [f"Proton: {type(exc).__name__}: {exc}"]
-    return []
 
 
 # -- ptxas -v, to check the registers the driver reports -----------------------------------------------

@@ -56,6 +56,12 @@ class ShapeJob:
     metrics: bool = False  # --metrics: each timed call profiled afterwards (harness.probe)
     profile: str | None = None  # --profile DIR: its traces go there
 
+    @property
+    def prefix(self) -> str:
+        """The shape's part of its ``--profile`` file names (``probe.file_stem``): the traces and
+        Proton's views of one cell share it."""
+        return f"{self.index:03d} {self.shape.label}"
+
 
 @dataclass
 class ShapeRows:
@@ -130,7 +136,7 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
     if job.metrics:
         from flashrun.harness.probe import Probe
 
-        probe = Probe.on(device, job.profile, prefix=f"{job.index:03d} {shape.label}")
+        probe = Probe.on(device, job.profile, prefix=job.prefix)
     # Only FlexAttention compiles; importing dynamo for nothing costs seconds.
     compiles = device.type == "cuda" and any(p.name == "flex" for p in providers)
     with compile_settings(job.n_shapes) if compiles else nullcontext():
