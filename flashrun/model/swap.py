@@ -106,7 +106,8 @@ class Swap:
 
 def _packing(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> dict | None:
     """The varlen arguments for a padded or packed batch, or None for a plain one. Internal keys
-    (``_rows_q``/``_rows_k``, boolean (B, N) masks of the valid rows) say where rows come from."""
+    (``_rows_q``/``_rows_k``, the valid rows' indices into the flattened (B·N) rows) say where rows
+    come from."""
     batch, _, n_q, _ = q.shape
     n_k = k.shape[2]
     if mask is not None:
@@ -150,10 +151,16 @@ def _contiguous_rows(rows: torch.Tensor, right_aligned: bool) -> None:
 
 
 def _varlen(rows_q: torch.Tensor, rows_k: torch.Tensor) -> dict:
+    """The packed call's arguments, and the flat indices of the valid rows (``_rows_q``/``_rows_k``),
+    worked out once per forward so that the layers gather and scatter without waiting for the GPU."""
     lengths_q, lengths_k = rows_q.sum(dim=1), rows_k.sum(dim=1)
     return {"cu_seqlens_q": _offsets(lengths_q), "cu_seqlens_k": _offsets(lengths_k),
             "max_seqlen_q": int(lengths_q.max()), "max_seqlen_k": int(lengths_k.max()),
-            "_rows_q": rows_q, "_rows_k": rows_k}
+            "_rows_q": _flat_index(rows_q), "_rows_k": _flat_index(rows_k)}
+
+
+def _flat_index(rows: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(rows.flatten()).squeeze(1)
 
 
 def _split(lengths: torch.Tensor, n: int) -> dict:
@@ -177,9 +184,10 @@ def _packed_call(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if rows_q is None:  # one row of back-to-back sequences
         out = kernel(q_t[0], k_t[0], v_t[0], causal=causal, sm_scale=scaling, **args)
         return out.unsqueeze(0)
-    out_rows = kernel(q_t[rows_q], k_t[rows_k], v_t[rows_k], causal=causal, sm_scale=scaling, **args)
+    rows = [t.flatten(0, 1).index_select(0, index) for t, index in ((q_t, rows_q), (k_t, rows_k), (v_t, rows_k))]
+    out_rows = kernel(*rows, causal=causal, sm_scale=scaling, **args)
     out = q_t.new_zeros(q_t.shape)
-    out[rows_q] = out_rows
+    out.view(-1, *out.shape[2:]).index_copy_(0, rows_q, out_rows)
     return out
 
 
