@@ -12,8 +12,9 @@ other instructions wrote while an earlier wgmma of the same stage was in flight)
 The registers ptxas reports are the launch's cap (maxnreg); the partitions re-split them with
 setmaxnreg (consumers 240, producer 24), and a partition that needs more than its share spills,
 which the spill bytes show. Exit status 0: all compiled, none spills or serializes or waits more
-than the kernel does, shared memory and threads as hopper_bwd says; 3: this Triton lacks the Gluon Hopper API or cannot compile for
-sm_90 here (nothing was checked); 1: a compile failed or a check above did not hold.
+than the kernel does, shared memory and threads as hopper_bwd says; 3: this Triton lacks the Gluon
+Hopper API or cannot compile for sm_90 here (nothing was checked); 1: a compile failed or a check
+above did not hold.
 """
 
 import argparse
