@@ -28,7 +28,9 @@ diagonal, window edges, ragged end) in one more loop, GQA heads folded into both
 serializes every wgmma of a loop that follows a masked loop over the same accumulators (NOTES v6).
 Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
-runs instead of ``_attn_fwd``, checked against it on its first use in the process.
+runs instead of ``_attn_fwd``, checked against it on its first use in the process. The deterministic
+backward's dK/dV may run an FA3-layout Gluon kernel (:mod:`flashrun.kernels.flash.hopper_bwd`;
+experimental, off unless ``FLASHRUN_HOPPER_BWD=1``), dQ staying with ``_attn_bwd_dq``.
 First calls: every launch goes through :func:`flashrun.kernels.tuning.launch`, so a call can be
 made in compile-only mode; the first call of each kind in a process compiles the forward's and
 backward's kernels at once (:func:`_compile_ahead`, :mod:`flashrun.kernels.warmup`).
@@ -91,7 +93,7 @@ import torch
 
 from flashrun.errors import ArgumentError
 from flashrun.kernels import warmup
-from flashrun.kernels.flash import decode, hopper
+from flashrun.kernels.flash import decode, hopper, hopper_bwd
 from flashrun.kernels.flash.args import (
     Variant,
     _cu_seqlens_arg,
@@ -279,10 +281,13 @@ def _keep_forward_plan(key: tuple, plan: _ForwardPlan) -> None:
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, sm_scale: float, variant: Variant, launch: Launch = None,
-                   deterministic: bool = DETERMINISTIC_BACKWARD) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   deterministic: bool = DETERMINISTIC_BACKWARD,
+                   try_gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
     (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
-    dQ kernel (7 matmuls, bitwise repeatable)."""
+    dQ kernel (7 matmuls, bitwise repeatable). ``try_gluon``: the deterministic dK/dV may take the
+    experimental Gluon sm_90 kernel where :mod:`.hopper_bwd` allows it (off unless
+    ``FLASHRUN_HOPPER_BWD=1``)."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     group = H // H_KV
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -339,11 +344,24 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
             run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
-    if N_K:
+    if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_dkdv_check):
+        dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split)
+        hopper_bwd.LAST_PATH = hopper.GLUON_PATH
+    elif N_K:
         run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **tuning))
+        hopper_bwd.LAST_PATH = hopper.TRITON_PATH
     if N_Q:
         run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
+
+
+def _portable_dkdv_check(q, k, v, do, sm_scale, causal):
+    """The portable forward and deterministic backward on the Gluon dK/dV's first-use check's small
+    inputs (fixed configs, no tuning): (dk, dv, lse, delta)."""
+    variant = Variant(causal=causal)
+    o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False)
+    _, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
+    return dk, dv, lse, (o.float() * do.float()).sum(-1)
 
 
 SPLIT_WAVES = 4  # dK/dV programs per SM below which a GQA group is split over more programs

@@ -1,0 +1,292 @@
+"""The Hopper (sm_90) dK/dV backward path: an FA3-layout Gluon kernel (:mod:`.hopper_bwd_jit`,
+benchmarks/NOTES.md v6 "Design 2" and v8), used by :func:`flashrun.kernels.flash._attn_backward`
+for dK and dV in the deterministic backward when it may be; dQ stays with the portable
+``_attn_bwd_dq``.
+
+**Experimental and unmeasured: off by default.** The kernel was compiled for sm_90 on a CPU
+(tests/compile_hopper_bwd.py: registers, spills, shared memory) but has not run on a GPU yet;
+``FLASHRUN_HOPPER_BWD=1`` (read at each call) turns it on, for benchmarks/gluon_bwd_probe.py and
+for trying it. Once the H200 has checked and timed it, :data:`DEFAULT_ON` is where it turns on.
+
+When it runs (:func:`eligible`): turned on, compiling (not the interpreter), a CUDA device of
+capability (9, 0), Triton's Gluon Hopper API (the forward's feature check,
+:func:`flashrun.kernels.flash.hopper.gluon_api`), float16/bfloat16, head_dim 64 or 128, dense
+(B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
+aligned (TMA descriptors), plain or causal (bottom-right aligned when Nq != Nk), any GQA group; no
+window, softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
+dK/dV kernel).
+
+The first eligible call per (dtype, head_dim) in a process compares the kernel with the portable
+dK/dV on small inputs (:func:`_self_check`: causal and not, GQA 2:1, a ragged tail); if it raises
+or disagrees the path is off for that (dtype, head_dim) in this process and one warning says why.
+
+Kernels (:data:`KERNELS`, fixed launches; :data:`DEFAULT` picks one per head_dim): 128-key blocks,
+two consumer warpgroups of 64 keys at 240 registers and a producer warp at 24 (maxnreg 168 so that
+12 warps fit the register file: 2 x 128 x 240 + 128 x 24 <= 65536), 64-row query blocks in a ring
+of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO) (64 rows) of
+2-byte elements + STAGES x (LSE + delta) (64 float32):
+  head_dim  64: 32 KB + 2 x 16 KB + 1 KB = 65 KB
+  head_dim 128: 64 KB + 2 x 32 KB + 1 KB = 129 KB (3 stages: 161.5 KB)
+One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
+(x the GQA split, :func:`dkdv`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flashrun.kernels.flash import hopper
+from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
+
+log = logging.getLogger("flashrun.hopper")
+
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)
+DEFAULT_ON = False  # unmeasured: only FLASHRUN_HOPPER_BWD=1 turns it on
+ENV = "FLASHRUN_HOPPER_BWD"
+LAST_PATH: str | None = None  # the dK/dV path the last deterministic backward took: GLUON_PATH or TRITON_PATH
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    head_dim: int
+    block_m: int = 64  # query rows per stage (wgmma's N for Sᵀ and dPᵀ)
+    stages: int = 2  # Q/dO ring depth
+    consumers: int = 2  # 64-key consumer warpgroups: the key block is 64 x consumers
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    maxnreg: int = 168  # launch cap: 12 warps x 32 x 168 <= 65536 (see the module docstring)
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.consumers
+
+
+SMEM_LIMIT = hopper.SMEM_LIMIT
+
+KERNELS = {
+    "d64": BwdConfig(64),
+    "d128": BwdConfig(128),
+    "d128-s3": BwdConfig(128, stages=3),
+}
+DEFAULT = {64: "d64", 128: "d128"}  # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
+OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
+
+
+def kernel_for(head_dim: int) -> str | None:
+    return DEFAULT.get(head_dim)
+
+
+def smem_bytes(cfg: BwdConfig) -> int:
+    """K and V (block_n rows), STAGES x (Q + dO) (block_m rows) of 2-byte elements, and STAGES x
+    (LSE + delta) (block_m float32 each); the barriers aside."""
+    return 2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
+
+
+def launched_threads(cfg: BwdConfig) -> int:
+    """warp_specialize rounds the partitions (4 warps per consumer, 1 producer) up to warpgroups."""
+    return 128 * (cfg.consumers + 1)
+
+
+def enabled() -> bool:
+    """FLASHRUN_HOPPER_BWD=1 turns it on, =0 off; unset: :data:`DEFAULT_ON`."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    return DEFAULT_ON
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
+    """None when this backward's dK/dV may take the Gluon path (before the first-use check), else why not."""
+    if not enabled():
+        return f"experimental, unmeasured: off unless {ENV}=1"
+    if INTERPRETED:
+        return "Triton's interpreter"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    return scope(q, k, v, do, variant) or hopper._api_reason() or _checked.get((q.dtype, q.shape[-1]))
+
+
+def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
+    """None when the inputs are in the kernel's scope (any device), else why not."""
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype}"
+    if q.dim() != 4 or variant.varlen:
+        return "packed sequences"
+    if q.shape[0] > 65535:  # the grid's third dimension
+        return f"batch {q.shape[0]} > 65535"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}"
+    if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
+        return "window/softcap/ALiBi"
+    if not all(hopper._aligned(t) for t in (q, k, v, do)):
+        return "strides or base not 16-byte aligned"
+    return None
+
+
+# -- launcher -------------------------------------------------------------------------------------
+
+
+def rows_aligned(t: torch.Tensor) -> torch.Tensor:
+    """LSE or delta (B, H, N_Q) float32 as a TMA descriptor can read it: last dim contiguous, the
+    other strides and the base 16-byte aligned. The forward's LSE is contiguous, so that holds when
+    N_Q % 4 == 0; otherwise a copy with each row padded to a multiple of 4 (the descriptor still
+    ends rows at N_Q, and the copy engine zero-fills past it)."""
+    if t.stride(2) == 1 and t.data_ptr() % 16 == 0 and all(s * 4 % 16 == 0 for s in t.stride()[:2]):
+        return t
+    padded = torch.empty((*t.shape[:2], cdiv(t.shape[2], 4) * 4), dtype=t.dtype, device=t.device)
+    padded[..., :t.shape[2]] = t
+    return padded[..., :t.shape[2]]
+
+
+def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1):
+    """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
+    head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
+    partials. Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90
+    without a GPU)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashrun.kernels.flash.hopper_bwd_jit import HALF_N, LOG2E
+
+    z, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    if d != cfg.head_dim:
+        raise ValueError(f"kernel laid out for head_dim {cfg.head_dim}, got {d}")
+    if (h // h_kv) % split:
+        raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
+    gdtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+
+    def desc(t, rows):
+        block = [1, 1, rows, d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    def row_desc(t):  # LSE/delta (B, H, N_Q) float32: one unswizzled row of BLOCK_M per stage
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+        return TensorDescriptor(t, [z, h, n_q], list(t.stride()), [1, 1, cfg.block_m], layout)
+
+    lse, delta = rows_aligned(lse), rows_aligned(delta)
+    args = (desc(q, cfg.block_m), desc(k, HALF_N), desc(v, HALF_N), desc(do, cfg.block_m), row_desc(lse),
+            row_desc(delta), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k,
+            sm_scale, sm_scale * LOG2E)
+    constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=d, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), CONSUMER_REGS=cfg.consumer_regs,
+                      PRODUCER_REGS=cfg.producer_regs)
+    grid = (max(cdiv(n_k, cfg.block_n), 1), h_kv * split, z)
+    return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
+
+
+def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig,
+               split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
+
+    z, h_kv, n_k, d = k.shape
+    if split == 1:
+        dk = torch.empty((z, h_kv, n_k, d), dtype=k.dtype, device=k.device)
+        dv = torch.empty_like(dk)
+    else:  # each part's partial in float32, summed below (in a fixed order: repeatable)
+        dk, dv = (torch.empty((z, h_kv * split, n_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
+    grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal, cfg, split)
+    launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
+    if split > 1:
+        dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
+        dv = dv.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
+    return dk, dv
+
+
+RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
+
+
+def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) through the Gluon kernel; call only where :func:`eligible` and :func:`ensure_checked`
+    allow it. ``kv_split(programs, group, device)``: over how many programs to spread a GQA group
+    (the portable kernel's rule, ``attention._kv_split``); None: one."""
+    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1])]
+    group = q.shape[1] // k.shape[1]
+    programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
+    split = kv_split(programs, group, q.device) if kv_split is not None else 1
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split)
+
+
+# -- first use: check against the portable kernel -------------------------------------------------
+
+# (dtype, head_dim) -> why the path is off after its first-use check there (None: it passed)
+_checked: dict[tuple[torch.dtype, int], str | None] = {}
+
+# Max-abs bounds on dK and dV against the portable kernel on the check's inputs (randn, N ~ 200):
+# both accumulate in float32 and round P and dS to the input dtype before their matmuls, over
+# query blocks in another order; |dK|, |dV| stay below ~10 there, so a few units in the last place
+# of fp16 (2^-11 relative) or bf16 (2^-8). A wrong mask, tile or head gives errors of order 1.
+CHECK_ATOL = {torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
+CHECK_SHAPE = (1, 4, 2, 200, 190)  # (batch, query heads, k/v heads, N_Q, N_K): GQA 2:1, Nq != Nk, ragged
+
+
+def _self_check(device, dtype, head_dim, portable) -> str | None:
+    """None when the Gluon dK/dV agrees with ``portable(q, k, v, do, sm_scale, causal) -> (dk, dv)``
+    on small inputs of this dtype and head_dim, causal and not, else what went wrong. While
+    compiling ahead the launches only compile, so nothing is compared."""
+    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(head_dim)]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    z, h, h_kv, n_q, n_k = CHECK_SHAPE
+    for causal in (False, True):
+        q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        scale = head_dim ** -0.5
+        try:
+            dk_ref, dv_ref, lse, delta = portable(q, k, v, do, scale, causal)
+            split = 2 if causal and (h // h_kv) % 2 == 0 else 1  # the split path (float32 partials) too
+            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any failure turns the path off
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            return f"the Gluon dK/dV kernel raised {type(exc).__name__}: {last}"
+        if compiling():
+            continue
+        err_k = (dk.float() - dk_ref.float()).abs().max().item()
+        err_v = (dv.float() - dv_ref.float()).abs().max().item()
+        label = f"Nq={n_q} Nk={n_k} D={head_dim} GQA {h}/{h_kv} {'causal' if causal else 'full'}"
+        if not (err_k <= CHECK_ATOL[dtype] and err_v <= CHECK_ATOL[dtype]):  # NaN fails too
+            return (f"the Gluon dK/dV kernel disagrees with the portable one ({label}: max |ddK| {err_k:.3g}, "
+                    f"max |ddV| {err_v:.3g})")
+    return None
+
+
+def ensure_checked(device, dtype, head_dim, portable) -> bool:
+    """Run the first-use check once per process, dtype and head_dim; True when the path stays on.
+    While compiling ahead the check's kernels are compiled, nothing runs, and the path is taken as
+    on: the check itself runs on the first real call."""
+    key = (dtype, head_dim)
+    if key in _checked:
+        return _checked[key] is None
+    if compiling():
+        _self_check(device, dtype, head_dim, portable)
+        return True
+    reason = _self_check(device, dtype, head_dim, portable)
+    _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
+    if reason:
+        log.warning("flashrun: the Gluon sm_90 dK/dV backward is off for %s, head_dim %d in this process (%s); "
+                    "the portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
+    else:
+        log.info("dK/dV path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
+                 hopper.GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
+    return _checked[key] is None
+
+
+def applies(q, k, v, do, variant, portable) -> bool:
+    """Whether this backward's dK/dV takes the Gluon path: eligible and its first-use check passed."""
+    return eligible(q, k, v, do, variant) is None and ensure_checked(q.device, q.dtype, q.shape[-1], portable)
+
+
+def reset() -> None:
+    """Forget the first-use checks and the last path (tests)."""
+    global LAST_PATH
+    _checked.clear()
+    LAST_PATH = None

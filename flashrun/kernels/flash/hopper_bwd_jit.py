@@ -1,0 +1,288 @@
+"""The FA3-layout Hopper (sm_90) dK/dV backward in Gluon (benchmarks/NOTES.md v6 "Design 2", v8):
+the kernel only. The gate and launcher are in :mod:`flashrun.kernels.flash.hopper_bwd`; dQ stays
+with the portable ``_attn_bwd_dq`` (7 matmuls per tile pair in all, as the deterministic backward);
+the maths is in :mod:`flashrun.kernels.flash`.
+
+Why: the Triton dK/dV kernel holds K, V and both float32 accumulators in one 8-warp program at
+255 registers, one program per SM, nothing overlapping one warpgroup's exp2 with the tensor cores
+but the other warpgroup in lock-step with it (NOTES v6: 44 % of the matmul roof against cuDNN's 60 %).
+FlashAttention-3 (Shah et al., 2024) splits the work across specialized warps instead.
+
+A program owns ``CONSUMERS`` x 64 keys (128 with two consumers) of one k/v head and walks every
+query block that sees them, for every query head of the GQA group in turn (head-major, one flat
+loop: dK/dV sum over the group without atomics, as the Triton kernel folds them). Three
+partitions (``gl.warp_specialize``):
+  * producer (worker, 1 warp, 24 registers): TMA loads of each consumer's 64 K and V rows once,
+    then per query block of Q with its rows' LSE and of dO with their delta into a ring of
+    ``STAGES`` shared-memory stages; per stage a Q-ready and a dO-ready mbarrier (expect-tx) and
+    an empty mbarrier that every consumer arrives on;
+  * ``CONSUMERS`` consumers (the default partition and a 4-warp worker, one warpgroup each, 240
+    registers through setmaxnreg): consumer c owns keys [64c, 64c + 64) of the block, its K_c and
+    V_c in shared memory and dK_c, dV_c (64 x HEAD_D float32 each) in registers. Per query block:
+        dPᵀ − delta = V_c dOᵀ − delta   async wgmma from shared memory, accumulator set to −delta
+        Sᵀ = K_c Qᵀ                       async wgmma from shared memory
+        Pᵀ = exp2(Sᵀ · qk_scale − LSE · log2 e)        (masked on the causal diagonal)
+        dV_c += Pᵀ dO                     async wgmma, Pᵀ in fp16/bf16 registers as the A operand
+        dSᵀ = Pᵀ ∘ (dPᵀ − delta)                        (while dV's wgmma runs)
+        dK_c += dSᵀ Q                     async wgmma, dSᵀ in registers as the A operand
+    then the stage is released. Two warpgroups run the same loop on the same stages, so the SM's
+    schedulers interleave one's exp2 and dS with the other's wgmmas. dK is scaled by sm_scale once,
+    at the end, as the Triton kernel does.
+
+Registers per consumer thread at HEAD_D = 128, BLOCK_M = 64: dK_c + dV_c 2 x 64 x 128 / 128 = 128,
+Sᵀ/Pᵀ and dPᵀ/dSᵀ 2 x 32 float32 and Pᵀ's operand 16 at the peak (208), leaving ~30 of the 240 for
+addresses and loop state. A per-query vector (LSE, delta) costs 16 more in Sᵀ's layout (each
+thread holds 16 of its 64 columns), which is why LSE comes from shared memory right before its
+use and delta rides in dPᵀ's accumulator (both measured: with the vectors in registers ptxas
+spilled 12-228 bytes at head_dim 128).
+
+Edges. Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, HEAD_D] (and
+3-D over LSE/delta's (batch, heads, seq)), so the copy engine zero-fills rows past a head's
+sequence: a neighbouring head's rows, NaN included, never reach a tile. Query rows past N_Q load
+q = dO = 0 and LSE = delta = 0, so P = 1 there but dV += P · 0 and dS = P · (0 − 0): they add
+exactly 0. Keys past N_K load as 0 and only ever reach their own rows of dK and dV (row j of dV is
+Σ_i Pᵀ_ji dO_i), which are never stored: they need no mask. A row that sees no key has
+LSE = -inf: its LSE · log2 e is taken as +inf, so P = exp2(s − inf) = 0, not NaN. Causal with
+Nq != Nk is aligned bottom-right: query i sees keys j <= i + N_K − N_Q; the query blocks before
+the first row that sees the block's first key are not visited, and only blocks on the diagonal
+(some row misses some key of this consumer's 64) pay for the mask.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
+# the old name as a stub that raises)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+LOG2E = 1.4426950408889634
+HALF_N = 64  # keys per consumer warpgroup (wgmma's M is 64 per warpgroup)
+LOG2E_C = gl.constexpr(LOG2E)
+HALF_N_C = gl.constexpr(HALF_N)
+
+
+@gluon.jit
+def _query_blocks(start_n, N_Q, N_K, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first query block, query blocks from there) that see some key of the block at start_n:
+    causal, query i sees key start_n from row start_n - (N_K - N_Q) on (bottom-right alignment)."""
+    n_m = gl.cdiv(N_Q, BLOCK_M)
+    if CAUSAL:
+        first = gl.minimum(gl.maximum(start_n - (N_K - N_Q), 0) // BLOCK_M, n_m)
+    else:
+        first = n_m * 0  # (a tensor, as in the causal branch)
+    return first, n_m - first
+
+
+@gluon.jit
+def _next_block(off_h, start_m, first_m, N_Q, BLOCK_M: gl.constexpr):
+    """The loop step after (query head off_h, first row start_m): the next query block, or the
+    next query head of the GQA group from its first block (head-major)."""
+    start_m += BLOCK_M
+    wrap = start_m >= N_Q
+    return gl.where(wrap, off_h + 1, off_h), gl.where(wrap, first_m, start_m)
+
+
+@gluon.jit
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                  lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
+                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    start_n = gl.program_id(0) * (CONSUMERS * HALF_N_C)
+    off_hkv = gl.program_id(1)
+    off_z = gl.program_id(2)
+    # each consumer's K and V rows, once: they stay in shared memory for the whole loop
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [off_z, off_hkv // KV_SPLIT, start_n + c * HALF_N_C, 0], kv_bars.index(c), k_smem.index(c))
+        _tma_load(v_desc, [off_z, off_hkv // KV_SPLIT, start_n + c * HALF_N_C, 0], kv_bars.index(c), v_smem.index(c))
+    first, n_m = _query_blocks(start_n, N_Q, N_K, BLOCK_M, CAUSAL)
+    off_h = off_hkv * GROUP
+    start_m = first * BLOCK_M
+    for i in range(GROUP * n_m):
+        s = i % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0: the first lap passes
+        mbarrier.wait(empty_bars.index(s), ((i // STAGES) & 1) ^ 1)
+        # Q with its rows' LSE, dO with their delta: rows past N_Q (and past the head) land as zeros
+        mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        _tma_load(q_desc, [off_z, off_h, start_m, 0], q_bars.index(s), q_smem.index(s))
+        _tma_load(lse_desc, [off_z, off_h, start_m], q_bars.index(s), lse_smem.index(s))
+        mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
+        _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, N_Q, BLOCK_M)
+
+
+@gluon.jit
+def _probs(sT, lse2, offs_m, diag, qk_scale, MASKED: gl.constexpr):
+    """Pᵀ = exp2(Sᵀ · qk_scale − lse2) for keys (Sᵀ's rows) x queries start_m + offs_m (its
+    columns); MASKED: 0 where key j lies right of query i's diagonal (j > i + shift), i.e. where
+    ``diag`` = j − shift − start_m (per key) > offs_m (per column)."""
+    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse2, 0))
+    if MASKED:
+        pT = gl.where(gl.expand_dims(diag, 1) <= gl.expand_dims(offs_m, 0), pT, 0.0)
+    return pT
+
+
+@gluon.jit
+def _store_rows(DST, base, rows, n_rows, stride_m, acc, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """Store acc (64 rows x WIDTH columns) to DST's rows below n_rows, in DST's dtype."""
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    ptrs = DST + base + gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, acc.to(DST.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars,
+                  DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
+                  C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D); Pᵀ, dSᵀ as their A operands
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    start_n = gl.program_id(0) * (CONSUMERS * HALF_N_C)
+    off_hkv = gl.program_id(1)
+    off_z = gl.program_id(2)
+    key0 = start_n + C * HALF_N_C  # this consumer's first key
+    keys = key0 + gl.arange(0, HALF_N_C, layout=key_s)
+    offs_m = gl.arange(0, BLOCK_M, layout=query_s)
+    shift = N_K - N_Q  # bottom-right alignment: query i faces key i + shift
+    # causal: query blocks from this row on see every key of this consumer's 64 (no mask)
+    full_from = key0 + HALF_N_C - 1 - shift
+    first, n_m = _query_blocks(start_n, N_Q, N_K, BLOCK_M, CAUSAL)
+
+    k = k_smem.index(C).reshape([HALF_N_C, HEAD_D])
+    v = v_smem.index(C).reshape([HALF_N_C, HEAD_D])
+    s_zero = gl.zeros([HALF_N_C, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([HALF_N_C, HEAD_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF_N_C, HEAD_D], gl.float32, layout=acc_layout)
+    # LSE and delta come with Q and dO through the ring and are read right before their use (a
+    # per-query vector costs 16 registers a thread here, see the module docstring); −delta goes into
+    # dPᵀ's accumulator. That wgmma is issued first: ptxas waits for every wgmma in flight before
+    # one whose accumulator registers other instructions defined after the step's first wgmma (the
+    # broadcast's register copies, here), which would serialize Sᵀ and dPᵀ
+    start_m = first * BLOCK_M
+    s = 0  # the ring's stage and its phase, carried (i % STAGES costs registers when STAGES is not 2^k)
+    phase = 0
+    mbarrier.wait(kv_bars.index(C), 0)
+    for i in range(GROUP * n_m):  # head-major over the GQA group: one flat loop (see the Triton kernel)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        mbarrier.wait(do_bars.index(s), phase)
+        delta = delta_smem.index(s).reshape([BLOCK_M]).load(query_s)
+        dp_init = s_zero - gl.expand_dims(delta, 0)
+        dpT_tok = warpgroup_mma(v, do.permute((1, 0)), dp_init, is_async=True)  # dPᵀ − delta = V_c dOᵀ − delta
+        mbarrier.wait(q_bars.index(s), phase)
+        sT_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ = K_c Qᵀ
+        # rows past N_Q have LSE = delta = 0 and q = dO = 0: they add nothing; a row that saw no
+        # key (LSE = -inf) gets +inf, so that P = exp2(s − inf) = 0, not NaN
+        lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+        dpT, sT = warpgroup_mma_wait(0, deps=(dpT_tok, sT_tok))
+        if CAUSAL:
+            if start_m < full_from:  # the diagonal
+                pT = _probs(sT, lse2, offs_m, keys - shift - start_m, qk_scale, True)
+            else:
+                pT = _probs(sT, lse2, offs_m, keys, qk_scale, False)
+        else:
+            pT = _probs(sT, lse2, offs_m, keys, qk_scale, False)
+        pT_op = gl.convert_layout(pT.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(pT_op, do, dv, is_async=True)  # dV_c += Pᵀ dO
+        dsT = pT * dpT  # dSᵀ = Pᵀ ∘ (dPᵀ − delta), while dV's wgmma runs
+        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(dsT_op, q, dk, is_async=True)  # dK_c += dSᵀ Q (scaled at the end)
+        start_m += BLOCK_M  # the next step's rows: the next block, or the next head's first
+        start_m = gl.where(start_m >= N_Q, first * BLOCK_M, start_m)
+        # the operands in registers stay alive until their wgmmas are done
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        mbarrier.arrive(empty_bars.index(s), count=1)  # this consumer is done with stage s
+        s += 1
+        phase = gl.where(s == STAGES, phase ^ 1, phase)
+        s = gl.where(s == STAGES, 0, s)
+
+    dk = dk * sm_scale
+    rows_kv = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc_layout))
+    base = off_z.to(gl.int64) * stride_dkz + off_hkv * stride_dkh  # DV shares DK's (contiguous) strides
+    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, HEAD_D, acc_layout)
+    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, HEAD_D, acc_layout)
+
+
+# lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
+# one compile serves every N
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh"])
+def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
+                  stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
+                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
+    H_KV, B). q_desc, do_desc: 4-D descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M,
+    HEAD_D]; k_desc, v_desc over k, v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D];
+    lse_desc, delta_desc: 3-D over LSE (natural log) and Delta = rowsum(dO ∘ O), float32
+    (B, H, N_Q), box [1, 1, BLOCK_M], unswizzled. DK, DV: (B, H_KV, N_K, HEAD_D), one layout, last
+    dim contiguous, written in their dtype. qk_scale = sm_scale · log2 e. Launch with num_warps=4
+    (the default partition, consumer 0) and maxnreg so that setmaxnreg can hand the consumers
+    CONSUMER_REGS and the producer PRODUCER_REGS.
+
+    KV_SPLIT > 1 spreads each k/v head's GQA group over that many programs (as the Triton kernel:
+    H_KV and GROUP are then per part, H_KV parts of GROUP query heads): part p of k/v head
+    p // KV_SPLIT writes its partial dK/dV as head p of DK/DV (float32), which the launcher sums."""
+    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(STAGES >= 2)  # a stage is reloaded only once both consumers released it
+    gl.static_assert(HEAD_D == 64 or HEAD_D == 128)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(kv_bars.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_bars.index(s), count=1)
+        mbarrier.init(do_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=CONSUMERS)  # every consumer releases a stage
+    fence_async_shared()
+
+    # the argument tuples are written in the call: a tuple assigned to a variable first would
+    # turn its constexprs (C, HEAD_D, ...) into tensors
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
+                             empty_bars, DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
+                             0, GROUP, HEAD_D, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
+                             empty_bars, DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
+                             1, GROUP, HEAD_D, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                             v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
+                             GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
+                             empty_bars, DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
+                             0, GROUP, HEAD_D, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                             v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
+                             GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+        ], [1], [PRODUCER_REGS])

@@ -1,0 +1,174 @@
+"""Compile the Gluon sm_90 dK/dV backward (flashrun/kernels/flash/hopper_bwd_jit.py) for a Hopper
+GPU on a machine without one: every kernel in hopper_bwd.KERNELS, fp16 and bf16, causal and not,
+plain (GQA 1:1, bf16/fp16 outputs) and the GQA split (float32 partial outputs); report what the PTX
+holds (wgmma, TMA loads, mbarrier, setmaxnreg and its register counts), the threads launched,
+shared memory, and what ptxas -v makes of it: registers, spill bytes, its warning C7515 ("wgmma
+serialized"), which would cost more than any spill (NOTES v6), and the wgmma waits in the SASS
+(the kernel's own are 2 per consumer; ptxas adds one, silently, before a wgmma whose accumulator
+other instructions wrote while an earlier wgmma of the same stage was in flight).
+
+    python tests/compile_hopper_bwd.py [--kernels d64,d128] [--pairs] [--jobs N] [--ptx DIR]
+
+The registers ptxas reports are the launch's cap (maxnreg); the partitions re-split them with
+setmaxnreg (consumers 240, producer 24), and a partition that needs more than its share spills,
+which the spill bytes show. Exit status 0: all compiled, none spills or serializes or waits more
+than the kernel does, shared memory and threads as hopper_bwd says; 3: this Triton lacks the Gluon
+Hopper API or cannot compile for sm_90 here (nothing was checked); 1: a compile failed or a check
+above did not hold.
+"""
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from flashrun.kernels.flash import hopper as flash_hopper, hopper_bwd  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_one(dtype, causal, cfg, group=1, split=1):
+    """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
+
+    z, h_kv, n, d = 1, 2, 256, cfg.head_dim
+    q = torch.empty(z, h_kv * group, n, d, dtype=dtype)
+    k = torch.empty(z, h_kv, n, d, dtype=dtype)
+    lse = torch.empty(z, h_kv * group, n, dtype=torch.float32)
+    out_dtype = dtype if split == 1 else torch.float32
+    dk = torch.empty(z, h_kv * split, n, d, dtype=out_dtype)
+    _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split)
+    signature, constants = {}, {}
+    params = list(_fa3_bwd_dkdv.params)
+    for p, value in zip(params, list(args) + [None] * len(params)):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constants[(params.index(p),)] = constexprs[p.name]
+        else:
+            signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
+    src = GluonASTSource(_fa3_bwd_dkdv, signature, constants)
+    return triton.compile(src, target=TARGET, options=options)
+
+
+def ptxas(ptx: str) -> dict:
+    """ptxas -v (sm_90a) with the ptxas this Triton compiles sm_90 with: registers, spills, C7515,
+    and from the SASS (cuobjdump) how many wgmma waits (WARPGROUP.DEPBAR) the code holds."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+        src.write_text(ptx)
+        out = subprocess.run([get_ptxas(TARGET.arch).path, "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
+                             capture_output=True, text=True)
+        sass = (subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
+                if out.returncode == 0 and cuobjdump.exists() else "")
+    info = out.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return {"rc": out.returncode, "regs": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else None,
+            "spill_loads": int(spills.group(2)) if spills else None,
+            "serialized": "C7515" in info or "serialized" in info,
+            "waits": len(re.findall(r"WARPGROUP\.DEPBAR", sass)) if sass else None,
+            "warnings": [line for line in info.splitlines() if "warning" in line.lower()]}
+
+
+def check_one(job) -> tuple[bool, str]:
+    """Compile one (kernel name, config, dtype, causal, group, split) and describe it."""
+    name, cfg, dtype, causal, group, split, ptx_dir = job
+    label = (f"{name} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full  '} "
+             f"{'GQA ' + str(group) + ':1 split ' + str(split) if split > 1 else 'GQA ' + str(group) + ':1'}")
+    start = time.perf_counter()
+    try:
+        kernel = compile_one(dtype, causal, cfg, group, split)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-4:])
+    ptx = kernel.asm["ptx"]
+    counts = {n: len(re.findall(pat, ptx)) for n, pat in (
+        ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+        ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
+    nregs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx)
+    info = ptxas(ptx)
+    if ptx_dir:
+        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
+        Path(ptx_dir, f"fa3_bwd_{name}_{str(dtype)[6:]}_{int(causal)}_g{group}s{split}.ptx").write_text(ptx)
+    problems = []
+    if threads and int(threads.group(1)) != hopper_bwd.launched_threads(cfg):
+        problems.append(f"launches {threads.group(1)} threads, hopper_bwd says {hopper_bwd.launched_threads(cfg)}")
+    if kernel.metadata.shared > hopper_bwd.SMEM_LIMIT:
+        problems.append(f"shared memory {kernel.metadata.shared} B over {hopper_bwd.SMEM_LIMIT}")
+    if info["rc"] != 0:
+        problems.append(f"ptxas exited {info['rc']}")
+    if info["spill_stores"] or info["spill_loads"]:
+        problems.append("spills")
+    if info["serialized"]:
+        problems.append("wgmma serialized (C7515)")
+    if counts["wgmma"] == 0 or counts["tma"] == 0 or counts["setmaxnreg"] == 0:
+        problems.append("no wgmma, TMA load or setmaxnreg in the PTX")
+    # the kernel waits twice per step and consumer (Sᵀ and dPᵀ; dV and dK): a wait ptxas adds
+    # serializes wgmmas the kernel meant to overlap (as an accumulator written mid-stage made it)
+    if info["waits"] is not None and info["waits"] > 2 * cfg.consumers:
+        problems.append(f"{info['waits']} wgmma waits in the SASS, the kernel has {2 * cfg.consumers}")
+    spill = (f"{info['spill_stores']}/{info['spill_loads']}" if info["spill_stores"] is not None else "?")
+    line = (f"{label}: {time.perf_counter() - start:4.1f}s  threads {threads.group(1) if threads else '?'}  "
+            f"shared {kernel.metadata.shared} B  " + " ".join(f"{k} {v}" for k, v in counts.items())
+            + f" (to {nregs})  ptxas: {info['regs']} regs (launch cap), spill stores/loads {spill} B, "
+            + ("C7515 SERIALIZED" if info["serialized"] else "no C7515") + f", wgmma waits {info['waits']}")
+    if problems:
+        return False, f"FAIL {line}\n     " + "; ".join(problems) + "".join("\n     " + w for w in info["warnings"])
+    return True, f"ok   {line}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", help="comma-separated hopper_bwd.KERNELS names (default: all)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="per kernel only fp16 full and bf16 causal GQA split (each dtype, mask and output once)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
+    ap.add_argument("--ptx", help="write each PTX here")
+    ns = ap.parse_args()
+    missing = flash_hopper.gluon_api()
+    if missing:
+        print(f"Triton {triton.__version__}: {missing}; nothing compiled")
+        return 3
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401 - the CUDA backend is here
+    except Exception as exc:  # noqa: BLE001
+        print(f"Triton {triton.__version__}: no CUDA backend to compile sm_90 with ({exc}); nothing compiled")
+        return 3
+    names = ns.kernels.split(",") if ns.kernels else list(hopper_bwd.KERNELS)
+    # (dtype, causal, GQA group, split): the plain launch and the split GQA one (float32 partials)
+    cases = ([(torch.float16, False, 1, 1), (torch.bfloat16, True, 4, 2)] if ns.pairs else
+             [(dtype, causal, group, split) for dtype in hopper_bwd.DTYPES for causal in (False, True)
+              for group, split in ((1, 1), (4, 2))])
+    jobs = [(name, hopper_bwd.KERNELS[name], *case, ns.ptx) for name in names for case in cases]
+    print(f"Triton {triton.__version__}, sm_90, {len(jobs)} compiles", flush=True)
+    with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs),
+                                                mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(check_one, jobs))
+    for _, report in results:
+        print(report, flush=True)
+    return 0 if all(ok for ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

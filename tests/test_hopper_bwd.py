@@ -1,0 +1,277 @@
+"""The Gluon sm_90 dK/dV backward's gate, wiring and first-use check (flashrun.kernels.flash.hopper_bwd).
+
+No GPU here: the real gate must say no (off by default; with FLASHRUN_HOPPER_BWD=1 still no in the
+interpreter), and the wiring in ``_attn_backward`` is tested by pretending the gate is on (as on an
+H200 with the variable set) and injecting a kernel function as hopper_bwd.RUN: a float64 autograd
+reference standing in for a correct kernel, or a failing or wrong one. The portable side of the
+first-use check and the fallback are the real interpreted kernels. Whether the kernel compiles
+for sm_90 is tests/compile_hopper_bwd.py's job (run below).
+"""
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashrun.kernels.flash import attention as flash, hopper as flash_hopper, hopper_bwd
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    hopper_bwd.reset()
+    monkeypatch.setattr(hopper_bwd, "CHECK_SHAPE", (1, 4, 2, 24, 20))  # smaller for the interpreter
+    yield
+    hopper_bwd.reset()
+
+
+def _inputs(n=24, n_k=None, d=64, h=2, h_kv=2, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, n, d, generator=g).to(dtype)
+    k = torch.randn(1, h_kv, n_k or n, d, generator=g).to(dtype)
+    v = torch.randn(1, h_kv, n_k or n, d, generator=g).to(dtype)
+    do = torch.randn(1, h, n, d, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _reference_dkdv(q, k, v, do, sm_scale, causal):
+    """dK, dV by float64 autograd (GQA by repeating k/v heads; bottom-right causal)."""
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
+    if causal:
+        n_q, n_k = q.shape[2], k.shape[2]
+        s = s.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + n_k - n_q, -math.inf)
+    p = torch.nan_to_num(torch.softmax(s, -1))  # a row that sees no key: 0
+    (p @ v64.repeat_interleave(group, 1)).backward(do.double())
+    return k64.grad.to(k.dtype), v64.grad.to(v.dtype)
+
+
+def _reference_kernel(calls):
+    """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature)."""
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
+        calls.append((tuple(q.shape), causal, cfg, split))
+        return _reference_dkdv(q, k, v, do, sm_scale, causal)
+    return run
+
+
+def _pretend_hopper(monkeypatch):
+    """As on an H200 with triton 3.6: the real on/off switch, then every call in scope (float32 too,
+    the interpreter's exact dtype, so that the check's comparison means something here)."""
+    monkeypatch.setattr(hopper_bwd, "eligible", lambda q, k, v, do, variant: (
+        None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1])))
+    monkeypatch.setitem(hopper_bwd.CHECK_ATOL, torch.float32, 1e-4)
+
+
+def _backward(q, k, v, do, causal=False, deterministic=True):
+    variant = flash._variant(q, q.shape[0], k.shape[2], causal, (-1, -1), 0.0, None)
+    sm_scale = q.shape[-1] ** -0.5
+    o, lse = flash._attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False)
+    return flash._attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=deterministic)
+
+
+# -- the real gate --------------------------------------------------------------------------------
+
+
+def test_off_by_default():
+    q, k, v, do = _inputs(dtype=torch.bfloat16)
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
+    assert not hopper_bwd.enabled()
+    assert "FLASHRUN_HOPPER_BWD=1" in hopper_bwd.eligible(q, k, v, do, variant)
+    assert hopper_bwd.DEFAULT_ON is False  # unmeasured: nobody gets it without asking
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("0", False), ("off", False), ("", False)])
+def test_the_variable_turns_it_on(monkeypatch, value, on):
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", value)
+    assert hopper_bwd.enabled() is on
+
+
+def test_on_still_needs_an_sm90_gpu(monkeypatch):
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    q, k, v, do = _inputs(dtype=torch.float16)
+    variant = flash._variant(q, 1, k.shape[2], False, (-1, -1), 0.0, None)
+    assert hopper_bwd.eligible(q, k, v, do, variant) == "Triton's interpreter"
+    monkeypatch.setattr(hopper_bwd, "INTERPRETED", False)
+    assert hopper_bwd.eligible(q, k, v, do, variant) == "not an sm_90 GPU"  # CPU tensors
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(dtype=torch.float32), "dtype"), (dict(d=96), "head_dim 96"), (dict(d=256), "head_dim 256"),
+    (dict(window=(8, 0)), "window"), (dict(softcap=5.0), "softcap"), (dict(alibi=True), "ALiBi"),
+    (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
+    (dict(), None), (dict(d=128, causal=True, h=8, h_kv=2, n_k=40), None), (dict(model_view=True), None)])
+def test_scope(change, why):
+    d, dtype = change.get("d", 64), change.get("dtype", torch.bfloat16)
+    q, k, v, do = _inputs(d=d, dtype=dtype, h=change.get("h", 2), h_kv=change.get("h_kv", 2), n_k=change.get("n_k"))
+    if change.get("strided_do"):
+        do = torch.empty(1, 2, 24, d + 4, dtype=dtype)[..., :d]  # rows of d + 4 elements: not 16-byte strides
+    if change.get("expanded_kv"):
+        k = k[:, :1].expand(1, 2, *k.shape[2:])  # stride 0: no TMA descriptor
+    if change.get("model_view"):  # a model's (B, N, H, D) storage seen as (B, H, N, D)
+        q, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, do))
+    slopes = torch.ones(2) if change.get("alibi") else None
+    variant = flash._variant(q, 1, k.shape[2], change.get("causal", False), change.get("window", (-1, -1)),
+                             change.get("softcap", 0.0), slopes)
+    reason = hopper_bwd.scope(q, k, v, do, variant)
+    assert reason is None if why is None else why in reason
+
+
+def test_gluon_api_feature_check_never_raises():
+    reason = flash_hopper.gluon_api()
+    assert reason is None or isinstance(reason, str)
+
+
+# -- the wiring in _attn_backward ------------------------------------------------------------------
+
+
+def test_unset_variable_keeps_the_portable_kernel(monkeypatch):
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "RUN", lambda *a: pytest.fail("the Gluon kernel ran"))
+    q, k, v, do = _inputs()
+    dq, dk, dv = _backward(q, k, v, do, causal=True)
+    assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
+    ref_dk, ref_dv = _reference_dkdv(q, k, v, do, 64 ** -0.5, True)
+    torch.testing.assert_close(dk, ref_dk, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dv, ref_dv, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [dict(n=24), dict(n=30, n_k=20, h=4, h_kv=2)])
+def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape):
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
+    q, k, v, do = _inputs(**shape)
+    with caplog.at_level(logging.WARNING, logger="flashrun.hopper"):
+        dq, dk, dv = _backward(q, k, v, do, causal=True)
+    assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
+    assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
+    # the first-use check's two cases (full, then causal through the GQA split), then the call itself,
+    # its group spread as the portable kernel's would be
+    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device)
+    assert [(c[1], c[3]) for c in calls] == [(False, 1), (True, 2), (True, split)]
+    assert calls[-1][0] == tuple(q.shape) and calls[-1][2] == hopper_bwd.KERNELS["d64"]
+    ref_dk, ref_dv = _reference_dkdv(q, k, v, do, 64 ** -0.5, True)
+    torch.testing.assert_close(dk, ref_dk)
+    torch.testing.assert_close(dv, ref_dv)
+    # dQ is still the portable kernel's
+    monkeypatch.delenv("FLASHRUN_HOPPER_BWD")
+    expected = _backward(q, k, v, do, causal=True)
+    assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
+    torch.testing.assert_close(dq, expected[0], atol=0, rtol=0)
+    assert len(calls) == 3
+
+
+def test_atomic_backward_never_takes_it(monkeypatch):
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "RUN", lambda *a: pytest.fail("the Gluon kernel ran"))
+    _backward(*_inputs(), deterministic=False)
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong"])
+def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    calls = []
+
+    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
+        calls.append(causal)
+        if broken == "raises":
+            raise RuntimeError("PassManager::run failed")
+        return torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(hopper_bwd, "RUN", bad_kernel)
+    q, k, v, do = _inputs()
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    for _ in range(2):
+        _, dk, dv = _backward(q, k, v, do, causal=True)
+        assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
+        ref_dk, ref_dv = _reference_dkdv(q, k, v, do, 64 ** -0.5, True)
+        torch.testing.assert_close(dk, ref_dk, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dv, ref_dv, atol=1e-4, rtol=1e-4)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "flashrun.hopper"]
+    assert len(warnings) == 1, warnings
+    assert "portable Triton kernel is used" in warnings[0]
+    assert ("raised RuntimeError" if broken == "raises" else "disagrees") in warnings[0]
+    assert calls == [False]  # stopped at the first failing case, never called again
+
+
+def test_compiling_ahead_runs_no_check(monkeypatch):
+    """In compile-only mode the check's launches are handed over and nothing is compared; the
+    check itself runs on the first real call."""
+    from flashrun.kernels import tuning
+
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(hopper_bwd, "RUN", lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1: (
+        torch.zeros_like(k), torch.zeros_like(v)))
+    handed = []
+    q, k, v, do = _inputs()
+    with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel.__name__)):
+        assert hopper_bwd.ensure_checked(q.device, q.dtype, 64, flash._portable_dkdv_check)
+    assert hopper_bwd._checked == {}  # no verdict yet: a wrong kernel is still caught ...
+    assert "_attn_bwd_dkdv" in handed and "_attn_bwd_dq" in handed  # (the portable side, compiled)
+    _, dk, _ = _backward(q, k, v, do)
+    assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH  # ... on the first real call
+    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64)]
+
+
+# -- the launcher (host side only) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [16, 17, 1])
+def test_lse_rows_a_descriptor_can_read(n):
+    lse = torch.randn(2, 3, n)
+    out = hopper_bwd.rows_aligned(lse)
+    torch.testing.assert_close(out, lse, atol=0, rtol=0)
+    assert out.stride(2) == 1 and all(s * 4 % 16 == 0 for s in out.stride()[:2])
+    assert (out.data_ptr() == lse.data_ptr()) == (n % 4 == 0)  # a copy only when the rows are not aligned
+
+
+@pytest.mark.parametrize("name", list(hopper_bwd.KERNELS))
+def test_every_kernel_fits_an_sm(name):
+    cfg = hopper_bwd.KERNELS[name]
+    assert hopper_bwd.smem_bytes(cfg) <= hopper_bwd.SMEM_LIMIT - 2048
+    assert hopper_bwd.launched_threads(cfg) * cfg.maxnreg <= 65536
+    assert cfg.consumers * 128 * cfg.consumer_regs + 128 * cfg.producer_regs <= 65536
+    assert cfg.stages >= 2 and cfg.head_dim in hopper_bwd.HEAD_DIMS
+    assert hopper_bwd.DEFAULT[cfg.head_dim] in hopper_bwd.KERNELS
+
+
+@pytest.mark.skipif(flash_hopper.gluon_api() is not None, reason="this Triton lacks the Gluon Hopper API")
+@pytest.mark.parametrize("shape,split,grid", [
+    ((2, 8, 1000, 128), 1, (8, 2, 2)),  # q (B, H, N, D), k/v heads 2: GQA 4:1
+    ((2, 8, 1000, 128), 2, (8, 4, 2)),
+    ((1, 2, 17, 64), 1, (1, 2, 1))])
+def test_launch_grid_and_descriptors(shape, split, grid):
+    z, h, n, d = shape
+    cfg = hopper_bwd.KERNELS[hopper_bwd.kernel_for(d)]
+    q = torch.empty(shape, dtype=torch.bfloat16)
+    k = torch.empty(z, 2 if h == 8 else h, n, d, dtype=torch.bfloat16)
+    lse = torch.empty(z, h, n)
+    dk = torch.empty(z, k.shape[1] * split, n, d, dtype=torch.float32 if split > 1 else k.dtype)
+    got, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, cfg, split)
+    assert got == grid
+    assert constexprs["GROUP"] == h // k.shape[1] // split and constexprs["KV_SPLIT"] == split
+    assert [list(a.block_shape) for a in args[:6]] == [[1, 1, 64, d], [1, 1, 64, d], [1, 1, 64, d],
+                                                       [1, 1, 64, d], [1, 1, 64], [1, 1, 64]]
+    assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
+    assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
+    with pytest.raises(ValueError, match="split"):
+        hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, cfg, 3)
+
+
+def test_compiles_for_hopper(python):
+    """Every kernel in KERNELS compiles for sm_90 (fp16 full GQA 1:1 and bf16 causal GQA 4:1 split:
+    each dtype, mask and output dtype once; the script without --pairs compiles all eight) with
+    no spill, no C7515, no wgmma wait beyond the kernel's own (skips where this Triton lacks the
+    Gluon Hopper API or a CUDA backend)."""
+    result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--pairs")
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ok ") == 2 * len(hopper_bwd.KERNELS)
+    assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
