@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,20 +33,6 @@ def group(name: str) -> str:
     if any(part in low for part in MATMUL):
         return "matmul"
     return "other"
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def profiled(fn, calls: int = 2) -> dict:
@@ -93,6 +78,7 @@ def main() -> int:
     from flashrun.kernels import tuning
     from flashrun.kernels.flash import attention
     from flashrun.model import data, families, swap
+    from flashrun.model.speed import _timed as timed  # flashrun model's own timing
 
     if args.split_waves is not None:
         attention.SPLIT_WAVES = args.split_waves
