@@ -56,6 +56,49 @@ def profiled(fn, calls: int = 2) -> dict:
             "top": [(name[:90], round(ms, 3)) for name, ms in top]}
 
 
+def family(arch: str, args: argparse.Namespace) -> dict:
+    """Each of ``args.impls`` on ``arch``'s 1b model: timed, profiled, printed."""
+    from transformers import DynamicCache
+
+    from flashrun.kernels import tuning
+    from flashrun.model import data, families
+    from flashrun.model.speed import _timed as timed  # flashrun model's own timing
+
+    config = families.build_config(arch, "1b")
+    model = families.build(config, torch.bfloat16, "cuda", 0)
+    ids = data.copy_task(config.vocab_size, args.batch, args.seq_len, 0).to("cuda").input_ids
+
+    def prefill():
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                         past_key_values=DynamicCache(config=model.config))
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    rows = {}
+    for impl in args.impls.split(","):
+        model.set_attn_implementation(impl)
+        row = {"prefill_ms": round(timed(prefill, args.reps), 3), "train_ms": round(timed(train_step, args.reps), 3)}
+        tuning.chosen()
+        row["prefill_profile"], row["train_profile"] = profiled(prefill), profiled(train_step)
+        row["configs"] = tuning.chosen()
+        model.zero_grad(set_to_none=True)
+        rows[impl] = row
+        pre, train = row["prefill_profile"], row["train_profile"]
+        print(f"{args.label}{arch} {impl:10s} prefill {row['prefill_ms']:8.2f} ms (GPU {pre['gpu_ms']:7.2f}: attn "
+              f"{pre['attention']:6.2f} mm {pre['matmul']:6.2f} other {pre['other']:6.2f})  train "
+              f"{row['train_ms']:8.2f} ms (GPU {train['gpu_ms']:7.2f}: attn {train['attention']:6.2f} mm "
+              f"{train['matmul']:6.2f} other {train['other']:6.2f})", flush=True)
+        for phase in ("prefill_profile", "train_profile"):
+            for name, ms in row[phase]["top"][:8]:
+                print(f"    {phase[:5]} {ms:8.3f} ms  {name}")
+        if row["configs"]:
+            print("    configs", row["configs"])
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="llama,qwen2")
@@ -72,54 +115,16 @@ def main() -> int:
     if args.tune:
         os.environ["FLASHRUN_TUNE"] = "1"
 
-    from transformers import DynamicCache
-
     from flashrun import kernels
-    from flashrun.kernels import tuning
     from flashrun.kernels.flash import attention
-    from flashrun.model import data, families, swap
-    from flashrun.model.speed import _timed as timed  # flashrun model's own timing
+    from flashrun.model import swap
 
     if args.split_waves is not None:
         attention.SPLIT_WAVES = args.split_waves
-
     swap.register(kernels.get(args.kernel))
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "families": {}}
     for arch in args.arch.split(","):
-        config = families.build_config(arch, "1b")
-        model = families.build(config, torch.bfloat16, "cuda", 0)
-        ids = data.copy_task(config.vocab_size, args.batch, args.seq_len, 0).to("cuda").input_ids
-
-        def prefill():
-            with torch.no_grad():
-                return model(input_ids=ids, use_cache=True, logits_to_keep=1,
-                             past_key_values=DynamicCache(config=model.config))
-
-        def train_step():
-            model.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-
-        rows = {}
-        for impl in args.impls.split(","):
-            model.set_attn_implementation(impl)
-            row = {"prefill_ms": round(timed(prefill, args.reps), 3), "train_ms": round(timed(train_step, args.reps), 3)}
-            tuning.chosen()
-            row["prefill_profile"], row["train_profile"] = profiled(prefill), profiled(train_step)
-            row["configs"] = tuning.chosen()
-            model.zero_grad(set_to_none=True)
-            rows[impl] = row
-            print(f"{args.label}{arch} {impl:10s} prefill {row['prefill_ms']:8.2f} ms (GPU {row['prefill_profile']['gpu_ms']:7.2f}:"
-                  f" attn {row['prefill_profile']['attention']:6.2f} mm {row['prefill_profile']['matmul']:6.2f}"
-                  f" other {row['prefill_profile']['other']:6.2f})  train {row['train_ms']:8.2f} ms (GPU "
-                  f"{row['train_profile']['gpu_ms']:7.2f}: attn {row['train_profile']['attention']:6.2f} mm "
-                  f"{row['train_profile']['matmul']:6.2f} other {row['train_profile']['other']:6.2f})", flush=True)
-            for phase in ("prefill_profile", "train_profile"):
-                for name, ms in row[phase]["top"][:8]:
-                    print(f"    {phase[:5]} {ms:8.3f} ms  {name}")
-            if row["configs"]:
-                print("    configs", row["configs"])
-        results["families"][arch] = rows
-        del model
+        results["families"][arch] = family(arch, args)
         torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"model-profile{args.label}.json").write_text(json.dumps(results, indent=1))
