@@ -16,7 +16,7 @@ flashrun/harness/judge.py; the harness itself needs pydantic, which this machine
 Times are `triton.testing.do_bench` medians (L2 cleared before each call, the way `flashrun
 bench` times, so comparable with it) in microseconds, and `wall`: back-to-back calls without L2
 clearing, host overhead included (the number an inference loop without graphs sees). Then a
-small sweep of decode launch configs (block_n, warps, stages, waves) on two shapes.
+small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
 
     OUT=/tmp/out python benchmarks/decode_probe.py [--quick]
 
@@ -229,35 +229,38 @@ def label(cfg: LaunchConfig) -> str:
 
 
 def config_sweep(started) -> list[dict]:
-    """The decode kernel's fixed config and split target, varied on two shapes (correctness checked)."""
+    """The decode kernel's fixed config, split target (waves) and smallest split (key blocks),
+    varied on three shapes (correctness checked). MQA at B1 x 16k keys is one (batch, kv head) pair:
+    with MIN_CHUNK_BLOCKS = 4 its splits stop at 64, half of the H200's SMs (NOTES v8)."""
     out = []
-    default, waves = decode.DECODE, decode.WAVES
-    for b, h, h_kv, n in ((1, 8, 2, 600),) if SMOKE else ((2, 32, 8, 16384), (16, 32, 8, 4096)):
+    default, waves, chunk = decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS
+    for b, h, h_kv, n in ((1, 8, 2, 600),) if SMOKE else ((2, 32, 8, 16384), (16, 32, 8, 4096), (1, 32, 1, 16384)):
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         q = torch.randn(b, h, 1, D, device=DEVICE, generator=gen).to(BF16)
         k, v = (torch.randn(b, h_kv, n, D, device=DEVICE, generator=gen).to(BF16) for _ in range(2))
         ref = reference(q, k, v)
-        trials = [(cfg, waves) for cfg in CONFIGS] + [(default, w) for w in (1, 4, 8) if w != waves]
+        trials = ([(cfg, waves, chunk) for cfg in CONFIGS] + [(default, w, chunk) for w in (1, 4, 8) if w != waves]
+                  + [(default, waves, c) for c in (1, 2) if c != chunk])
         if SMOKE:
             trials = trials[:1] + trials[-1:]
-        for cfg, w in trials:
+        for cfg, w, c in trials:
             if time.perf_counter() - started > BUDGET_S + 30:
                 break
-            decode.DECODE, decode.WAVES = cfg, w
+            decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS = cfg, w, c
             decode._plans.clear()
+            shape = f"B{b} H{h}/{h_kv} N{n} bf16"
             try:
                 err = max_err(flash_attention(q, k, v), ref)
                 us = bench(lambda: flash_attention(q, k, v))
                 splits = next(iter(decode._plans.values())).splits
-                out.append({"shape": f"B{b} H{h}/{h_kv} N{n} bf16", "config": label(cfg), "waves": w,
-                            "splits": splits, "err": err, "ok": err <= 2 * max_err(cudnn(q, k, v), ref) + ATOL[BF16],
-                            "us": us})
+                out.append({"shape": shape, "config": label(cfg), "waves": w, "min_chunk": c, "splits": splits,
+                            "err": err, "ok": err <= 2 * max_err(cudnn(q, k, v), ref) + ATOL[BF16], "us": us})
             except Exception as exc:  # noqa: BLE001
-                out.append({"shape": f"B{b} H{h}/{h_kv} N{n} bf16", "config": label(cfg), "waves": w,
+                out.append({"shape": shape, "config": label(cfg), "waves": w, "min_chunk": c,
                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
-            print(f"  config {out[-1]['shape']:22s} {out[-1]['config']:12s} waves {w}: "
+            print(f"  config {shape:22s} {out[-1]['config']:12s} waves {w} min chunk {c}: "
                   f"{out[-1].get('us', float('nan')):7.1f} us, {out[-1].get('splits', '?')} splits", flush=True)
-    decode.DECODE, decode.WAVES = default, waves
+    decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS = default, waves, chunk
     decode._plans.clear()
     return out
 
@@ -288,7 +291,8 @@ def main() -> int:
     summary = {
         "checked": sum(1 for r in rows for k in r if k.endswith("_ok")),
         "failed": [f"{r['shape']} {k[:-3]}" for r in rows for k in r if k.endswith("_ok") and not r[k]]
-        + [f"config {c['shape']} {c['config']} waves {c['waves']}" for c in configs if c.get("ok") is False],
+        + [f"config {c['shape']} {c['config']} waves {c['waves']} min chunk {c['min_chunk']}" for c in configs
+           if c.get("ok") is False],
         "errors": [f"{r['shape']} {k[:-6]}: {r[k]}" for r in rows for k in r if k.endswith("_error")]
         + [f"config {c['shape']} {c['config']}: {c['error']}" for c in configs if "error" in c],
         "flash_vs_cudnn": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)} if ratios

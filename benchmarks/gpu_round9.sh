@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_round9.sh profile  # Proton's child pass (issue 23: one .hatchet per ok cell?),
 #                                          # model_profile.py with FLASHRUN_HOPPER_BWD=1 if set, and
 #                                          # the shipped table's backward entries (tune_table.py)
+#   bash benchmarks/gpu_round9.sh decode   # decode_probe.py over issue 22's grid, and its config sweep
+#                                          # with the smallest split (MIN_CHUNK_BLOCKS) varied: MQA at
+#                                          # B1 x 16k keys gets 64 splits for 132 SMs today
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 OUT=${OUT:-$PWD/gpu-session}
@@ -37,5 +40,8 @@ case "${1:-}" in
     timeout 280 python3 benchmarks/tune_table.py --keep-forward > "$OUT/tune_table.log" 2>&1
     echo "tune_table rc $?"; tail -3 "$OUT/tune_table.log"
     cp flashrun/kernels/tuned/*.json "$OUT/" ;;
-  *) echo "usage: $0 gluon|models|profile" >&2; exit 2 ;;
+  decode)
+    OUT="$OUT" timeout 560 python3 benchmarks/decode_probe.py > "$OUT/decode_probe.log" 2>&1
+    echo "decode_probe rc $?"; grep -E "config|shape|ratio|median|min" "$OUT/decode_probe.log" | cut -c1-160 | tail -60 ;;
+  *) echo "usage: $0 gluon|models|profile|decode" >&2; exit 2 ;;
 esac
