@@ -382,20 +382,30 @@ def ensure_checked(device, dtype, head_dim, portable) -> bool:
                  "Triton and kernel sources: %s)", GLUON_PATH, str(dtype).removeprefix("torch."), head_dim,
                  _verdicts_path())
         return True
+    passed = first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable), "forward")
+    if passed and verdict is not None and not compiling():
+        _remember_pass(verdict, device, dtype, head_dim)
+    return passed
+
+
+def first_use(checked: dict, key: tuple, check, what: str) -> bool:
+    """A Gluon path's first-use check for ``key`` (dtype, head_dim): ``check()`` says why the
+    kernel disagrees with the portable one, or None; the verdict is kept in ``checked`` and said
+    once (a warning when off, -v when on). While compiling ahead the check's kernels are only
+    compiled, nothing is kept, and the path is taken as on. True when the path stays on."""
     if compiling():
-        _self_check(device, dtype, head_dim, portable)
+        check()
         return True
-    reason = _self_check(device, dtype, head_dim, portable)
-    _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
+    reason = check()
+    checked[key] = f"disabled after its first-use check: {reason}" if reason else None
+    dtype, head_dim = str(key[0]).removeprefix("torch."), key[1]
     if reason:
-        log.warning("flashrun: the Gluon sm_90 forward is off for %s, head_dim %d in this process (%s); the "
-                    "portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
+        log.warning("flashrun: the Gluon sm_90 %s is off for %s, head_dim %d in this process (%s); the "
+                    "portable Triton kernel is used", what, dtype, head_dim, reason)
     else:  # shown with -v
-        log.info("forward path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
-                 GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
-        if verdict is not None:
-            _remember_pass(verdict, device, dtype, head_dim)
-    return _checked[key] is None
+        log.info("%s path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
+                 what, GLUON_PATH, dtype, head_dim)
+    return reason is None
 
 
 # -- the first-use check's verdicts, kept across processes ----------------------------------------

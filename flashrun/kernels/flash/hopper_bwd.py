@@ -33,7 +33,6 @@ One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -42,7 +41,6 @@ import torch
 from flashrun.kernels.flash import hopper
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
-log = logging.getLogger("flashrun.hopper")
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
@@ -266,18 +264,7 @@ def ensure_checked(device, dtype, head_dim, portable) -> bool:
     key = (dtype, head_dim)
     if key in _checked:
         return _checked[key] is None
-    if compiling():
-        _self_check(device, dtype, head_dim, portable)
-        return True
-    reason = _self_check(device, dtype, head_dim, portable)
-    _checked[key] = f"disabled after its first-use check: {reason}" if reason else None
-    if reason:
-        log.warning("flashrun: the Gluon sm_90 dK/dV backward is off for %s, head_dim %d in this process (%s); "
-                    "the portable Triton kernel is used", str(dtype).removeprefix("torch."), head_dim, reason)
-    else:
-        log.info("dK/dV path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
-                 hopper.GLUON_PATH, str(dtype).removeprefix("torch."), head_dim)
-    return _checked[key] is None
+    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable), "dK/dV backward")
 
 
 def applies(q, k, v, do, variant, portable) -> bool:
