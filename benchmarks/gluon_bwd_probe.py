@@ -21,7 +21,7 @@ NOTES v8): is it right, and is the backward faster with it? For deciding hopper_
    the portable deterministic backward's dK/dV is judged the same way and printed beside it, with
    max|Gluon − portable|. A kernel with any failed case is not timed.
 2. Timing, bf16: the backward alone (torch.autograd.grad of a kept graph; do_bench medians) of
-   flash's deterministic backward with the Gluon dK/dV (FLASHRUN_HOPPER_BWD=1, each kernel through
+   flash's deterministic backward with the Gluon dK/dV (on by default since v9; each kernel through
    hopper_bwd.OVERRIDE, its first-use check included once, untimed) against the portable one and
    cuDNN's SDPA backward: D = 64 and 128, causal and full, N = 2048 and 8192 (hidden 2048, 32768
    tokens), llama-1b's B4 H32/8 N2048 D64 and qwen2-1b's B4 H12/2 N2048 D128 (causal). TFLOP/s =
@@ -169,9 +169,10 @@ def _warm(job: tuple) -> tuple[tuple, str | None, float]:
         kind, name, dtype, d, causal, group, split, n = job
         dtype = getattr(torch, dtype)
         if kind == "gluon":  # lengths and strides are not specialized on: one launch per binary
-            q, do = (torch.randn(1, 2 * group, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
+            h = 2 * group * split  # ``group``: query heads per program
+            q, do = (torch.randn(1, h, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(1, 2, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
-            lse, delta = torch.zeros(1, 2 * group, 130, device=DEVICE), torch.zeros(1, 2 * group, 130, device=DEVICE)
+            lse, delta = torch.zeros(1, h, 130, device=DEVICE), torch.zeros(1, h, 130, device=DEVICE)
             gluon_dkdv(q, k, v, do, lse, delta, d ** -0.5, causal, hopper_bwd.KERNELS[name], split)
         elif kind == "check":  # the correctness cases' portable forward and backward (fixed configs)
             n_q, n_k = n
@@ -321,14 +322,15 @@ def timed_shapes() -> list[tuple]:
 def timed_split(b, h, h_kv, n, d) -> int:
     """The GQA split the product path will use for this shape on this GPU (hopper_bwd.dkdv's rule)."""
     programs = hopper_bwd.cdiv(n, 128) * b * h_kv
-    return flash._kv_split(programs, h // h_kv, torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu"))
+    return flash._kv_split(programs, h // h_kv, torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu"),
+                           hopper_bwd.SPLIT_WAVES)
 
 
 def use_path(name: str | None) -> None:
     """The backward's dK/dV path for what follows: None the portable kernel, else that Gluon
     kernel through the product path (its first-use check runs on its first use)."""
     if name is None:
-        os.environ.pop(hopper_bwd.ENV, None)
+        os.environ[hopper_bwd.ENV] = "0"
         hopper_bwd.OVERRIDE = None
         return
     os.environ[hopper_bwd.ENV] = "1"
@@ -523,6 +525,13 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400.0, help="no new case or shape after this many seconds")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--no-timing", action="store_true", help="correctness only")
+    ap.add_argument("--no-checks", action="store_true",
+                    help="timing only (each timed Gluon path is still compared with the portable one first)")
+    ap.add_argument("--only", default="", help="time only the shapes whose label holds one of these (comma list)")
+    ap.add_argument("--split-waves", default="",
+                    help="time each shape once per GQA split threshold, both paths' (attention.SPLIT_WAVES, "
+                         "hopper_bwd.SPLIT_WAVES; comma list; 0: never split)")
+    ap.add_argument("--breakdown", type=int, default=2, help="profile the first this many timed shapes")
     ap.add_argument("--dry-run", action="store_true", help="the CPU and Triton's interpreter (see the docstring)")
     ns = ap.parse_args()
     names = [n for n in ns.kernels.split(",") if n]
@@ -551,11 +560,14 @@ def main() -> int:
         return 3
 
     shapes = [] if ns.no_timing else timed_shapes()
+    if ns.only:
+        shapes = [row for row in shapes if any(part in row[0] for part in ns.only.split(","))]
+    waves = [int(w) for w in ns.split_waves.split(",") if w] or [None]
     # each timed GQA shape's (group, split), checked first at a small length
     n_extra = 33 if DRY_RUN else 333
     extra = [(BF16, causal, n_extra, n_extra, 2 * (h // h_kv), 2, timed_split(b, h, h_kv, n, d))
              for _, b, h, h_kv, n, d, causal in shapes if h != h_kv]
-    cases = check_cases(extra)
+    cases = [] if ns.no_checks else check_cases(extra)
     jobs = set()
     _, check_h, check_h_kv, check_nq, check_nk = hopper_bwd.CHECK_SHAPE
     check_group = check_h // check_h_kv
@@ -585,18 +597,25 @@ def main() -> int:
     if shapes:
         say(f"\n== 2. backward timing, bf16 (Gluon kernels timed: {', '.join(timed) or 'none'}; not timed, wrong: "
             f"{sorted(failed) or 'none'}) ==")
-        for row in shapes:
-            try:
-                time_shape(row, timed, not DRY_RUN, ns.budget_s)
-            except Exception as exc:  # noqa: BLE001 - one shape never ends the probe
-                say(f"  {row[0]}: raised {type(exc).__name__}\n{tail(exc)}")
-                use_path(None)
-        say("\n== 3. kernel breakdown (torch.profiler, GPU time per call) ==")
-        for row in shapes[:2]:
-            try:
-                breakdown(row, timed, ns.budget_s + 30)
-            except Exception as exc:  # noqa: BLE001
-                say(f"  breakdown {row[0]}: raised {type(exc).__name__}\n{tail(exc)}")
+        for w in waves:
+            if w is not None:
+                flash.SPLIT_WAVES = hopper_bwd.SPLIT_WAVES = w
+            for row in shapes:
+                if len(waves) > 1:
+                    row = (f"{row[0]} waves {w}", *row[1:])
+                try:
+                    time_shape(row, timed, not DRY_RUN, ns.budget_s)
+                except Exception as exc:  # noqa: BLE001 - one shape never ends the probe
+                    say(f"  {row[0]}: raised {type(exc).__name__}\n{tail(exc)}")
+                    use_path(None)
+            say("\n== 3. kernel breakdown (torch.profiler, GPU time per call) ==")
+            for row in shapes[:ns.breakdown]:
+                if len(waves) > 1:
+                    row = (f"{row[0]} waves {w}", *row[1:])
+                try:
+                    breakdown(row, timed, ns.budget_s + 30)
+                except Exception as exc:  # noqa: BLE001
+                    say(f"  breakdown {row[0]}: raised {type(exc).__name__}\n{tail(exc)}")
         table(timed)
     save()
     say(f"\n{len([r for r in RESULTS['correctness'] if r.get('ok') is False])} correctness failures; "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ATTENTION = ("_attn", "fmha", "cudnn", "flash", "sdpa", "attention", "_decode", "_combine")
+ATTENTION = ("_attn", "_fa3", "fmha", "cudnn", "flash", "sdpa", "attention", "_decode", "_combine")
 MATMUL = ("gemm", "nvjet", "xmma", "cutlass", "sm90_")
 
 

@@ -74,18 +74,26 @@ def _backward(q, k, v, do, causal=False, deterministic=True):
 # -- the real gate --------------------------------------------------------------------------------
 
 
-def test_off_by_default():
+def test_on_by_default_and_either_variable_turns_it_off(monkeypatch):
     q, k, v, do = _inputs(dtype=torch.bfloat16)
     variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
+    monkeypatch.delenv("FLASHRUN_HOPPER_BWD", raising=False)
+    monkeypatch.delenv("FLASHRUN_HOPPER", raising=False)
+    assert hopper_bwd.DEFAULT_ON is True and hopper_bwd.enabled()
+    monkeypatch.setenv("FLASHRUN_HOPPER", "0")  # both Gluon paths off, as for the forward
     assert not hopper_bwd.enabled()
-    assert "FLASHRUN_HOPPER_BWD=1" in hopper_bwd.eligible(q, k, v, do, variant)
-    assert hopper_bwd.DEFAULT_ON is False  # unmeasured: nobody gets it without asking
+    assert "FLASHRUN_HOPPER=0" in hopper_bwd.eligible(q, k, v, do, variant)
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")  # the general switch wins over the forced one
+    assert not hopper_bwd.enabled()
 
 
-@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("0", False), ("off", False), ("", False)])
-def test_the_variable_turns_it_on(monkeypatch, value, on):
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("0", False), ("off", False), ("", True)])
+@pytest.mark.parametrize("default_on", [True, False])
+def test_the_variable_turns_it_on_and_off(monkeypatch, value, on, default_on):
+    monkeypatch.delenv("FLASHRUN_HOPPER", raising=False)
+    monkeypatch.setattr(hopper_bwd, "DEFAULT_ON", default_on)
     monkeypatch.setenv("FLASHRUN_HOPPER_BWD", value)
-    assert hopper_bwd.enabled() is on
+    assert hopper_bwd.enabled() is (on if value else default_on)
 
 
 def test_on_still_needs_an_sm90_gpu(monkeypatch):
@@ -126,7 +134,9 @@ def test_gluon_api_feature_check_never_raises():
 # -- the wiring in _attn_backward ------------------------------------------------------------------
 
 
-def test_unset_variable_keeps_the_portable_kernel(monkeypatch):
+@pytest.mark.parametrize("env", ["FLASHRUN_HOPPER_BWD", "FLASHRUN_HOPPER"])
+def test_turned_off_keeps_the_portable_kernel(monkeypatch, env):
+    monkeypatch.setenv(env, "0")
     _pretend_hopper(monkeypatch)
     monkeypatch.setattr(hopper_bwd, "RUN", lambda *a: pytest.fail("the Gluon kernel ran"))
     q, k, v, do = _inputs()
@@ -149,15 +159,15 @@ def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape)
     assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
     assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
     # the first-use check's two cases (full, then causal through the GQA split), then the call itself,
-    # its group spread as the portable kernel's would be
-    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device)
+    # its group spread by the portable kernel's rule with the Gluon kernel's threshold
+    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES)
     assert [(c[1], c[3]) for c in calls] == [(False, 1), (True, 2), (True, split)]
     assert calls[-1][0] == tuple(q.shape) and calls[-1][2] == hopper_bwd.KERNELS["d64"]
     ref_dk, ref_dv = _reference_dkdv(q, k, v, do, 64 ** -0.5, True)
     torch.testing.assert_close(dk, ref_dk)
     torch.testing.assert_close(dv, ref_dv)
     # dQ is still the portable kernel's
-    monkeypatch.delenv("FLASHRUN_HOPPER_BWD")
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "0")
     expected = _backward(q, k, v, do, causal=True)
     assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
     torch.testing.assert_close(dq, expected[0], atol=0, rtol=0)

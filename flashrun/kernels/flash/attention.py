@@ -29,8 +29,9 @@ serializes every wgmma of a loop that follows a masked loop over the same accumu
 Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.hopper` applies
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process. The deterministic
-backward's dK/dV may run an FA3-layout Gluon kernel (:mod:`flashrun.kernels.flash.hopper_bwd`;
-experimental, off unless ``FLASHRUN_HOPPER_BWD=1``), dQ staying with ``_attn_bwd_dq``.
+backward's dK/dV runs an FA3-layout Gluon kernel there (:mod:`flashrun.kernels.flash.hopper_bwd`:
+plain or causal fp16/bf16 at head_dim 64 and 128, checked on first use; ``FLASHRUN_HOPPER_BWD=0``
+turns it off), dQ staying with ``_attn_bwd_dq``.
 First calls: every launch goes through :func:`flashrun.kernels.tuning.launch`, so a call can be
 made in compile-only mode; the first call of each kind in a process compiles the forward's and
 backward's kernels at once (:func:`_compile_ahead`, :mod:`flashrun.kernels.warmup`).
@@ -286,8 +287,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
     (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
     dQ kernel (7 matmuls, bitwise repeatable). ``try_gluon``: the deterministic dK/dV may take the
-    experimental Gluon sm_90 kernel where :mod:`.hopper_bwd` allows it (off unless
-    ``FLASHRUN_HOPPER_BWD=1``)."""
+    Gluon sm_90 kernel where :mod:`.hopper_bwd` allows it (also bitwise repeatable)."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     group = H // H_KV
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -367,7 +367,7 @@ def _portable_dkdv_check(q, k, v, do, sm_scale, causal):
 SPLIT_WAVES = 4  # dK/dV programs per SM below which a GQA group is split over more programs
 
 
-def _kv_split(programs: int, group: int, device: torch.device) -> int:
+def _kv_split(programs: int, group: int, device: torch.device, waves: int | None = None) -> int:
     """Over how many programs each k/v head's GQA group is spread in the dK/dV kernel: 1 when
     ``programs`` (key blocks x batch x k/v heads) already give every SM :data:`SPLIT_WAVES` of
     them, else the smallest divisor of the group that does (or the whole group). With few k/v
@@ -375,7 +375,7 @@ def _kv_split(programs: int, group: int, device: torch.device) -> int:
     dK/dV programs at 4 x 2048 tokens."""
     if group == 1 or (device.type != "cuda" and not INTERPRETED):  # (compiling for a GPU on a CPU: unsplit)
         return 1
-    target = SPLIT_WAVES * decode._multiprocessors(device)
+    target = (SPLIT_WAVES if waves is None else waves) * decode._multiprocessors(device)
     if programs >= target:
         return 1
     return next((s for s in range(2, group) if group % s == 0 and programs * s >= target), group)

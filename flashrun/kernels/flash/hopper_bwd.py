@@ -3,10 +3,11 @@ benchmarks/NOTES.md v6 "Design 2" and v8), used by :func:`flashrun.kernels.flash
 for dK and dV in the deterministic backward when it may be; dQ stays with the portable
 ``_attn_bwd_dq``.
 
-**Experimental and unmeasured: off by default.** The kernel was compiled for sm_90 on a CPU
-(tests/compile_hopper_bwd.py: registers, spills, shared memory) but has not run on a GPU yet;
-``FLASHRUN_HOPPER_BWD=1`` (read at each call) turns it on, for benchmarks/gluon_bwd_probe.py and
-for trying it. Once the H200 has checked and timed it, :data:`DEFAULT_ON` is where it turns on.
+**On by default on sm_90** since the H200 checked and timed it (benchmarks/NOTES.md v9: 93 cases
+right against float64; dK/dV 1.3-1.5x faster than the portable kernel's GPU time, the backward
+1.09-1.23x faster at 2k-8k tokens). ``FLASHRUN_HOPPER_BWD=0`` or ``FLASHRUN_HOPPER=0`` (both read
+at each call; the second turns off both Gluon paths) keeps the portable dK/dV; ``=1`` forces it on
+where :data:`DEFAULT_ON` is False.
 
 When it runs (:func:`eligible`): turned on, compiling (not the interpreter), a CUDA device of
 capability (9, 0), Triton's Gluon Hopper API (the forward's feature check,
@@ -28,7 +29,8 @@ of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO
   head_dim  64: 32 KB + 2 x 16 KB + 1 KB = 65 KB
   head_dim 128: 64 KB + 2 x 32 KB + 1 KB = 129 KB (3 stages: 161.5 KB)
 One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
-(x the GQA split, :func:`dkdv`).
+(x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`, lower than the portable kernel's because the
+split's float32 partials and their sum cost this faster kernel relatively more).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
-DEFAULT_ON = False  # unmeasured: only FLASHRUN_HOPPER_BWD=1 turns it on
+DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
 LAST_PATH: str | None = None  # the dK/dV path the last deterministic backward took: GLUON_PATH or TRITON_PATH
 
@@ -91,19 +93,20 @@ def launched_threads(cfg: BwdConfig) -> int:
 
 
 def enabled() -> bool:
-    """FLASHRUN_HOPPER_BWD=1 turns it on, =0 off; unset: :data:`DEFAULT_ON`."""
+    """FLASHRUN_HOPPER_BWD=1 turns it on, =0 off; FLASHRUN_HOPPER=0 (both Gluon paths) off; else
+    :data:`DEFAULT_ON`."""
     value = os.environ.get(ENV, "").strip().lower()
+    if value in ("0", "false", "off", "no") or hopper._disabled_by_env():
+        return False
     if value in ("1", "true", "on", "yes"):
         return True
-    if value in ("0", "false", "off", "no"):
-        return False
     return DEFAULT_ON
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
     """None when this backward's dK/dV may take the Gluon path (before the first-use check), else why not."""
     if not enabled():
-        return f"experimental, unmeasured: off unless {ENV}=1"
+        return f"turned off ({ENV}=0 or FLASHRUN_HOPPER=0)" if DEFAULT_ON else f"off unless {ENV}=1"
     if INTERPRETED:
         return "Triton's interpreter"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -202,14 +205,20 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
 RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 
 
+SPLIT_WAVES = 2  # programs per SM below which a GQA group is split (the portable kernel's rule, lower)
+
+
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) through the Gluon kernel; call only where :func:`eligible` and :func:`ensure_checked`
-    allow it. ``kv_split(programs, group, device)``: over how many programs to spread a GQA group
-    (the portable kernel's rule, ``attention._kv_split``); None: one."""
+    allow it. ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA
+    group (``attention._kv_split``, here with :data:`SPLIT_WAVES`); None: one. On the H200 at 4 x
+    2048 tokens (NOTES v9, GPU time of dK/dV and the partials' sum): qwen2-1b's group of 6 over 2 k/v
+    heads 297 us unsplit, 285 split 2, 271 split 3, 289 split 6; llama-1b's 4 over 8 heads 365
+    unsplit, 393 split 2."""
     cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1])]
     group = q.shape[1] // k.shape[1]
     programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
-    split = kv_split(programs, group, q.device) if kv_split is not None else 1
+    split = kv_split(programs, group, q.device, SPLIT_WAVES) if kv_split is not None else 1
     return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split)
 
 
