@@ -27,7 +27,7 @@ from flashrun.kernels import (  # noqa: E402
     flash_attention,
     flash_attention_varlen,
 )
-from flashrun.kernels.flash import attention as flash  # noqa: E402
+from flashrun.kernels.flash import attention as flash, hopper_bwd  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -116,12 +116,16 @@ def test_deterministic_on_gpu(case):
     _check(*_inputs(*shape, dtype), causal, launch=_defaults(shape[-1], dtype), deterministic=True)
 
 
+@pytest.mark.parametrize("dkdv", ["gluon-if-sm90", "portable"])
 @pytest.mark.parametrize("tiles", ["flex", "two-per-sm"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_backward_is_bitwise_repeatable_on_gpu(causal, tiles):
+def test_deterministic_backward_is_bitwise_repeatable_on_gpu(monkeypatch, causal, tiles, dkdv):
     # on the GPU the atomic backward's dQ may change in its last bits from run to run (atomics
     # land in any order); the deterministic one must not, over many runs: GQA 8:1 (the group's
-    # heads walked in one loop), 32 key blocks; the first candidates and the 4-warp 64x64 ones
+    # heads walked in one loop, or split over programs whose partials are summed in a fixed order),
+    # 32 key blocks; the first candidates and the 4-warp 64x64 ones. On sm_90 the dK/dV is the
+    # Gluon kernel's unless turned off: both paths are held to it
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1" if dkdv == "gluon-if-sm90" else "0")
     q, k, v, do = _inputs(2, 8, 1, 4096, 4096, 128, BF16)
     launch = _defaults(128, BF16)
     if tiles == "two-per-sm":
@@ -132,6 +136,8 @@ def test_deterministic_backward_is_bitwise_repeatable_on_gpu(causal, tiles):
         return torch.autograd.grad(out, (q, k, v), do)
 
     first = grads(True)
+    if dkdv == "portable" or torch.cuda.get_device_capability() != (9, 0):
+        assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
     for _ in range(20):
         assert all(torch.equal(a, b) for a, b in zip(first, grads(True)))
     # the two backwards sum in other orders (and tiles): equal to rounding, not bitwise
