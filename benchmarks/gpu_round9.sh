@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The H200 runs that round 8's CPU-side work waits for (NOTES v8), each step within one 10-minute
-# device call; from the repo root, results under $OUT (or ./gpu-session):
-#   bash benchmarks/gpu_round9.sh gluon    # the Gluon dK/dV backward (issue 21): the GPU suite, then
-#                                          # gluon_bwd_probe.py (checked, then timed against the
-#                                          # portable backward and cuDNN)
-#   bash benchmarks/gpu_round9.sh models   # flashrun model, every family at 1b (model_h200.sh), with
-#                                          # round 8's sync fix and GQA split (issue 20)
-#   bash benchmarks/gpu_round9.sh profile  # Proton's child pass (issue 23: one .hatchet per ok cell?),
-#                                          # model_profile.py with FLASHRUN_HOPPER_BWD=1 if set, and
-#                                          # the shipped table's backward entries (tune_table.py)
+# H200 runs, each step within one 10-minute device call; from the repo root, results under $OUT
+# (or ./gpu-session). Round 9 ran `gluon`, `models` and the Proton check (results/h200-v9-*,
+# NOTES v9); `profile` and `decode` are what the next session runs first:
+#   bash benchmarks/gpu_round9.sh gluon    # the GPU suite, then gluon_bwd_probe.py (the Gluon dK/dV
+#                                          # checked, then timed against the portable one and cuDNN)
+#   bash benchmarks/gpu_round9.sh models   # flashrun model, every family at 1b (model_h200.sh)
+#   bash benchmarks/gpu_round9.sh profile  # model_profile.py on llama and qwen2 with the GPU's idle
+#                                          # time between kernels and Chrome traces (issue 20: is the
+#                                          # train step's last 0.2-1.5 % the host's?), then the
+#                                          # backward against Flex and cuDNN on the default sweep
 #   bash benchmarks/gpu_round9.sh decode   # decode_probe.py over issue 22's grid, and its config sweep
 #                                          # with the smallest split (MIN_CHUNK_BLOCKS) varied: MQA at
 #                                          # B1 x 16k keys gets 64 splits for 132 SMs today
@@ -31,15 +31,12 @@ case "${1:-}" in
   models)
     bash benchmarks/model_h200.sh ;;
   profile)
-    timeout 120 python3 -m flashrun bench -k flash -p sdpa-cudnn --seq-lens 1024 --dtype bf16 --mode fwd,bwd \
-      --set bench.rep_ms=25 --metrics --profile "$OUT/prof" > "$OUT/proton-bench.txt" 2>&1
-    echo "bench --profile rc $?"; grep -i "proton" "$OUT/proton-bench.txt"; ls "$OUT/prof" | grep -c hatchet
-    (cd "$OUT" && tar -czf prof.tar.gz prof && rm -rf prof)
-    timeout 150 python3 benchmarks/model_profile.py --out "$OUT" --label "${FLASHRUN_HOPPER_BWD:+gluon-}" 2>&1 \
-      | grep -v -i warn | grep -E "^[a-z-]*(llama|qwen2) |configs|_attn"
-    timeout 280 python3 benchmarks/tune_table.py --keep-forward > "$OUT/tune_table.log" 2>&1
-    echo "tune_table rc $?"; tail -3 "$OUT/tune_table.log"
-    cp flashrun/kernels/tuned/*.json "$OUT/" ;;
+    timeout 150 python3 benchmarks/model_profile.py --arch llama,qwen2 --out "$OUT" --trace "$OUT/trace" 2>&1 \
+      | grep -v -i warn | grep -E "^[a-z-]*(llama|qwen2) |_attn|_fa3|idle"
+    (cd "$OUT" && tar -czf trace.tar.gz trace && rm -rf trace)
+    timeout 400 python3 -m flashrun bench -k flash -p flex,sdpa-cudnn --mode bwd --dtype fp16,bf16 \
+      --set bench.rep_ms=25 --out "$OUT/bwd" > "$OUT/bwd-sweep.txt" 2>&1
+    echo "bwd sweep rc $?"; (cd "$OUT" && tar -czf bwd.tar.gz bwd && rm -rf bwd) ;;
   decode)
     OUT="$OUT" timeout 560 python3 benchmarks/decode_probe.py > "$OUT/decode_probe.log" 2>&1
     echo "decode_probe rc $?"; grep -E "config|shape|ratio|median|min" "$OUT/decode_probe.log" | cut -c1-160 | tail -60 ;;

@@ -9,7 +9,9 @@ family and writes the JSON. GPU only.
     python benchmarks/model_profile.py --arch llama,qwen2 --out DIR [--tune] [--split-waves W]
 
 --tune tunes every flash kernel key the shipped table misses (FLASHRUN_TUNE=1) during the
-warm-up; --split-waves sets the dK/dV kernel's GQA split threshold (0: never split).
+warm-up; --split-waves sets the portable dK/dV kernel's GQA split threshold (0: never split);
+--trace DIR also writes each profiled phase's Chrome trace. Each phase reports the GPU's idle time
+between its kernels (per call) and the kernels those gaps followed: time the host was late.
 """
 
 from __future__ import annotations
@@ -35,7 +37,24 @@ def group(name: str) -> str:
     return "other"
 
 
-def profiled(fn, calls: int = 2) -> dict:
+def idle(spans: list[tuple[float, float, str]], top: int = 6) -> dict:
+    """GPU idle time between kernels: ``spans`` (start, end, name) of one stream's kernels in µs.
+    The gaps between the first start and the last end where no kernel ran, in total and grouped by
+    the kernel each gap followed (where the host was late to launch the next one)."""
+    spans = sorted(spans)
+    after: dict[str, list[float]] = {}
+    busy_until, last = None, None
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            after.setdefault(last, []).append(start - busy_until)
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    worst = sorted(after.items(), key=lambda item: -sum(item[1]))[:top]
+    return {"idle_ms": round(sum(sum(g) for g in after.values()) / 1e3, 3),
+            "after": [(name[:60], len(gaps), round(sum(gaps) / 1e3, 3)) for name, gaps in worst]}
+
+
+def profiled(fn, calls: int = 2, trace: Path | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -43,6 +62,10 @@ def profiled(fn, calls: int = 2) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    gaps = idle([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type is not None and "CUDA" in str(e.device_type) and e.time_range.end > 0])
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
@@ -53,6 +76,7 @@ def profiled(fn, calls: int = 2) -> dict:
         groups[group(name)] += ms
     top = sorted(kernels.items(), key=lambda item: -item[1])[:14]
     return {"gpu_ms": round(sum(kernels.values()), 3), **{k: round(v, 3) for k, v in groups.items()},
+            "idle_ms": round(gaps["idle_ms"] / calls, 3), "idle_after": gaps["after"],
             "top": [(name[:90], round(ms, 3)) for name, ms in top]}
 
 
@@ -82,7 +106,9 @@ def family(arch: str, args: argparse.Namespace) -> dict:
         model.set_attn_implementation(impl)
         row = {"prefill_ms": round(timed(prefill, args.reps), 3), "train_ms": round(timed(train_step, args.reps), 3)}
         tuning.chosen()
-        row["prefill_profile"], row["train_profile"] = profiled(prefill), profiled(train_step)
+        trace = Path(args.trace) / f"{args.label}{arch}-{impl}" if args.trace else None
+        row["prefill_profile"] = profiled(prefill, trace=trace and trace.with_name(trace.name + "-prefill.json"))
+        row["train_profile"] = profiled(train_step, trace=trace and trace.with_name(trace.name + "-train.json"))
         row["configs"] = tuning.chosen()
         model.zero_grad(set_to_none=True)
         rows[impl] = row
@@ -90,7 +116,10 @@ def family(arch: str, args: argparse.Namespace) -> dict:
         print(f"{args.label}{arch} {impl:10s} prefill {row['prefill_ms']:8.2f} ms (GPU {pre['gpu_ms']:7.2f}: attn "
               f"{pre['attention']:6.2f} mm {pre['matmul']:6.2f} other {pre['other']:6.2f})  train "
               f"{row['train_ms']:8.2f} ms (GPU {train['gpu_ms']:7.2f}: attn {train['attention']:6.2f} mm "
-              f"{train['matmul']:6.2f} other {train['other']:6.2f})", flush=True)
+              f"{train['matmul']:6.2f} other {train['other']:6.2f})  GPU idle: prefill {pre['idle_ms']:.2f} "
+              f"train {train['idle_ms']:.2f} ms", flush=True)
+        for name, count, ms in train["idle_after"][:4]:
+            print(f"    train idle {ms:8.3f} ms in {count} gaps after {name}")
         for phase in ("prefill_profile", "train_profile"):
             for name, ms in row[phase]["top"][:8]:
                 print(f"    {phase[:5]} {ms:8.3f} ms  {name}")
@@ -111,6 +140,7 @@ def main() -> int:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--split-waves", type=int, default=None)
     parser.add_argument("--label", default="")
+    parser.add_argument("--trace", default="", help="also write each profiled phase's Chrome trace here")
     args = parser.parse_args()
     if args.tune:
         os.environ["FLASHRUN_TUNE"] = "1"
@@ -122,6 +152,8 @@ def main() -> int:
     if args.split_waves is not None:
         attention.SPLIT_WAVES = args.split_waves
     swap.register(kernels.get(args.kernel))
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "families": {}}
     for arch in args.arch.split(","):
         results["families"][arch] = family(arch, args)
