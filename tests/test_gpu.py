@@ -27,7 +27,8 @@ from flashrun.kernels import (  # noqa: E402
     flash_attention,
     flash_attention_varlen,
 )
-from flashrun.kernels.flash import attention as flash, hopper_bwd  # noqa: E402
+from flashrun.kernels.flash import attention as flash  # noqa: E402
+from flashrun.kernels.flash import hopper_bwd  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
