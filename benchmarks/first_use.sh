@@ -18,13 +18,8 @@
 # breakdowns, the first calls' profiles, the compile timelines, the stderr of every step.
 set -u
 REPO=$PWD
-OUT=${OUT:-$PWD/gpu-session}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then  # pydantic for an image without it (as gpu_session.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$REPO:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=200
 WORK=$(mktemp -d)
 cd "$WORK" || exit 1  # run records (logs/) and bench files land here, not in the repo or $OUT
 DEADLINE=${DEADLINE:-570}  # seconds for the whole run (gpu_round6.sh gives it what its call has left)

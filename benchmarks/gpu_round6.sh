@@ -9,13 +9,8 @@
 #                                          # (metrics_run.sh), then first_use.sh within what is left
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
-OUT=${OUT:-$PWD/gpu-session}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=160
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=160
 case "${1:-}" in
   probes)
     timeout 250 python3 benchmarks/gluon_probe.py --budget-s 185 > "$OUT/gluon_probe.log" 2>&1

@@ -14,13 +14,8 @@
 #                                          # B1 x 16k keys gets 64 splits for 132 SMs today
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
-OUT=${OUT:-$PWD/gpu-session}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=160
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=160
 case "${1:-}" in
   gluon)
     timeout 160 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 8 -rfE \

@@ -9,13 +9,8 @@
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README);
 # the suite's -n needs pytest-xdist.
 set -u
-OUT=${OUT:-$PWD/gpu-session}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=200
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=200
 bench() { python3 -m flashrun bench "$@"; }
 case "${1:-}" in
   suite)

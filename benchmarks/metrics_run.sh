@@ -17,13 +17,9 @@
 # On an image without pydantic, carry its wheels in .whl/ (as benchmarks/gpu_session.sh does).
 set -u
 OUT=${OUT:-$PWD/gpu-metrics}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 WORK=$(mktemp -d)
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=100
+export COLUMNS=100
 exec > >(tee "$OUT/summary.txt") 2>&1
 TIMING=(--set bench.rep_ms=25 --set bench.warmup_ms=10)
 start=$(date +%s)

@@ -7,13 +7,9 @@
 #   bash benchmarks/model_h200.sh            # from the repo root; results under $OUT (or ./gpu-session)
 #   bash benchmarks/model_h200.sh llama      # one family
 set -u
-OUT=${OUT:-$PWD/gpu-session}
+source "$(dirname "$0")/gpu_env.sh"
 mkdir -p "$OUT/model"
-if compgen -G ".whl/*.whl" > /dev/null; then  # the H200 image has no pydantic: carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 COLUMNS=120
+export COLUMNS=120
 model() { python3 -m flashrun model --size 1b --set "logging.log_dir='$OUT/model'" --set "model.out='$OUT/model'" "$@"; }
 for arch in ${1:-llama mistral qwen2 gemma2}; do
   baselines="['sdpa', 'eager']"
