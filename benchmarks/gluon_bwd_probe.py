@@ -98,15 +98,27 @@ def short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+FUSED = "+dq"  # a kernel name with this suffix: that kernel with dQ inside (the non-deterministic backward)
+
+
+def fused(name: str | None) -> bool:
+    return bool(name) and name.endswith(FUSED)
+
+
+def config(name: str) -> hopper_bwd.BwdConfig:
+    return hopper_bwd.KERNELS[name.removesuffix(FUSED)]
+
+
 def kernels(names: list[str], head_dim: int | None = None) -> dict[str, hopper_bwd.BwdConfig]:
-    return {n: hopper_bwd.KERNELS[n] for n in names if head_dim is None or hopper_bwd.KERNELS[n].head_dim == head_dim}
+    return {n: config(n) for n in names if head_dim is None or config(n).head_dim == head_dim}
 
 
 # -- the kernel, the portable path, the reference ------------------------------------------------
 
 
-def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
-    """The Gluon kernel itself, as hopper_bwd launches it, with dK/dV poisoned (NaN) first."""
+def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
+    """The Gluon kernel itself, as hopper_bwd launches it, with dK/dV poisoned (NaN) first; ``dq``
+    (a zeroed float32 buffer): with dQ inside, added there."""
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
     z, h_kv, n_k, d = k.shape
@@ -114,7 +126,7 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
     dk = torch.full((z, h_kv * split, n_k, d), float("nan"), dtype=out_dtype, device=k.device)
     dv = torch.full_like(dk, float("nan"))
     grid, args, constexprs, options = hopper_bwd.launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal,
-                                                             cfg, split)
+                                                             cfg, split, dq)
     _fa3_bwd_dkdv[grid](*args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
@@ -122,10 +134,13 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
     return dk, dv
 
 
-def standin_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
-    """--dry-run only: the portable dK/dV standing in for the Gluon kernel (which needs sm_90)."""
+def standin_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
+    """--dry-run only: the portable backward standing in for the Gluon kernel (which needs sm_90)."""
     o, lse, _ = forward(q, k, v, do, sm_scale, causal)
-    return portable_dkdv(q, k, v, do, o, lse, sm_scale, causal)
+    dk, dv, dq_p = portable_grads(q, k, v, do, o, lse, sm_scale, causal)
+    if dq is not None:
+        dq += dq_p.float()
+    return dk, dv
 
 
 RUN = standin_dkdv if DRY_RUN else gluon_dkdv
@@ -137,14 +152,15 @@ def forward(q, k, v, do, sm_scale, causal):
     return o, lse, (o.float() * do.float()).sum(-1)
 
 
-def portable_dkdv(q, k, v, do, o, lse, sm_scale, causal):
-    _, dk, dv = flash._attn_backward(do, q, k, v, o, lse, sm_scale, flash.Variant(causal=causal), "default",
-                                     deterministic=True, try_gluon=False)
-    return dk, dv
+def portable_grads(q, k, v, do, o, lse, sm_scale, causal):
+    """(dK, dV, dQ) of the portable deterministic backward."""
+    dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, sm_scale, flash.Variant(causal=causal), "default",
+                                      deterministic=True, try_gluon=False)
+    return dk, dv, dq
 
 
 def reference_dkdv(q, k, v, do, sm_scale, causal, dtype=torch.float64):
-    """dK, dV of softmax(q kᵀ · scale) v by autograd in ``dtype`` (GQA by repeating k/v heads,
+    """dK, dV, dQ of softmax(q kᵀ · scale) v by autograd in ``dtype`` (GQA by repeating k/v heads,
     bottom-right causal, a row that sees no key outputs 0)."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
@@ -155,7 +171,7 @@ def reference_dkdv(q, k, v, do, sm_scale, causal, dtype=torch.float64):
         s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > rows, float("-inf"))
     p = torch.softmax(s.float() if dtype != torch.float64 else s, -1).nan_to_num(0.0).to(dtype)
     out = p @ v.repeat_interleave(group, 1)
-    return torch.autograd.grad(out, (k, v), do.to(dtype))
+    return torch.autograd.grad(out, (k, v, q), do.to(dtype))
 
 
 # -- 0. compile ahead ----------------------------------------------------------------------------
@@ -173,19 +189,20 @@ def _warm(job: tuple) -> tuple[tuple, str | None, float]:
             q, do = (torch.randn(1, h, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(1, 2, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
             lse, delta = torch.zeros(1, h, 130, device=DEVICE), torch.zeros(1, h, 130, device=DEVICE)
-            gluon_dkdv(q, k, v, do, lse, delta, d ** -0.5, causal, hopper_bwd.KERNELS[name], split)
+            gluon_dkdv(q, k, v, do, lse, delta, d ** -0.5, causal, config(name), split,
+                       torch.zeros(q.shape, device=DEVICE) if fused(name) else None)
         elif kind == "check":  # the correctness cases' portable forward and backward (fixed configs)
             n_q, n_k = n
             q, do = (torch.randn(2, 2 * group, n_q, d, device=DEVICE, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(2, 2, n_k, d, device=DEVICE, dtype=dtype) for _ in range(2))
             o, lse, _ = forward(q, k, v, do, d ** -0.5, causal)
-            portable_dkdv(q, k, v, do, o, lse, d ** -0.5, causal)
+            portable_grads(q, k, v, do, o, lse, d ** -0.5, causal)
         else:  # "path": a timed shape's backward (B = 1, its heads and length), portable or with a Gluon kernel
             h, h_kv, n_ = n
             use_path(name)
             q = torch.randn(1, h, n_, d, device=DEVICE, dtype=dtype, requires_grad=True)
             k, v = (torch.randn(1, h_kv, n_, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
-            out = flash.flash_attention(q, k, v, causal=causal, deterministic=True)
+            out = flash.flash_attention(q, k, v, causal=causal, deterministic=not fused(name))
             torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
         torch.cuda.synchronize()
         return job, None, time.perf_counter() - start
@@ -250,15 +267,19 @@ def check_case(name, cfg, dtype, causal, n_q, n_k, h, h_kv, split) -> dict:
             t[1] = float("nan")
         scale = d ** -0.5
         o, lse, delta = forward(q, k, v, do, scale, causal)
-        dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split)
-        dk_p, dv_p = portable_dkdv(q, k, v, do, o, lse, scale, causal)
+        dq = torch.zeros(q.shape, device=DEVICE) if fused(name) else None
+        dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq)
+        dk_p, dv_p, dq_p = portable_grads(q, k, v, do, o, lse, scale, causal)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         first = [t[:1] for t in (q, k, v, do)]
         ref = reference_dkdv(*first, scale, causal)
         low = reference_dkdv(*first, scale, causal, dtype)
         errs = {}
-        for which, got, port, r, lo in (("dK", dk, dk_p, ref[0], low[0]), ("dV", dv, dv_p, ref[1], low[1])):
+        grads = [("dK", dk, dk_p, ref[0], low[0]), ("dV", dv, dv_p, ref[1], low[1])]
+        if dq is not None:
+            grads.append(("dQ", dq.to(dtype), dq_p, ref[2], low[2]))
+        for which, got, port, r, lo in grads:
             err, bound = judge(got[:1], r, lo, dtype)
             err_p, _ = judge(port[:1], r, lo, dtype)
             diff = (got[:1].double() - port[:1].double()).abs().max().item()
@@ -277,7 +298,7 @@ def check_case(name, cfg, dtype, causal, n_q, n_k, h, h_kv, split) -> dict:
 def correctness(names: list[str], cases: list[tuple], budget_s: float) -> set[str]:
     """Check every kernel on every case; the names of the kernels that failed or skipped one."""
     standin = " [DRY RUN: the portable dK/dV stands in for the Gluon kernel]" if DRY_RUN else ""
-    say(f"\n== 1. correctness: dK, dV vs float64 on batch entry 0 (entry 1 is NaN){standin} ==")
+    say(f"\n== 1. correctness: dK, dV (and dQ, +dq kernels) vs float64 on batch entry 0 (entry 1 is NaN){standin} ==")
     failed = set()
     for name, cfg in kernels(names).items():
         for case in cases:
@@ -334,8 +355,8 @@ def use_path(name: str | None) -> None:
         hopper_bwd.OVERRIDE = None
         return
     os.environ[hopper_bwd.ENV] = "1"
-    if hopper_bwd.OVERRIDE != hopper_bwd.KERNELS[name]:
-        hopper_bwd.OVERRIDE = hopper_bwd.KERNELS[name]
+    if hopper_bwd.OVERRIDE != config(name):
+        hopper_bwd.OVERRIDE = config(name)
         hopper_bwd.reset()  # each kernel gets its own first-use check
 
 
@@ -389,6 +410,9 @@ def time_shape(row: tuple, names: list[str], with_cudnn: bool, budget_s: float) 
     def flash_fn(q, k, v):
         return flash.flash_attention(q, k, v, causal=causal, deterministic=True)
 
+    def fused_fn(q, k, v):
+        return flash.flash_attention(q, k, v, causal=causal, deterministic=False)
+
     use_path(None)
     out, leaves = graph(flash_fn, q, k, v)
     portable = run_backward(out, leaves, do)  # compiles (if not ahead) outside the timing
@@ -403,22 +427,22 @@ def time_shape(row: tuple, names: list[str], with_cudnn: bool, budget_s: float) 
         try:
             use_path(name)
             t0 = time.perf_counter()
-            out, leaves = graph(flash_fn, q, k, v)
+            out, leaves = graph(fused_fn if fused(name) else flash_fn, q, k, v)
             got = run_backward(out, leaves, do)  # the first-use check runs here, once per kernel and dtype
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            if hopper_bwd.LAST_PATH != flash_hopper.GLUON_PATH:
-                reason = hopper_bwd._checked.get((dtype, d)) or hopper_bwd.eligible(q, k, v, do, flash._variant(
-                    q, b, n, causal, (-1, -1), 0.0, None))
+            if hopper_bwd.LAST_PATH != (hopper_bwd.FUSED_PATH if fused(name) else flash_hopper.GLUON_PATH):
+                reason = hopper_bwd._checked.get((dtype, d, fused(name))) or hopper_bwd.eligible(
+                    q, k, v, do, flash._variant(q, b, n, causal, (-1, -1), 0.0, None), fused(name))
                 entry["notes"][name] = f"not timed: the path was not taken ({reason})"
                 say(f"  {label} {name}: not timed, the path was not taken ({reason})")
                 continue
             diffs = [((g - p).abs().max().item() if torch.isfinite(g).all() else float("inf"),
-                      4 * ATOL[dtype] * max(1.0, p.abs().max().item())) for g, p in zip(got[1:], portable[1:])]
+                      4 * ATOL[dtype] * max(1.0, p.abs().max().item())) for g, p in zip(got, portable)]
             if not all(diff <= bound for diff, bound in diffs):
-                entry["notes"][name] = f"not timed: dK/dV differ from the portable path's here ({diffs})"
-                say(f"  {label} {name}: not timed, dK/dV differ from the portable path's: {diffs}")
+                entry["notes"][name] = f"not timed: dQ/dK/dV differ from the portable path's here ({diffs})"
+                say(f"  {label} {name}: not timed, dQ/dK/dV differ from the portable path's: {diffs}")
                 continue
             entry["ms"][name] = bench(out, leaves, do)
             entry["notes"][name] = f"first call (with the first-use check if it ran) {first_s:.1f}s"
@@ -466,8 +490,8 @@ def breakdown(row: tuple, names: list[str], budget_s: float) -> None:
     for name in [None] + [n_ for n_ in kernels(names, d) if n_ in timed]:  # Gluon ones that were timed (so right)
         try:
             use_path(name)
-            out, leaves = graph(lambda q, k, v: flash.flash_attention(q, k, v, causal=causal, deterministic=True),
-                                q, k, v)
+            out, leaves = graph(lambda q, k, v: flash.flash_attention(q, k, v, causal=causal,
+                                                                      deterministic=not fused(name)), q, k, v)
             run_backward(out, leaves, do)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -484,9 +508,11 @@ def breakdown(row: tuple, names: list[str], budget_s: float) -> None:
             rec = {"shape": label, "path": name or "portable", "kernels_us": dict(rows)}
             say(f"  {label} [{name or 'portable'}]: " + ", ".join(f"{k_[:40]} {us:.0f} us" for k_, us in rows[:6]))
             for key, us in rows:
-                if "dkdv" in key:
-                    rec["dkdv_tflops_of_work"] = dkdv_work / us / 1e6
-                    say(f"      {key}: {dkdv_work / us / 1e6:.0f} TFLOP/s of matmul work (4 matmuls)")
+                if "dkdv" in key:  # with dQ inside: 5 matmuls
+                    work = dkdv_work * (5 / 4 if fused(name) else 1)
+                    rec["dkdv_tflops_of_work"] = work / us / 1e6
+                    say(f"      {key}: {work / us / 1e6:.0f} TFLOP/s of matmul work "
+                        f"({5 if fused(name) else 4} matmuls)")
             RESULTS["breakdown"].append(rec)
             del out, leaves
         except Exception as exc:  # noqa: BLE001 - the profile is a bonus
@@ -521,7 +547,9 @@ def table(names: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default=",".join(hopper_bwd.KERNELS), help="hopper_bwd.KERNELS names")
+    ap.add_argument("--kernels", default=",".join(list(hopper_bwd.KERNELS) + [
+        n + FUSED for n, c in hopper_bwd.KERNELS.items() if hopper_bwd.fusable(c)]),
+        help=f"hopper_bwd.KERNELS names; NAME{FUSED}: that kernel with dQ inside")
     ap.add_argument("--budget-s", type=float, default=400.0, help="no new case or shape after this many seconds")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--no-timing", action="store_true", help="correctness only")
@@ -535,7 +563,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="the CPU and Triton's interpreter (see the docstring)")
     ns = ap.parse_args()
     names = [n for n in ns.kernels.split(",") if n]
-    unknown = [n for n in names if n not in hopper_bwd.KERNELS]
+    unknown = [n for n in names if n.removesuffix(FUSED) not in hopper_bwd.KERNELS
+               or fused(n) and not hopper_bwd.fusable(config(n))]
     if unknown:
         print(f"unknown kernels {unknown}; known: {', '.join(hopper_bwd.KERNELS)}")
         return 2
@@ -543,15 +572,14 @@ def main() -> int:
         print("no GPU (use --dry-run for the plumbing)")
         return 2
     if DRY_RUN:  # as on an H200 with FLASHRUN_HOPPER_BWD=1: the real switch, then every call in scope
-        hopper_bwd.eligible = lambda q, k, v, do, variant: (
-            None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1]))
-        hopper_bwd.RUN = lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1: standin_dkdv(
-            q, k, v, do, lse, delta, sm_scale, causal, cfg, split)
+        hopper_bwd.eligible = lambda q, k, v, do, variant, fused=False: (
+            None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1], fused))
+        hopper_bwd.RUN = standin_dkdv
         hopper_bwd.CHECK_SHAPE = (1, 4, 2, 24, 20)
     RESULTS["env"] = {"gpu": "none (dry run)" if DRY_RUN else torch.cuda.get_device_name(),
                       "sms": None if DRY_RUN else torch.cuda.get_device_properties(0).multi_processor_count,
                       "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-                      "gluon_api": flash_hopper.gluon_api() or "ok", "kernels": {n: asdict(hopper_bwd.KERNELS[n])
+                      "gluon_api": flash_hopper.gluon_api() or "ok", "kernels": {n: asdict(config(n))
                                                                                for n in names}}
     say(f"env: {RESULTS['env']}")
     if not DRY_RUN and flash_hopper.gluon_api():

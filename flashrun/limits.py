@@ -7,10 +7,12 @@ DTYPES = ("float16", "bfloat16", "float32")
 SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
 # flashrun's own kernels, by name (anything else is a user's PATH.py:FUNCTION);
-# flash-deterministic: flash with its atomic-free, bitwise-repeatable backward (flash's default);
+# flash-deterministic: flash with its atomic-free, bitwise-repeatable backward;
 # flash-atomic: flash with the 5-matmul backward that sums dQ with atomics.
 BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")
 # Which of the two `flash` runs when nothing says (flash_attention(deterministic=...), [experiment]
 # deterministic): the faster one on the H200, decided by measurement (benchmarks/NOTES.md) and
-# switched here only.
-DETERMINISTIC_BACKWARD = True
+# switched here only. None: per call, the Gluon sm_90 kernel with dQ inside where it applies
+# (non-deterministic; 1.07-1.15x the deterministic backward there, NOTES v10), else the
+# deterministic kernels (the Triton atomic kernel measured slower than them, NOTES v5).
+DETERMINISTIC_BACKWARD: bool | None = None

@@ -42,8 +42,8 @@ from flashrun.kernels.flash import hopper as flash_hopper, hopper_bwd  # noqa: E
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(dtype, causal, cfg, group=1, split=1):
-    """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90."""
+def compile_one(dtype, causal, cfg, group=1, split=1, fused=False):
+    """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90 (``fused``: with dQ)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
@@ -54,7 +54,8 @@ def compile_one(dtype, causal, cfg, group=1, split=1):
     lse = torch.empty(z, h_kv * group, n, dtype=torch.float32)
     out_dtype = dtype if split == 1 else torch.float32
     dk = torch.empty(z, h_kv * split, n, d, dtype=out_dtype)
-    _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split)
+    dq = torch.empty(q.shape, dtype=torch.float32) if fused else None
+    _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq)
     signature, constants = {}, {}
     params = list(_fa3_bwd_dkdv.params)
     for p, value in zip(params, list(args) + [None] * len(params)):
@@ -92,25 +93,26 @@ def ptxas(ptx: str) -> dict:
 
 
 def check_one(job) -> tuple[bool, str]:
-    """Compile one (kernel name, config, dtype, causal, group, split) and describe it."""
-    name, cfg, dtype, causal, group, split, ptx_dir = job
-    label = (f"{name} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full  '} "
+    """Compile one (kernel name, config, dtype, causal, group, split, fused) and describe it."""
+    name, cfg, dtype, causal, group, split, fused, ptx_dir = job
+    label = (f"{name}{'+dq' if fused else ''} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full  '} "
              f"{'GQA ' + str(group) + ':1 split ' + str(split) if split > 1 else 'GQA ' + str(group) + ':1'}")
     start = time.perf_counter()
     try:
-        kernel = compile_one(dtype, causal, cfg, group, split)
+        kernel = compile_one(dtype, causal, cfg, group, split, fused)
     except Exception as exc:  # noqa: BLE001
         return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-4:])
     ptx = kernel.asm["ptx"]
     counts = {n: len(re.findall(pat, ptx)) for n, pat in (
-        ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+        ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"), ("tma-add", r"cp\.reduce\.async\.bulk"),
         ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
     nregs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
     threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx)
     info = ptxas(ptx)
     if ptx_dir:
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-        Path(ptx_dir, f"fa3_bwd_{name}_{str(dtype)[6:]}_{int(causal)}_g{group}s{split}.ptx").write_text(ptx)
+        Path(ptx_dir, f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{int(causal)}_g{group}s{split}.ptx"
+             ).write_text(ptx)
     problems = []
     if threads and int(threads.group(1)) != hopper_bwd.launched_threads(cfg):
         problems.append(f"launches {threads.group(1)} threads, hopper_bwd says {hopper_bwd.launched_threads(cfg)}")
@@ -124,10 +126,14 @@ def check_one(job) -> tuple[bool, str]:
         problems.append("wgmma serialized (C7515)")
     if counts["wgmma"] == 0 or counts["tma"] == 0 or counts["setmaxnreg"] == 0:
         problems.append("no wgmma, TMA load or setmaxnreg in the PTX")
-    # the kernel waits twice per step and consumer (Sᵀ and dPᵀ; dV and dK): a wait ptxas adds
-    # serializes wgmmas the kernel meant to overlap (as an accumulator written mid-stage made it)
-    if info["waits"] is not None and info["waits"] > 2 * cfg.consumers:
-        problems.append(f"{info['waits']} wgmma waits in the SASS, the kernel has {2 * cfg.consumers}")
+    if fused and counts["tma-add"] == 0:
+        problems.append("no TMA reduce-add in the PTX")
+    # the kernel waits twice per step and consumer (Sᵀ and dPᵀ; dV and dK), and with dQ once more
+    # per consumer's dQ step: a wait ptxas adds serializes wgmmas the kernel meant to overlap (as
+    # an accumulator written mid-stage made it)
+    waits = (3 if fused else 2) * cfg.consumers
+    if info["waits"] is not None and info["waits"] > waits:
+        problems.append(f"{info['waits']} wgmma waits in the SASS, the kernel has {waits}")
     spill = (f"{info['spill_stores']}/{info['spill_loads']}" if info["spill_stores"] is not None else "?")
     line = (f"{label}: {time.perf_counter() - start:4.1f}s  threads {threads.group(1) if threads else '?'}  "
             f"shared {kernel.metadata.shared} B  " + " ".join(f"{k} {v}" for k, v in counts.items())
@@ -145,6 +151,8 @@ def main() -> int:
                     help="per kernel only fp16 full and bf16 causal GQA split (each dtype, mask and output once)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     ap.add_argument("--ptx", help="write each PTX here")
+    ap.add_argument("--dq", choices=("both", "fused", "separate"), default="both",
+                    help="the kernel with dQ inside (the non-deterministic backward), without, or both")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
@@ -160,7 +168,9 @@ def main() -> int:
     cases = ([(torch.float16, False, 1, 1), (torch.bfloat16, True, 4, 2)] if ns.pairs else
              [(dtype, causal, group, split) for dtype in hopper_bwd.DTYPES for causal in (False, True)
               for group, split in ((1, 1), (4, 2))])
-    jobs = [(name, hopper_bwd.KERNELS[name], *case, ns.ptx) for name in names for case in cases]
+    fused = {"both": (False, True), "fused": (True,), "separate": (False,)}[ns.dq]
+    jobs = [(name, hopper_bwd.KERNELS[name], *case, f, ns.ptx) for name in names for case in cases for f in fused
+            if not f or hopper_bwd.fusable(hopper_bwd.KERNELS[name])]
     print(f"Triton {triton.__version__}, sm_90, {len(jobs)} compiles", flush=True)
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs),
                                                 mp_context=multiprocessing.get_context("fork")) as pool:

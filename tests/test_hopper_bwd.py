@@ -37,6 +37,11 @@ def _inputs(n=24, n_k=None, d=64, h=2, h_kv=2, dtype=torch.float32, seed=1):
 
 def _reference_dkdv(q, k, v, do, sm_scale, causal):
     """dK, dV by float64 autograd (GQA by repeating k/v heads; bottom-right causal)."""
+    return _reference(q, k, v, do, sm_scale, causal)[1:]
+
+
+def _reference(q, k, v, do, sm_scale, causal):
+    """dQ, dK, dV by float64 autograd."""
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
@@ -45,22 +50,26 @@ def _reference_dkdv(q, k, v, do, sm_scale, causal):
         s = s.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + n_k - n_q, -math.inf)
     p = torch.nan_to_num(torch.softmax(s, -1))  # a row that sees no key: 0
     (p @ v64.repeat_interleave(group, 1)).backward(do.double())
-    return k64.grad.to(k.dtype), v64.grad.to(v.dtype)
+    return q64.grad.to(q.dtype), k64.grad.to(k.dtype), v64.grad.to(v.dtype)
 
 
 def _reference_kernel(calls):
-    """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature)."""
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
-        calls.append((tuple(q.shape), causal, cfg, split))
-        return _reference_dkdv(q, k, v, do, sm_scale, causal)
+    """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature): with ``dq``, the fused
+    kernel, which adds dQ into that zeroed float32 buffer."""
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
+        calls.append((tuple(q.shape), causal, cfg, split, dq is not None))
+        ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal)
+        if dq is not None:
+            dq += ref_dq.float()
+        return dk, dv
     return run
 
 
 def _pretend_hopper(monkeypatch):
     """As on an H200 with triton 3.6: the real on/off switch, then every call in scope (float32 too,
     the interpreter's exact dtype, so that the check's comparison means something here)."""
-    monkeypatch.setattr(hopper_bwd, "eligible", lambda q, k, v, do, variant: (
-        None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1])))
+    monkeypatch.setattr(hopper_bwd, "eligible", lambda q, k, v, do, variant, fused=False: (
+        None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1], fused)))
     monkeypatch.setitem(hopper_bwd.CHECK_ATOL, torch.float32, 1e-4)
 
 
@@ -161,7 +170,7 @@ def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape)
     # the first-use check's two cases (full, then causal through the GQA split), then the call itself,
     # its group spread by the portable kernel's rule with the Gluon kernel's threshold
     split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES)
-    assert [(c[1], c[3]) for c in calls] == [(False, 1), (True, 2), (True, split)]
+    assert [(c[1], c[3], c[4]) for c in calls] == [(False, 1, False), (True, 2, False), (True, split, False)]
     assert calls[-1][0] == tuple(q.shape) and calls[-1][2] == hopper_bwd.KERNELS["d64"]
     ref_dk, ref_dv = _reference_dkdv(q, k, v, do, 64 ** -0.5, True)
     torch.testing.assert_close(dk, ref_dk)
@@ -174,11 +183,46 @@ def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape)
     assert len(calls) == 3
 
 
-def test_atomic_backward_never_takes_it(monkeypatch):
+def test_atomic_backward_takes_the_fused_kernel(monkeypatch, caplog):
+    """deterministic=False: the Gluon kernel with dQ inside (its own first-use check, dQ compared
+    too), not the Triton atomic kernel; dQ comes out of the float32 buffer the kernel added into."""
     monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
     _pretend_hopper(monkeypatch)
-    monkeypatch.setattr(hopper_bwd, "RUN", lambda *a: pytest.fail("the Gluon kernel ran"))
-    _backward(*_inputs(), deterministic=False)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
+    q, k, v, do = _inputs(n=30, n_k=20, h=4, h_kv=2)
+    with caplog.at_level(logging.WARNING, logger="flashrun.hopper"):
+        dq, dk, dv = _backward(q, k, v, do, causal=True, deterministic=False)
+    assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
+    assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH
+    assert [c[4] for c in calls] == [True, True, True]  # the check's two cases, then the call
+    assert calls[-1][2] == hopper_bwd.KERNELS[hopper_bwd.FUSED[64]]
+    for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 64 ** -0.5, True)):
+        torch.testing.assert_close(got, ref)
+    assert dq.dtype == q.dtype
+
+
+def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, caplog):
+    """A fused kernel whose dQ is wrong (dK, dV right) fails its own check, once: the atomic
+    backward falls back to the Triton kernel while the deterministic one keeps its Gluon dK/dV."""
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    right = _reference_kernel([])
+
+    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):  # adds nothing into dq
+        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split)
+
+    monkeypatch.setattr(hopper_bwd, "RUN", no_dq)
+    q, k, v, do = _inputs()
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    for _ in range(2):
+        dq, _, _ = _backward(q, k, v, do, causal=True, deterministic=False)
+        assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
+        torch.testing.assert_close(dq, _reference(q, k, v, do, 64 ** -0.5, True)[0], atol=1e-4, rtol=1e-4)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "flashrun.hopper"]
+    assert len(warnings) == 1 and "max |ddQ|" in warnings[0], warnings
+    _backward(q, k, v, do, causal=True)
+    assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
 
 
 @pytest.mark.parametrize("broken", ["raises", "wrong"])
@@ -187,7 +231,7 @@ def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
     _pretend_hopper(monkeypatch)
     calls = []
 
-    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1):
+    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
         calls.append(causal)
         if broken == "raises":
             raise RuntimeError("PassManager::run failed")
@@ -216,7 +260,7 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
 
     monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
     _pretend_hopper(monkeypatch)
-    monkeypatch.setattr(hopper_bwd, "RUN", lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1: (
+    monkeypatch.setattr(hopper_bwd, "RUN", lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None: (
         torch.zeros_like(k), torch.zeros_like(v)))
     handed = []
     q, k, v, do = _inputs()
@@ -226,7 +270,7 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
     assert "_attn_bwd_dkdv" in handed and "_attn_bwd_dq" in handed  # (the portable side, compiled)
     _, dk, _ = _backward(q, k, v, do)
     assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH  # ... on the first real call
-    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64)]
+    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64, False)]
 
 
 # -- the launcher (host side only) ------------------------------------------------------------------
@@ -251,6 +295,13 @@ def test_every_kernel_fits_an_sm(name):
     assert hopper_bwd.DEFAULT[cfg.head_dim] in hopper_bwd.KERNELS
 
 
+@pytest.mark.parametrize("name", sorted(set(hopper_bwd.FUSED.values())))
+def test_every_fused_kernel_fits_an_sm(name):
+    cfg = hopper_bwd.KERNELS[name]
+    assert hopper_bwd.fusable(cfg)
+    assert cfg.consumers == 2 and cfg.dq_cols in (cfg.head_dim, cfg.head_dim // 2)
+
+
 @pytest.mark.skipif(flash_hopper.gluon_api() is not None, reason="this Triton lacks the Gluon Hopper API")
 @pytest.mark.parametrize("shape,split,grid", [
     ((2, 8, 1000, 128), 1, (8, 2, 2)),  # q (B, H, N, D), k/v heads 2: GQA 4:1
@@ -270,18 +321,27 @@ def test_launch_grid_and_descriptors(shape, split, grid):
                                                        [1, 1, 64, d], [1, 1, 64], [1, 1, 64]]
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
+    assert args[6] is None and constexprs["FUSED_DQ"] is False
     with pytest.raises(ValueError, match="split"):
         hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, cfg, 3)
+    fused = hopper_bwd.KERNELS[hopper_bwd.kernel_for(d, fused=True)]
+    dq = torch.zeros(shape)
+    _, args, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, fused, split, dq)
+    assert constexprs["FUSED_DQ"] is True and list(args[6].block_shape) == [1, 1, 64, fused.dq_cols]
+    assert list(args[6].shape) == list(shape)
 
 
 def test_compiles_for_hopper(python):
-    """Every kernel in KERNELS compiles for sm_90 (fp16 full GQA 1:1 and bf16 causal GQA 4:1 split:
-    each dtype, mask and output dtype once; the script without --pairs compiles all eight) with
+    """Every kernel in KERNELS compiles for sm_90, without and with dQ inside (fp16 full GQA 1:1 and
+    bf16 causal GQA 4:1 split: each dtype, mask and output dtype once; the script without --pairs
+    compiles all eight) with
     no spill, no C7515, no wgmma wait beyond the kernel's own (skips where this Triton lacks the
     Gluon Hopper API or a CUDA backend)."""
     result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--pairs")
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("ok ") == 2 * len(hopper_bwd.KERNELS)
+    # each kernel as the deterministic backward's dK/dV and with dQ inside
+    kernels = len(hopper_bwd.KERNELS) + sum(map(hopper_bwd.fusable, hopper_bwd.KERNELS.values()))
+    assert result.stdout.count("ok ") == 2 * kernels
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout

@@ -128,8 +128,9 @@ class ExperimentConfig(_Section):
     seed: int = 0
     kernel: list[str] = ["flash"]
     # flash's backward: true the bitwise-repeatable one, false the 5-matmul one that adds dQ with
-    # atomics; the default is flashrun.limits.DETERMINISTIC_BACKWARD; flash-deterministic / flash-atomic fix it
-    deterministic: bool = DETERMINISTIC_BACKWARD
+    # atomics; unset, flashrun.limits.DETERMINISTIC_BACKWARD (the faster per call); flash-deterministic /
+    # flash-atomic fix it
+    deterministic: bool | None = DETERMINISTIC_BACKWARD
 
     _kernel_list = field_validator("kernel", mode="before")(_as_list)
 

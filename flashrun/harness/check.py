@@ -42,7 +42,7 @@ class Job:
     diagnose: bool
     device: str  # what the plan asked for: auto | cuda | cpu
     launch: Any = "default"  # flash's launch config: "default" or a pinned LaunchConfig
-    deterministic: bool = DETERMINISTIC_BACKWARD  # which flash backward ([experiment] deterministic)
+    deterministic: bool | None = DETERMINISTIC_BACKWARD  # which flash backward ([experiment] deterministic)
     bf16_dots_ok: bool = True  # False: this interpreter's bf16 tl.dot is wrong (users' kernels skip)
     estimate_s: float | None = None  # expected interpreter seconds (None on a GPU)
 
@@ -91,10 +91,10 @@ def interpreter_seconds(case: Shape, grad: bool) -> float:
     return 0.05 + tiles * per_tile * (0.6 if case.causal else 1.0) * (5.0 if grad else 1.0)
 
 
-_kernels: dict[tuple[str, str, bool], Any] = {}  # (spec, launch, deterministic) -> Kernel, once per process
+_kernels: dict[tuple[str, str, bool | None], Any] = {}  # (spec, launch, deterministic) -> Kernel, once per process
 
 
-def load_kernel(spec: str, launch: Any, deterministic: bool = DETERMINISTIC_BACKWARD):
+def load_kernel(spec: str, launch: Any, deterministic: bool | None = DETERMINISTIC_BACKWARD):
     """``flashrun.kernels.get`` once per process (after the device is selected)."""
     from flashrun import kernels
 

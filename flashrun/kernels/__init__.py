@@ -94,10 +94,10 @@ class Kernel:
         return self.fn(q, k, v, **passed)
 
 
-def get(spec: str, launch: Launch = None, deterministic: bool = DETERMINISTIC_BACKWARD) -> Kernel:
+def get(spec: str, launch: Launch = None, deterministic: bool | None = DETERMINISTIC_BACKWARD) -> Kernel:
     """Resolve a kernel name or ``PATH.py:FUNCTION``. ``launch``: how flash picks its launch config;
     ``deterministic``: flash's atomic-free backward (``flash-deterministic`` always runs it,
-    ``flash-atomic`` never)."""
+    ``flash-atomic`` never; None: the faster per call, see flashrun.limits)."""
     if spec in ("flash", "flash-deterministic", "flash-atomic"):
         deterministic = {"flash": deterministic, "flash-deterministic": True, "flash-atomic": False}[spec]
 

@@ -282,13 +282,18 @@ def _keep_forward_plan(key: tuple, plan: _ForwardPlan) -> None:
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, sm_scale: float, variant: Variant, launch: Launch = None,
-                   deterministic: bool = DETERMINISTIC_BACKWARD,
+                   deterministic: bool | None = DETERMINISTIC_BACKWARD,
                    try_gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
     (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
-    dQ kernel (7 matmuls, bitwise repeatable). ``try_gluon``: the deterministic dK/dV may take the
-    Gluon sm_90 kernel where :mod:`.hopper_bwd` allows it (also bitwise repeatable)."""
+    dQ kernel (7 matmuls, bitwise repeatable); None: the first where the Gluon one applies, else
+    the second. ``try_gluon``: the dK/dV kernel may be the Gluon sm_90 one where
+    :mod:`.hopper_bwd` allows it (with dQ inside for the atomic backward, TMA reduce-adds)."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
+    gluon_fused = (deterministic is not True and N_K and try_gluon
+                   and hopper_bwd.applies(q, k, v, do, variant, _portable_dkdv_check, fused=True))
+    if deterministic is None:
+        deterministic = not gluon_fused
     group = H // H_KV
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
@@ -341,8 +346,12 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     tuning = variant.tuning(N_Q, N_K)
     if not deterministic:
-        if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
+        if gluon_fused:
+            dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, dq=dq)
+            hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
+        elif N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
             run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
+            hopper_bwd.LAST_PATH = hopper.TRITON_PATH
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
     if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_dkdv_check):
         dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split)
@@ -356,12 +365,12 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def _portable_dkdv_check(q, k, v, do, sm_scale, causal):
-    """The portable forward and deterministic backward on the Gluon dK/dV's first-use check's small
-    inputs (fixed configs, no tuning): (dk, dv, lse, delta)."""
+    """The portable forward and deterministic backward on the Gluon backward's first-use check's
+    small inputs (fixed configs, no tuning): (dk, dv, lse, delta, dq)."""
     variant = Variant(causal=causal)
     o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False)
-    _, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
-    return dk, dv, lse, (o.float() * do.float()).sum(-1)
+    dq, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
+    return dk, dv, lse, (o.float() * do.float()).sum(-1), dq
 
 
 SPLIT_WAVES = 4  # dK/dV programs per SM below which a GQA group is split over more programs
@@ -387,7 +396,7 @@ _ahead: set[tuple] = set()  # the kinds of call compiled ahead in this process (
 
 
 def _compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
-                   launch: Launch, deterministic: bool, grad: bool) -> tuple[warmup.Batch | None, list]:
+                   launch: Launch, deterministic: bool | None, grad: bool) -> tuple[warmup.Batch | None, list]:
     """On the first call of its kind in this process (dtype, head_dim, GQA group, length buckets,
     variants, alignment, backward or not), compile the forward's kernels and, when gradients are
     wanted, the backward's, all at once in the compile pool (:mod:`flashrun.kernels.warmup`),
@@ -454,7 +463,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     sm_scale: float | None = None, launch: Launch = None, *,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: torch.Tensor | None = None,
-                    deterministic: bool = DETERMINISTIC_BACKWARD) -> torch.Tensor:
+                    deterministic: bool | None = DETERMINISTIC_BACKWARD) -> torch.Tensor:
     """softmax(q kᵀ · sm_scale) v, differentiable. q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D).
 
     FlashAttention-2's variants (see the module docstring): ``window=(left, right)`` (-1
@@ -462,13 +471,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient).
     ``deterministic``: True the bitwise-repeatable backward (two kernels, 7 matmuls per tile
     pair); False one kernel with 5 matmuls that sums dQ with float32 atomics in whatever order
-    they land. The default, ``flashrun.limits.DETERMINISTIC_BACKWARD``, is the one measured faster
-    on the H200 (benchmarks/NOTES.md)."""
+    they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``, the default) the faster per call:
+    the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
+    (benchmarks/NOTES.md v10)."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _attn_forward(q, k, v, _scale(q, sm_scale), variant, launch)[0]  # no graph to record: no autograd
-    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, deterministic)
 
 
 def _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
@@ -506,7 +516,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen_k: int | None = None, causal: bool = False,
                            sm_scale: float | None = None, *, window: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                           launch: Launch = None, deterministic: bool = DETERMINISTIC_BACKWARD) -> torch.Tensor:
+                           launch: Launch = None, deterministic: bool | None = DETERMINISTIC_BACKWARD) -> torch.Tensor:
     """Packed sequences (FlashAttention-2's varlen): q (total_q, H, D), k, v (total_k, H_kv, D);
     sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, (B + 1,), a length may be 0) and
     attends on its own (bottom-right alignment per sequence). Returns (total_q, H, D),
@@ -515,4 +525,4 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``deterministic`` as in :func:`flash_attention`."""
     variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                               softcap, alibi_slopes)
-    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, bool(deterministic))
+    return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, deterministic)

@@ -48,7 +48,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
-LAST_PATH: str | None = None  # the dK/dV path the last deterministic backward took: GLUON_PATH or TRITON_PATH
+FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
+LAST_PATH: str | None = None  # the last backward's dK/dV path: GLUON_PATH, FUSED_PATH or TRITON_PATH
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class BwdConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168  # launch cap: 12 warps x 32 x 168 <= 65536 (see the module docstring)
+    dq_split: bool = False  # dQ inside (non-deterministic): each consumer half its columns every
+    # step, else the consumers take whole steps in turns
+
+    @property
+    def dq_cols(self) -> int:
+        return self.head_dim // 2 if self.dq_split else self.head_dim
 
     @property
     def block_n(self) -> int:
@@ -72,19 +79,39 @@ KERNELS = {
     "d64": BwdConfig(64),
     "d128": BwdConfig(128),
     "d128-s3": BwdConfig(128, stages=3),
+    "d64-dqs": BwdConfig(64, dq_split=True),
+    "d128-dqs": BwdConfig(128, dq_split=True),
 }
 DEFAULT = {64: "d64", 128: "d128"}  # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
+# with dQ inside (the non-deterministic backward's), NOTES v10: at head_dim 64 the consumers take
+# whole steps' dQ in turns (d64 399 TFLOP/s against d64-dqs 359, causal N8192), at 128 each takes
+# half the columns every step (whole-width tiles spill)
+FUSED = {64: "d64", 128: "d128-dqs"}
 OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
 
 
-def kernel_for(head_dim: int) -> str | None:
-    return DEFAULT.get(head_dim)
+def kernel_for(head_dim: int, fused: bool = False) -> str | None:
+    return (FUSED if fused else DEFAULT).get(head_dim)
 
 
-def smem_bytes(cfg: BwdConfig) -> int:
+def _config(head_dim: int, fused: bool) -> BwdConfig:
+    return OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(head_dim, fused)]
+
+
+def smem_bytes(cfg: BwdConfig, fused: bool = False) -> int:
     """K and V (block_n rows), STAGES x (Q + dO) (block_m rows) of 2-byte elements, and STAGES x
-    (LSE + delta) (block_m float32 each); the barriers aside."""
-    return 2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
+    (LSE + delta) (block_m float32 each); ``fused`` (dQ inside): 2 x 2 dSᵀ tiles (64 x block_m,
+    2-byte) and one float32 dQ tile per consumer (block_m x dq_cols); the barriers aside."""
+    dq = 4 * 64 * cfg.block_m * 2 + cfg.consumers * cfg.block_m * cfg.dq_cols * 4 if fused else 0
+    return (2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
+            + dq)
+
+
+def fusable(cfg: BwdConfig) -> bool:
+    """Whether the kernel can take dQ inside: two consumers (dQ's steps are shared between them),
+    dQ tiles of at most 64 columns (a 64 x 128 float32 accumulator, 64 registers a thread beside
+    dK and dV, spilled 68-132 B: tests/compile_hopper_bwd.py), and shared memory for them."""
+    return cfg.consumers == 2 and cfg.dq_cols <= 64 and smem_bytes(cfg, fused=True) <= SMEM_LIMIT - 2048
 
 
 def launched_threads(cfg: BwdConfig) -> int:
@@ -103,15 +130,17 @@ def enabled() -> bool:
     return DEFAULT_ON
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
-    """None when this backward's dK/dV may take the Gluon path (before the first-use check), else why not."""
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant,
+             fused: bool = False) -> str | None:
+    """None when this backward's dK/dV (``fused``: and dQ) may take the Gluon path (before the
+    first-use check), else why not."""
     if not enabled():
         return f"turned off ({ENV}=0 or FLASHRUN_HOPPER=0)" if DEFAULT_ON else f"off unless {ENV}=1"
     if INTERPRETED:
         return "Triton's interpreter"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
-    return scope(q, k, v, do, variant) or hopper._api_reason() or _checked.get((q.dtype, q.shape[-1]))
+    return scope(q, k, v, do, variant) or hopper._api_reason() or _checked.get((q.dtype, q.shape[-1], fused))
 
 
 def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
@@ -146,11 +175,13 @@ def rows_aligned(t: torch.Tensor) -> torch.Tensor:
     return padded[..., :t.shape[2]]
 
 
-def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1):
+def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
+                dq: torch.Tensor | None = None):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
-    partials. Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90
-    without a GPU)."""
+    partials; ``dq``: a zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ
+    into (FUSED_DQ), or None. Shared by the launcher and tests/compile_hopper_bwd.py (which
+    compiles for sm_90 without a GPU)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -164,9 +195,9 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
         raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
     gdtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
 
-    def desc(t, rows):
-        block = [1, 1, rows, d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+    def desc(t, rows, dtype=gdtype, cols=d):
+        block = [1, 1, rows, cols]
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
     def row_desc(t):  # LSE/delta (B, H, N_Q) float32: one unswizzled row of BLOCK_M per stage
@@ -175,17 +206,17 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
 
     lse, delta = rows_aligned(lse), rows_aligned(delta)
     args = (desc(q, cfg.block_m), desc(k, HALF_N), desc(v, HALF_N), desc(do, cfg.block_m), row_desc(lse),
-            row_desc(delta), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k,
+            row_desc(delta), None if dq is None else desc(dq, cfg.block_m, gl.float32, cfg.dq_cols), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k,
             sm_scale, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=d, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), CONSUMER_REGS=cfg.consumer_regs,
+                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), FUSED_DQ=dq is not None, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs)
     grid = (max(cdiv(n_k, cfg.block_n), 1), h_kv * split, z)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
 def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig,
-               split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               split: int = 1, dq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
     z, h_kv, n_k, d = k.shape
@@ -194,7 +225,7 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         dv = torch.empty_like(dk)
     else:  # each part's partial in float32, summed below (in a fixed order: repeatable)
         dk, dv = (torch.empty((z, h_kv * split, n_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
-    grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal, cfg, split)
+    grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal, cfg, split, dq)
     launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
@@ -208,38 +239,41 @@ RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 SPLIT_WAVES = 2  # programs per SM below which a GQA group is split (the portable kernel's rule, lower)
 
 
-def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None) -> tuple[torch.Tensor, torch.Tensor]:
+def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
+         dq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) through the Gluon kernel; call only where :func:`eligible` and :func:`ensure_checked`
-    allow it. ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA
+    allow it. ``dq``: a zeroed float32 (B, H, N_Q, D) contiguous buffer that the kernel adds dQ
+    (scaled) into, the :data:`FUSED` kernels (non-deterministic: the adds land in any order). ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA
     group (``attention._kv_split``, here with :data:`SPLIT_WAVES`); None: one. On the H200 at 4 x
     2048 tokens (NOTES v9, GPU time of dK/dV and the partials' sum): qwen2-1b's group of 6 over 2 k/v
     heads 297 us unsplit, 285 split 2, 271 split 3, 289 split 6; llama-1b's 4 over 8 heads 365
     unsplit, 393 split 2."""
-    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1])]
+    cfg = _config(q.shape[-1], dq is not None)
     group = q.shape[1] // k.shape[1]
     programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
     split = kv_split(programs, group, q.device, SPLIT_WAVES) if kv_split is not None else 1
-    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split)
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq)
 
 
 # -- first use: check against the portable kernel -------------------------------------------------
 
-# (dtype, head_dim) -> why the path is off after its first-use check there (None: it passed)
-_checked: dict[tuple[torch.dtype, int], str | None] = {}
+# (dtype, head_dim, fused) -> why the path is off after its first-use check there (None: it passed)
+_checked: dict[tuple[torch.dtype, int, bool], str | None] = {}
 
-# Max-abs bounds on dK and dV against the portable kernel on the check's inputs (randn, N ~ 200):
+# Max-abs bounds on dK and dV (and dQ) against the portable kernel on the check's inputs (randn, N ~ 200):
 # both accumulate in float32 and round P and dS to the input dtype before their matmuls, over
-# query blocks in another order; |dK|, |dV| stay below ~10 there, so a few units in the last place
+# blocks in another order; |dK|, |dV|, |dQ| stay below ~10 there, so a few units in the last place
 # of fp16 (2^-11 relative) or bf16 (2^-8). A wrong mask, tile or head gives errors of order 1.
 CHECK_ATOL = {torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
 CHECK_SHAPE = (1, 4, 2, 200, 190)  # (batch, query heads, k/v heads, N_Q, N_K): GQA 2:1, Nq != Nk, ragged
 
 
-def _self_check(device, dtype, head_dim, portable) -> str | None:
-    """None when the Gluon dK/dV agrees with ``portable(q, k, v, do, sm_scale, causal) -> (dk, dv)``
-    on small inputs of this dtype and head_dim, causal and not, else what went wrong. While
-    compiling ahead the launches only compile, so nothing is compared."""
-    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(head_dim)]
+def _self_check(device, dtype, head_dim, portable, fused: bool = False) -> str | None:
+    """None when the Gluon dK/dV (``fused``: and dQ) agrees with ``portable(q, k, v, do, sm_scale,
+    causal) -> (dk, dv, lse, delta, dq)`` on small inputs of this dtype and head_dim, causal and
+    not, else what went wrong. While compiling ahead the launches only compile, so nothing is
+    compared."""
+    cfg = _config(head_dim, fused)
     gen = torch.Generator(device="cpu").manual_seed(0)
     z, h, h_kv, n_q, n_k = CHECK_SHAPE
     for causal in (False, True):
@@ -247,9 +281,10 @@ def _self_check(device, dtype, head_dim, portable) -> str | None:
         k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         scale = head_dim ** -0.5
         try:
-            dk_ref, dv_ref, lse, delta = portable(q, k, v, do, scale, causal)
+            dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal)
             split = 2 if causal and (h // h_kv) % 2 == 0 else 1  # the split path (float32 partials) too
-            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=device) if fused else None
+            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
@@ -257,28 +292,31 @@ def _self_check(device, dtype, head_dim, portable) -> str | None:
             return f"the Gluon dK/dV kernel raised {type(exc).__name__}: {last}"
         if compiling():
             continue
-        err_k = (dk.float() - dk_ref.float()).abs().max().item()
-        err_v = (dv.float() - dv_ref.float()).abs().max().item()
+        errs = {name: (got.float() - ref.float()).abs().max().item()
+                for name, got, ref in (("dK", dk, dk_ref), ("dV", dv, dv_ref)) + ((("dQ", dq, dq_ref),) if fused else ())}
         label = f"Nq={n_q} Nk={n_k} D={head_dim} GQA {h}/{h_kv} {'causal' if causal else 'full'}"
-        if not (err_k <= CHECK_ATOL[dtype] and err_v <= CHECK_ATOL[dtype]):  # NaN fails too
-            return (f"the Gluon dK/dV kernel disagrees with the portable one ({label}: max |ddK| {err_k:.3g}, "
-                    f"max |ddV| {err_v:.3g})")
+        if not all(err <= CHECK_ATOL[dtype] for err in errs.values()):  # NaN fails too
+            return (f"the Gluon {'dQ/' if fused else ''}dK/dV kernel disagrees with the portable one ({label}: "
+                    + ", ".join(f"max |d{name}| {err:.3g}" for name, err in errs.items()) + ")")
     return None
 
 
-def ensure_checked(device, dtype, head_dim, portable) -> bool:
-    """Run the first-use check once per process, dtype and head_dim; True when the path stays on.
-    While compiling ahead the check's kernels are compiled, nothing runs, and the path is taken as
-    on: the check itself runs on the first real call."""
-    key = (dtype, head_dim)
+def ensure_checked(device, dtype, head_dim, portable, fused: bool = False) -> bool:
+    """Run the first-use check once per process, dtype, head_dim and kernel (``fused``: with dQ);
+    True when the path stays on. While compiling ahead the check's kernels are compiled, nothing
+    runs, and the path is taken as on: the check itself runs on the first real call."""
+    key = (dtype, head_dim, fused)
     if key in _checked:
         return _checked[key] is None
-    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable), "dK/dV backward")
+    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused),
+                            "dQ/dK/dV backward" if fused else "dK/dV backward")
 
 
-def applies(q, k, v, do, variant, portable) -> bool:
-    """Whether this backward's dK/dV takes the Gluon path: eligible and its first-use check passed."""
-    return eligible(q, k, v, do, variant) is None and ensure_checked(q.device, q.dtype, q.shape[-1], portable)
+def applies(q, k, v, do, variant, portable, fused: bool = False) -> bool:
+    """Whether this backward's dK/dV (``fused``: and dQ) takes the Gluon path: eligible and its
+    first-use check passed."""
+    return (eligible(q, k, v, do, variant, fused) is None
+            and ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused))
 
 
 def reset() -> None:

@@ -50,8 +50,10 @@ the first row that sees the block's first key are not visited, and only blocks o
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -63,6 +65,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor``):
+    Triton 3.6 has the op (its Triton-language descriptors' atomic_add lowers to it) but no Gluon
+    wrapper; later releases name it ``tma.async_atomic_add``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 LOG2E = 1.4426950408889634
 HALF_N = 64  # keys per consumer warpgroup (wgmma's M is 64 per warpgroup)
 LOG2E_C = gl.constexpr(LOG2E)
@@ -140,10 +154,37 @@ def _store_rows(DST, base, rows, n_rows, stride_m, acc, WIDTH: gl.constexpr, lay
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars,
-                  DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
-                  C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+def _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, par, phase, sm_scale,
+             C: gl.constexpr, COL0: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Columns [COL0, COL0 + DQ_COLS) of dQ (DQ_COLS: dq_desc's box) of one query block against
+    this program's 128 keys, added into the float32 dQ buffer: wait until both consumers' dSᵀ
+    halves of the step are in dS stage ``par``, dQ = dS K = Σ_c dS_c K_c (dS_c read transposed
+    from shared memory), scaled by sm_scale, through ``dq_smem[C]`` by one TMA reduce-add (rows
+    past N_Q are clipped)."""
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    mbarrier.wait(ds_bars.index(par), phase)
+    dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    dq = warpgroup_mma(ds_smem.index(2 * par).permute((1, 0)),
+                       k_smem.index(0).reshape([HALF_N_C, HEAD_D]).slice(COL0, DQ_COLS, dim=1), dq,
+                       use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(2 * par + 1).permute((1, 0)),
+                       k_smem.index(1).reshape([HALF_N_C, HEAD_D]).slice(COL0, DQ_COLS, dim=1), dq,
+                       is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    tma.store_wait(0)  # the previous reduce-add has read dq_smem[C]
+    dq_smem.index(C).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
+    fence_async_shared()
+    _tma_add(dq_desc, [off_z, off_h, start_m, COL0], dq_smem.index(C))
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars, q_bars,
+                  do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
+                  sm_scale, qk_scale, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  FUSED_DQ: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D); Pᵀ, dSᵀ as their A operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -164,6 +205,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars
     # causal: query blocks from this row on see every key of this consumer's 64 (no mask)
     full_from = key0 + HALF_N_C - 1 - shift
     first, n_m = _query_blocks(start_n, N_Q, N_K, BLOCK_M, CAUSAL)
+    ragged = key0 + HALF_N_C > N_K  # keys past N_K: their dSᵀ rows are zeroed before dQ sees them
 
     k = k_smem.index(C).reshape([HALF_N_C, HEAD_D])
     v = v_smem.index(C).reshape([HALF_N_C, HEAD_D])
@@ -176,6 +218,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars
     # one whose accumulator registers other instructions defined after the step's first wgmma (the
     # broadcast's register copies, here), which would serialize Sᵀ and dPᵀ
     start_m = first * BLOCK_M
+    off_h = off_hkv * GROUP
     s = 0  # the ring's stage and its phase, carried (i % STAGES costs registers when STAGES is not 2^k)
     phase = 0
     mbarrier.wait(kv_bars.index(C), 0)
@@ -203,16 +246,36 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pT_op, do, dv, is_async=True)  # dV_c += Pᵀ dO
         dsT = pT * dpT  # dSᵀ = Pᵀ ∘ (dPᵀ − delta), while dV's wgmma runs
-        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        ds16 = dsT.to(dtype)
+        dsT_op = gl.convert_layout(ds16, op_layout)
         dk_tok = warpgroup_mma(dsT_op, q, dk, is_async=True)  # dK_c += dSᵀ Q (scaled at the end)
-        start_m += BLOCK_M  # the next step's rows: the next block, or the next head's first
-        start_m = gl.where(start_m >= N_Q, first * BLOCK_M, start_m)
+        if FUSED_DQ:
+            # this consumer's dSᵀ rows into dS stage i % 2: past N_K a key's P may be inf against a
+            # very negative LSE (K = 0 there, and inf · 0 is NaN), so those rows go in as zeros
+            ds_dst = ds_smem.index(2 * (i % 2) + C)
+            if ragged:
+                ds_dst.store(gl.where(gl.expand_dims(keys < N_K, 1), ds16, 0.0).to(dtype))
+            else:
+                ds_dst.store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_bars.index(i % 2), count=1)
         # the operands in registers stay alive until their wgmmas are done
         dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
         mbarrier.arrive(empty_bars.index(s), count=1)  # this consumer is done with stage s
+        if FUSED_DQ:  # (K stays put: the stage is released already)
+            if dq_desc.block_type.shape[3] == HEAD_D:  # the consumers take the steps' dQ in turns
+                if i % 2 == C:
+                    _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, C, (i // 2) & 1,
+                             sm_scale, C, 0, HEAD_D, BLOCK_M)
+            else:  # each consumer its half of dQ's columns, every step
+                _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, i % 2, (i // 2) & 1,
+                         sm_scale, C, C * (HEAD_D // 2), HEAD_D, BLOCK_M)
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, N_Q, BLOCK_M)
         s += 1
         phase = gl.where(s == STAGES, phase ^ 1, phase)
         s = gl.where(s == STAGES, 0, s)
+    if FUSED_DQ:
+        tma.store_wait(0)
 
     dk = dk * sm_scale
     rows_kv = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc_layout))
@@ -224,10 +287,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
 @gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh"])
-def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
+def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV,
                   stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
     H_KV, B). q_desc, do_desc: 4-D descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M,
@@ -238,10 +301,17 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
     (the default partition, consumer 0) and maxnreg so that setmaxnreg can hand the consumers
     CONSUMER_REGS and the producer PRODUCER_REGS.
 
+    FUSED_DQ (two consumers): dQ too, 5 matmuls per tile pair instead of 7 with the dQ kernel.
+    Each step's dSᵀ halves go through shared memory, and the consumers take the steps' dQ = dS K ·
+    sm_scale in turns, each added into a zeroed float32 (B, H, N_Q, HEAD_D) buffer by one TMA
+    reduce-add (dq_desc, box [1, 1, BLOCK_M, HEAD_D]): the order of those adds varies from run to
+    run, so dQ's last bits do (dK, dV stay repeatable). Otherwise dq_desc is None.
+
     KV_SPLIT > 1 spreads each k/v head's GQA group over that many programs (as the Triton kernel:
     H_KV and GROUP are then per part, H_KV parts of GROUP query heads): part p of k/v head
     p // KV_SPLIT writes its partial dK/dV as head p of DK/DV (float32), which the launcher sums."""
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(not FUSED_DQ or CONSUMERS == 2)  # dQ's steps alternate between two consumers
     gl.static_assert(STAGES >= 2)  # a stage is reloaded only once both consumers released it
     gl.static_assert(HEAD_D == 64 or HEAD_D == 128)
     dtype: gl.constexpr = q_desc.dtype
@@ -255,6 +325,18 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
     q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if FUSED_DQ:
+        # dSᵀ: [parity][consumer] 64 keys x BLOCK_M; one dQ tile per consumer for its reduce-adds
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N_C, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N_C, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+        ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for p in gl.static_range(2):
+            mbarrier.init(ds_bars.index(p), count=CONSUMERS)  # both consumers' halves are in
+    else:
+        ds_smem = q_smem
+        dq_smem = q_smem
+        ds_bars = q_bars
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(kv_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
@@ -267,21 +349,24 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV,
     # turn its constexprs (C, HEAD_D, ...) into tensors
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
-                             empty_bars, DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
-                             0, GROUP, HEAD_D, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
-                             empty_bars, DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
-                             1, GROUP, HEAD_D, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
+                             q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
+                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, 0, GROUP, HEAD_D, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, FUSED_DQ)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
+                             q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
+                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, 1, GROUP, HEAD_D, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, FUSED_DQ)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
                              GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
-                             empty_bars, DK, DV, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
-                             0, GROUP, HEAD_D, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
+                             q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
+                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, 0, GROUP, HEAD_D, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, FUSED_DQ)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
                              GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
