@@ -1,7 +1,9 @@
-"""The Hopper (sm_90) dK/dV backward path: an FA3-layout Gluon kernel (:mod:`.hopper_bwd_jit`,
-benchmarks/NOTES.md v6 "Design 2" and v8), used by :func:`flashrun.kernels.flash._attn_backward`
-for dK and dV in the deterministic backward when it may be; dQ stays with the portable
-``_attn_bwd_dq``.
+"""The Hopper (sm_90) backward path: an FA3-layout Gluon kernel (:mod:`.hopper_bwd_jit`,
+benchmarks/NOTES.md v6 "Design 2", v8, v10), used by :func:`flashrun.kernels.flash._attn_backward`
+when it may be: in the deterministic backward for dK and dV (:data:`DEFAULT`; dQ stays with the
+portable ``_attn_bwd_dq``), in the atomic and the default backward for dQ too (:data:`FUSED`:
+each step's dQ tile added into a float32 buffer by a TMA reduce-add, 5 matmuls per tile pair;
+on the H200 1.07-1.15x the deterministic Gluon path, NOTES v10).
 
 **On by default on sm_90** since the H200 checked and timed it (benchmarks/NOTES.md v9: 93 cases
 right against float64; dK/dV 1.3-1.5x faster than the portable kernel's GPU time, the backward
@@ -17,8 +19,8 @@ aligned (TMA descriptors), plain or causal (bottom-right aligned when Nq != Nk),
 window, softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
 dK/dV kernel).
 
-The first eligible call per (dtype, head_dim) in a process compares the kernel with the portable
-dK/dV on small inputs (:func:`_self_check`: causal and not, GQA 2:1, a ragged tail); if it raises
+The first eligible call per (dtype, head_dim, with dQ or not) in a process compares the kernel with
+the portable backward on small inputs (:func:`_self_check`: causal and not, GQA 2:1, a ragged tail); if it raises
 or disagrees the path is off for that (dtype, head_dim) in this process and one warning says why.
 
 Kernels (:data:`KERNELS`, fixed launches; :data:`DEFAULT` picks one per head_dim): 128-key blocks,

@@ -1,7 +1,8 @@
-"""The FA3-layout Hopper (sm_90) dK/dV backward in Gluon (benchmarks/NOTES.md v6 "Design 2", v8):
-the kernel only. The gate and launcher are in :mod:`flashrun.kernels.flash.hopper_bwd`; dQ stays
-with the portable ``_attn_bwd_dq`` (7 matmuls per tile pair in all, as the deterministic backward);
-the maths is in :mod:`flashrun.kernels.flash`.
+"""The FA3-layout Hopper (sm_90) backward in Gluon (benchmarks/NOTES.md v6 "Design 2", v8, v10):
+the kernel only. The gate and launcher are in :mod:`flashrun.kernels.flash.hopper_bwd`; the
+maths is in :mod:`flashrun.kernels.flash`. dK/dV always; dQ either stays with the portable
+``_attn_bwd_dq`` (7 matmuls per tile pair in all, the deterministic backward) or is computed here
+(``FUSED_DQ``, 5 matmuls: see :func:`_dq_step`).
 
 Why: the Triton dK/dV kernel holds K, V and both float32 accumulators in one 8-warp program at
 255 registers, one program per SM, nothing overlapping one warpgroup's exp2 with the tensor cores
