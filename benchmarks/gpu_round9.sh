@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 runs, each step within one 10-minute device call; from the repo root, results under $OUT
 # (or ./gpu-session). Round 9 ran `gluon`, `models` and the Proton check (results/h200-v9-*,
-# NOTES v9); `profile` and `decode` are what the next session runs first:
+# NOTES v9); `decode` is what the next session runs first (`profile`'s idle measure ran in round 10, gpu_round10.sh fused):
 #   bash benchmarks/gpu_round9.sh gluon    # the GPU suite, then gluon_bwd_probe.py (the Gluon dK/dV
 #                                          # checked, then timed against the portable one and cuDNN)
 #   bash benchmarks/gpu_round9.sh models   # flashrun model, every family at 1b (model_h200.sh)
