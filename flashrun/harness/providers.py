@@ -57,7 +57,7 @@ from flashrun.limits import BUILTIN_KERNELS
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-KERNELS = BUILTIN_KERNELS  # flash (= flash-deterministic), flash-atomic: the two backwards
+KERNELS = BUILTIN_KERNELS  # flash (the faster backward per call), flash-deterministic, flash-atomic
 # SDPA providers and the backend each one forces (None: PyTorch's own dispatch).
 SDPA = {
     "sdpa": None,

@@ -1,7 +1,7 @@
 """Attention kernels and their registry.
 
-``get("flash")`` (its backward deterministic unless ``deterministic=False``; ``launch`` as
-:func:`flashrun.kernels.tuning.choose` takes it),
+``get("flash")`` (its backward as ``deterministic`` says, by default the faster per call:
+:data:`flashrun.limits.DETERMINISTIC_BACKWARD`; ``launch`` as :func:`flashrun.kernels.tuning.choose` takes it),
 ``get("flash-deterministic")`` (always), ``get("flash-atomic")`` (the 5-matmul backward that sums
 dQ with atomics), ``get("minimal")`` or ``get("experiments/my_attn.py:attention")`` returns a
 :class:`Kernel` called as ``kernel(q, k, v, causal=False, sm_scale=None) -> o``.
