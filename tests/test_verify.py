@@ -135,8 +135,8 @@ def test_correct_user_kernel_passes_with_grad(workdir):
 
 
 def test_deterministic_reaches_the_backward_verify_checks(workdir, monkeypatch):
-    # experiment.deterministic (default true) picks flash's atomic-free backward, false the atomic
-    # one; flash-deterministic and flash-atomic fix the choice
+    # experiment.deterministic: true picks flash's atomic-free backward, false the atomic one, unset
+    # (None) the faster per call; flash-deterministic and flash-atomic fix the choice
     from flashrun.kernels.flash import attention as flash
 
     seen = []
@@ -147,7 +147,8 @@ def test_deterministic_reaches_the_backward_verify_checks(workdir, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash, "_attn_backward", spy)
-    for args, expected in ((["--set", "experiment.deterministic=false"], [False]), ([], [True]),
+    for args, expected in ((["--set", "experiment.deterministic=false"], [False]), ([], [None]),
+                           (["--set", "experiment.deterministic=true"], [True]),
                            (["--kernel", "flash-deterministic"], [True]), (["--kernel", "flash-atomic"], [False])):
         seen.clear()
         code, data = verify_json("--grad", "--set", "verify.seq_len=[17]", *args)
