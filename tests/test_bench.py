@@ -5,6 +5,7 @@ checking and timing through the plain PyTorch providers on tiny shapes. No test 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
@@ -649,9 +650,9 @@ def test_the_table_keeps_providers_and_numbers_whole_at_80_columns() -> None:
         assert whole in text, text
 
 
-def test_bench_says_which_forward_path_flash_ran(tmp_path) -> None:
-    """flash's forward may run the Gluon sm_90 kernel or the portable one: the rows, the files and
-    the table say which (here the interpreter's: the portable one)."""
+def test_bench_says_which_paths_flash_ran(tmp_path) -> None:
+    """flash's forward and backward may run Gluon sm_90 kernels or the portable ones: the rows, the
+    files and the table say which, the backward's on bwd cells (here the interpreter's: portable)."""
     from rich.console import Console
 
     from flashrun import device
@@ -662,18 +663,20 @@ def test_bench_says_which_forward_path_flash_ran(tmp_path) -> None:
     from flashrun import kernels
 
     flash = kernels.get("flash")
-    q = torch.randn(1, 2, 17, 16)
-    flash(q, q, q)
-    assert flash.path() == "triton"
-    assert kernels.get("minimal").path is None
+    q = torch.randn(1, 2, 17, 16, requires_grad=True)
+    torch.autograd.grad(flash(q, q, q), q, torch.ones_like(q))
+    assert flash.path() == "triton" and flash.backward_path() == "triton"
+    assert kernels.get("minimal").path is None and kernels.get("minimal").backward_path is None
 
     row = results.Row(**{**{f.name: None for f in fields(results.Row)}, "provider": "flash", "mode": "fwd",
                          "dtype": "float16", "causal": False, "batch": 1, "heads": 2, "kv_heads": 2, "seq_len": 17,
                          "seq_len_k": 17, "head_dim": 16, "status": "ok", "note": "", "gpu": "g",
                          "timestamp": "now", "window": (-1, -1), "softcap": 0.0, "alibi": False,
                          "where": "", "path": "gluon-sm90"})
+    bwd = dataclasses.replace(row, mode="bwd", path="gluon-sm90+dq")
     console = Console(width=80, force_terminal=False, record=True)
-    render(BenchReport([row, row], {}, "cuda", None), console)
-    assert "forward path flash: gluon-sm90 (2 cells)" in console.export_text()
+    render(BenchReport([row, row, bwd], {}, "cuda", None), console)
+    text = console.export_text()
+    assert "forward path flash: gluon-sm90 (2 cells)" in text and "backward path flash: gluon-sm90+dq (1 cell)" in text
     results.write(tmp_path / "r.csv", tmp_path / "r.json", [row], {}, complete=True)
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["path"] == "gluon-sm90"

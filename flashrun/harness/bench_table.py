@@ -58,13 +58,14 @@ def render(report: BenchReport, console: Console) -> None:
         style = {"n/a": "dim", "wrong": "bold red", "error": "bold red", "note": "dim"}[kind]
         cells = f"{count} cell{'s' if count > 1 else ''}"
         console.print(f"[{style}]{kind}[/] {provider} ({cells}): {note}", markup=True, highlight=False)
-    paths: dict[str, dict[str, int]] = {}  # provider -> implementation -> cells
+    paths: dict[tuple[str, str], dict[str, int]] = {}  # (forward|backward, provider) -> implementation -> cells
     for r in rows:
         if r.path:
-            paths.setdefault(r.provider, {})[r.path] = paths.get(r.provider, {}).get(r.path, 0) + 1
-    for provider, counts in paths.items():
+            counts = paths.setdefault(("forward" if r.mode == "fwd" else "backward", r.provider), {})
+            counts[r.path] = counts.get(r.path, 0) + 1
+    for (which, provider), counts in paths.items():
         ran = ", ".join(f"{path} ({n} cell{'s' if n > 1 else ''})" for path, n in counts.items())
-        console.print(f"forward path {provider}: {ran}", highlight=False)
+        console.print(f"{which} path {provider}: {ran}", highlight=False)
     setup: dict[str, dict[str, float]] = {}  # provider -> shape -> seconds (once per shape, not per mode)
     for r in rows:
         if r.setup_s is not None:

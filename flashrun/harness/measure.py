@@ -298,6 +298,7 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
                 forward = backward = Verdict("n/a", f"could not check this provider: {type(exc).__name__}: {exc}")
             setup_s = time.perf_counter() - started  # the check ends on .item(): the GPU is done
             path = (attn.path() or "") if attn.path else ""
+            backward_path = (attn.backward_path() or "") if attn.backward_path and backward_asked else ""
             config = _config_text(attn.configs()) if attn.configs else ""
             if backward_asked and not provider.backward:
                 backward = Verdict("n/a", f"{provider.name} has no backward")
@@ -310,7 +311,8 @@ def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference
                                 note=_join(attn.note, verdict.note))
                 else:
                     cell = _time_mode(provider, attn, shape, sets, mode, verdict, device, timing, caught, probe)
-                cells.append(dataclasses.replace(cell, setup_s=setup_s, path=path, config=config))
+                cells.append(dataclasses.replace(cell, setup_s=setup_s, config=config,
+                                                 path=path if mode == "fwd" else backward_path or path))
     for message in caught:
         log.debug("%s on %s: %s", provider.name, shape.label, message.message)
     return cells

@@ -83,6 +83,7 @@ class Attention:
     scope: Callable[[], ContextManager] = contextlib.nullcontext
     note: str = ""  # said in the results (e.g. how causal was expressed)
     path: Callable[[], str | None] | None = None  # which implementation ran (asked after the checked call)
+    backward_path: Callable[[], str | None] | None = None  # the same for its backward
     # the launch configs its Triton kernels ran since last asked, and where each came from
     # (flashrun.kernels.Kernel.configs); asked before and after the checked call
     configs: Callable[[], dict[str, dict[str, str]]] | None = None
@@ -174,7 +175,7 @@ def _kernel(spec: str) -> Provider:
         if missing:
             raise KernelError(f"{kernel.name} does not take {', '.join(missing)}, which this shape needs")
         return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal, **args), path=kernel.path,
-                         configs=kernel.configs)
+                         backward_path=kernel.backward_path, configs=kernel.configs)
 
     return Provider(spec, prepare, backward=kernel.supports_backward, is_kernel=True)
 

@@ -48,6 +48,7 @@ from flashrun.kernels.flash import (
     flash_attention_varlen,
     flash_attention_with_kvcache,
     hopper,
+    hopper_bwd,
 )
 from flashrun.kernels import tuning, warmup
 from flashrun.kernels.minimal import minimal_attention
@@ -74,9 +75,10 @@ class Kernel:
     supports_backward: bool  # False: forward only (users' kernels: decided by trying autograd)
     takes_causal: bool = True  # False for the (q, k, v) signature
     accepts: frozenset[str] = frozenset()  # the VARIANT_ARGS its function takes
-    # which of its implementations the last call's forward ran (flash: "gluon-sm90" or "triton");
-    # None for kernels with one
+    # which of its implementations the last call's forward ran (flash: "gluon-sm90" or "triton"),
+    # and its backward (flash: "gluon-sm90+dq", "gluon-sm90" (dK/dV) or "triton"); None for kernels with one
     path: Callable[[], str | None] | None = None
+    backward_path: Callable[[], str | None] | None = None
     # the launch config each of its Triton kernels ran with since the last time this was asked,
     # and where it came from (flash: tuning.chosen(), e.g. {"fwd": {"config": "128x64 w4 s3",
     # "source": "table"}}); None: not said
@@ -115,7 +117,8 @@ def get(spec: str, launch: Launch = None, deterministic: bool | None = DETERMINI
             return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, launch=launch, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
         return Kernel(spec, flash, supports_backward=True, accepts=frozenset(VARIANT_ARGS),
-                      path=lambda: hopper.LAST_PATH, configs=tuning.chosen)
+                      path=lambda: hopper.LAST_PATH, backward_path=lambda: hopper_bwd.LAST_PATH,
+                      configs=tuning.chosen)
     if spec == "minimal":
         return Kernel("minimal", minimal_attention, supports_backward=False)
     path, sep, func = spec.rpartition(":")

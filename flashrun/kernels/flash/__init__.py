@@ -8,6 +8,7 @@
                KV-cache API; ``decode_jit`` its kernels
 ``bwd``        backward kernels
 ``hopper``     the sm_90 forward path (gate, first-use check, launcher); ``hopper_jit`` its Gluon kernel
+``hopper_bwd`` the sm_90 backward path (dK/dV, or dQ too); ``hopper_bwd_jit`` its Gluon kernel
 """
 
 from flashrun.kernels.flash.args import alibi_slopes
