@@ -1,5 +1,8 @@
-"""One-shot H200 probe of the Gluon sm_90 dK/dV backward (flashrun/kernels/flash/hopper_bwd_jit.py,
-NOTES v8): is it right, and is the backward faster with it? For deciding hopper_bwd.DEFAULT_ON.
+"""One-shot H200 probe of the Gluon sm_90 backward (flashrun/kernels/flash/hopper_bwd_jit.py, NOTES
+v8-v10): is it right, and is the backward faster with it? For deciding hopper_bwd.DEFAULT_ON,
+DEFAULT and FUSED. A kernel name with the suffix ``+dq`` (``d128-dqs+dq``) is that kernel with
+dQ inside (the atomic backward's): its dQ is checked too, and it is timed through
+``flash_attention(deterministic=False)``.
 
     OUT=DIR timeout 470 python benchmarks/gluon_bwd_probe.py [--budget-s 400] [--kernels d128,d64]
                                                              [--workers 14] [--no-timing]
