@@ -265,7 +265,7 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
     handed = []
     q, k, v, do = _inputs()
     with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel.__name__)):
-        assert hopper_bwd.ensure_checked(q.device, q.dtype, 64, flash._portable_dkdv_check)
+        assert hopper_bwd.ensure_checked(q.device, q.dtype, 64, flash._portable_backward_check)
     assert hopper_bwd._checked == {}  # no verdict yet: a wrong kernel is still caught ...
     assert "_attn_bwd_dkdv" in handed and "_attn_bwd_dq" in handed  # (the portable side, compiled)
     _, dk, _ = _backward(q, k, v, do)

@@ -291,7 +291,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     :mod:`.hopper_bwd` allows it (with dQ inside for the atomic backward, TMA reduce-adds)."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     gluon_fused = (deterministic is not True and N_K and try_gluon
-                   and hopper_bwd.applies(q, k, v, do, variant, _portable_dkdv_check, fused=True))
+                   and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, fused=True))
     if deterministic is None:
         deterministic = not gluon_fused
     group = H // H_KV
@@ -353,7 +353,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
             hopper_bwd.LAST_PATH = hopper.TRITON_PATH
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
-    if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_dkdv_check):
+    if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check):
         dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split)
         hopper_bwd.LAST_PATH = hopper.GLUON_PATH
     elif N_K:
@@ -364,7 +364,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-def _portable_dkdv_check(q, k, v, do, sm_scale, causal):
+def _portable_backward_check(q, k, v, do, sm_scale, causal):
     """The portable forward and deterministic backward on the Gluon backward's first-use check's
     small inputs (fixed configs, no tuning): (dk, dv, lse, delta, dq)."""
     variant = Variant(causal=causal)
