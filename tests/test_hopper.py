@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flashrun.kernels.flash import attention as flash, hopper as flash_hopper
+from flashrun.kernels.flash.args import tma_aligned
 
 
 @pytest.fixture(autouse=True)
@@ -234,10 +235,11 @@ def test_compiles_for_hopper(python):
 
 def test_tma_alignment():
     q = torch.empty(2, 4, 40, 64, dtype=torch.float16)
-    assert flash_hopper._aligned(q)
-    assert not flash_hopper._aligned(q.transpose(2, 3))  # head_dim not contiguous
-    assert not flash_hopper._aligned(q[:, :1].expand(2, 4, 40, 64))  # stride 0: no TMA descriptor
-    assert not flash_hopper._aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows
+    assert tma_aligned(q)
+    assert tma_aligned(q.transpose(1, 2).contiguous().transpose(1, 2))  # a model's (B, N, H, D) projection
+    assert not tma_aligned(q.transpose(2, 3))  # head_dim not contiguous
+    assert not tma_aligned(q[:, :1].expand(2, 4, 40, 64))  # stride 0: no TMA descriptor
+    assert not tma_aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows
 
 
 @pytest.mark.parametrize("head_dim,n_k,causal,why", [

@@ -258,23 +258,37 @@ def test_launch_override(launch):
     _check_fwd_bwd(q, k, v, do, True, launch=launch)
 
 
-# The TMA forward reads (batch*heads*seq, head_dim) rows, so a tile that runs past a head's last
-# row sees the next head's data: the masks must keep it out. Batch 2 makes that visible.
+# The TMA forward reads one head's rows through 4-D descriptors: a tile that runs past a head's
+# last row must come back zero, not the next head's rows. Batch 2 makes a leak visible.
 TMA = {"fwd": LaunchConfig(32, 32, 4, 1, tma=True, ws=True)}
+
+
+def _model_layout(t):
+    """``t`` (B, H, N, D) re-laid as a model hands it over: a (B, N, H, D) projection seen as
+    (B, H, N, D), heads interleaved along the rows."""
+    return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(t.requires_grad)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 97, 70, 40), (2, 2, 1, 33, 130, 64), (1, 2, 2, 1, 1, 16),
                                    (2, 2, 1, 33, 47, 160)], ids=lambda s: "x".join(map(str, s)))
-def test_tensor_descriptor_path(shape, causal):
+@pytest.mark.parametrize("layout", ["dense", "model"])
+def test_tensor_descriptor_path(shape, causal, layout):
     q, k, v, do = _inputs(shape, torch.float16)
+    if layout == "model":
+        q, k, v = (_model_layout(t) for t in (q, k, v))
+        assert q.shape[2] == 1 or q.stride(2) == q.shape[1] * q.shape[3]  # rows H·D apart: no (B·H·N, D) matrix
+    assert flash._tma_ok(q, k, v)  # the descriptors, not the pointers, read these
     _check_fwd_bwd(q, k, v, do, causal, launch=TMA)
 
 
+@pytest.mark.parametrize("layout", ["dense", "model"])
 @pytest.mark.parametrize("launch", [TMA, "default"], ids=["tma", "pointers"])
-def test_heads_do_not_leak_into_each_other(launch):
+def test_heads_do_not_leak_into_each_other(launch, layout):
     # NaN in every input of one head (batch 0, head 1) must leave the other heads exact
     q, k, v, do = (t.detach() for t in _inputs((2, 2, 2, 33, 47, 40), torch.float16))
+    if layout == "model":
+        q, k, v = (_model_layout(t) for t in (q, k, v))
     for t in (q, k, v, do):
         t[0, 1] = float("nan")
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -77,19 +77,24 @@ def _rows_collapse(t: torch.Tensor) -> bool:
     return sd == 1 and (h == 1 or sh == n * sn) and (z == 1 or sz == h * n * sn)
 
 
+def tma_aligned(t: torch.Tensor) -> bool:
+    """A (batch, heads, seq, head_dim) tensor a 4-D TMA descriptor can take as it lies: last dim
+    contiguous, base and the other strides positive multiples of 16 bytes (an expanded GQA k/v,
+    stride 0, is not). Any nesting of the strides: a model's (B, N, H, D) projection seen as
+    (B, H, N, D) is one."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:3]))
+
+
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """TMA needs a Hopper-class GPU (or the interpreter), row-collapsible tensors, 16-byte
-    aligned bases and row strides, and row counts that fit the descriptor's int32 coordinates."""
+    """TMA needs a Hopper-class GPU (or the interpreter), 16-bit inputs and :func:`tma_aligned`
+    tensors."""
     if q.dtype == torch.float32:
         return False
     if not INTERPRETED and torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
-    size = q.element_size()
-    return all(
-        _rows_collapse(t) and t.data_ptr() % 16 == 0 and (t.stride(2) * size) % 16 == 0
-        and t.shape[0] * t.shape[1] * t.shape[2] < 2**31
-        for t in (q, k, v)
-    )
+    return all(tma_aligned(t) for t in (q, k, v))
 
 
 def _dq_tma_ok(dq: torch.Tensor) -> bool:
@@ -103,13 +108,24 @@ def _dq_tma_ok(dq: torch.Tensor) -> bool:
 
 
 def _rows_descriptors(t: torch.Tensor, block_rows: int) -> tuple:
-    """TMA descriptors over ``t``'s (batch*heads*seq, head_dim) rows, one per column block of
-    :func:`_split_head_dim` (the second None when the head dim is not split). Both span the
-    same rows and all head_dim columns: the second block loads at column BLOCK_D0, and the
-    copy engine zero-fills its columns past head_dim as it does rows past the tensor."""
+    """TMA descriptors over ``t``'s (batch*heads*seq, head_dim) rows (the atomic backward's dQ
+    buffer), one per column block of :func:`_split_head_dim` (the second None when the head dim
+    is not split). Both span the same rows and all head_dim columns: the second block loads at
+    column BLOCK_D0, and the copy engine zero-fills its columns past head_dim as it does rows past
+    the tensor."""
     z, h, n, d = t.shape
     return tuple(TensorDescriptor(t, shape=[z * h * n, d], strides=[t.stride(2), 1], block_shape=[block_rows, width])
                  if width else None for width in _split_head_dim(d))
+
+
+def _head_descriptors(t: torch.Tensor, block_rows: int) -> tuple:
+    """4-D TMA descriptors over ``t`` (batch, heads, seq, head_dim) with its own strides, one
+    per column block of :func:`_split_head_dim` (the second None when the head dim is not split),
+    each loading a (1, 1, block_rows, width) box: one head's rows. The copy engine zero-fills rows
+    past the head's seq and columns past head_dim."""
+    return tuple(TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()),
+                                  block_shape=[1, 1, block_rows, width])
+                 if width else None for width in _split_head_dim(t.shape[-1]))
 
 
 def _block_d(head_dim: int) -> int:

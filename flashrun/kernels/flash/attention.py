@@ -99,6 +99,7 @@ from flashrun.kernels.flash.args import (
     Variant,
     _cu_seqlens_arg,
     _dq_tma_ok,
+    _head_descriptors,
     _max_seqlen_arg,
     _rows_descriptors,
     _split_head_dim,
@@ -209,8 +210,8 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         """The launch of ``cfg``: grid, positional and keyword arguments, and whether it reads TMA."""
         tma = bool(cfg.tma) and not variant.varlen and _tma_ok(q, k, v)  # packed: pointers only
         if tma:  # a descriptor per tensor and column block (the second None where the head dim is not split)
-            (q0, q1), (k0, k1), (v0, v1) = (_rows_descriptors(q, cfg.block_m), _rows_descriptors(k, cfg.block_n),
-                                            _rows_descriptors(v, cfg.block_n))
+            (q0, q1), (k0, k1), (v0, v1) = (_head_descriptors(q, cfg.block_m), _head_descriptors(k, cfg.block_n),
+                                            _head_descriptors(v, cfg.block_n))
         else:
             (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
         args = (q0, k0, v0, q1, k1, v1, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -261,8 +262,8 @@ class _ForwardPlan:
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.tma:
-            (q0, q1), (k0, k1), (v0, v1) = (_rows_descriptors(q, self.block_m), _rows_descriptors(k, self.block_n),
-                                            _rows_descriptors(v, self.block_n))
+            (q0, q1), (k0, k1), (v0, v1) = (_head_descriptors(q, self.block_m), _head_descriptors(k, self.block_n),
+                                            _head_descriptors(v, self.block_n))
         else:
             (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
         self.launch(_current_stream(q.device), q0, k0, v0, q1, k1, v1, o, lse)

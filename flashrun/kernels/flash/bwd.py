@@ -47,10 +47,10 @@ def _attn_bwd_preprocess(O, DO, Delta,
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     o_src = O + off_z * stride_oz + off_h * stride_oh
-    o0, o1 = _load_tile(o_src, o_src, 0, start_m, stride_om, stride_ok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+    o0, o1 = _load_tile(o_src, o_src, 0, 0, start_m, stride_om, stride_ok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         True, False)
     do_src = DO + off_z * stride_doz + off_h * stride_doh
-    do0, do1 = _load_tile(do_src, do_src, 0, start_m, stride_dom, stride_dok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0,
+    do0, do1 = _load_tile(do_src, do_src, 0, 0, start_m, stride_dom, stride_dok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0,
                           BLOCK_D1, True, False)
     delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), axis=1)  # delta_i = rowsum(dO * O)
     if BLOCK_D1 > 0:
@@ -99,9 +99,9 @@ def _attn_bwd_dkdv_inner(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q, DO, LSE, Delta, 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_Q
         # rows past N_Q load as zeros: their q, dO and delta are 0, so they add nothing
-        q0, q1 = _load_tile(q_base, q_base, 0, start_m, stride_qm, stride_qk, N_Q,
+        q0, q1 = _load_tile(q_base, q_base, 0, 0, start_m, stride_qm, stride_qk, N_Q,
                             BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, False)
-        do0, do1 = _load_tile(do_base, do_base, 0, start_m, stride_dom, stride_dok, N_Q,
+        do0, do1 = _load_tile(do_base, do_base, 0, 0, start_m, stride_dom, stride_dok, N_Q,
                               BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, False)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
@@ -179,10 +179,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     # k and v stay on chip while every query block that sees them streams past
     k_src = K + off_zk * stride_kz + (off_hkv // KV_SPLIT) * stride_kh
-    k0, k1 = _load_tile(k_src, k_src, 0, start_n, stride_kn, stride_kk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+    k0, k1 = _load_tile(k_src, k_src, 0, 0, start_n, stride_kn, stride_kk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         True, False)
     v_src = V + off_zk * stride_vz + (off_hkv // KV_SPLIT) * stride_vh
-    v0, v1 = _load_tile(v_src, v_src, 0, start_n, stride_vn, stride_vk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+    v0, v1 = _load_tile(v_src, v_src, 0, 0, start_n, stride_vn, stride_vk, N_K, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         True, False)
     dk0 = tl.zeros([BLOCK_N, BLOCK_D0], dtype=tl.float32)
     dv0 = tl.zeros([BLOCK_N, BLOCK_D0], dtype=tl.float32)
@@ -239,9 +239,9 @@ def _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
     for j in tl.range(0, n_a + n_b):
         start_n = _block_start(j, n_a, lo_a, lo_b, BLOCK_N)
         cols = start_n + offs_n
-        k0, k1 = _load_tile(k_base, k_base, 0, start_n, stride_kn, stride_kk, N_K,
+        k0, k1 = _load_tile(k_base, k_base, 0, 0, start_n, stride_kn, stride_kk, N_K,
                             BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, False)
-        v0, v1 = _load_tile(v_base, v_base, 0, start_n, stride_vn, stride_vk, N_K,
+        v0, v1 = _load_tile(v_base, v_base, 0, 0, start_n, stride_vn, stride_vk, N_K,
                             BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, False)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)
         s, t = _scores(qk, offs_m[:, None], cols[None, :], N_K - N_Q, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
@@ -292,10 +292,10 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N_Q
     q_src = Q + off_zq * stride_qz + off_h * stride_qh
-    q0, q1 = _load_tile(q_src, q_src, 0, start_m, stride_qm, stride_qk, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+    q0, q1 = _load_tile(q_src, q_src, 0, 0, start_m, stride_qm, stride_qk, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                         True, False)
     do_src = DO + off_zq * stride_doz + off_h * stride_doh
-    do0, do1 = _load_tile(do_src, do_src, 0, start_m, stride_dom, stride_dok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0,
+    do0, do1 = _load_tile(do_src, do_src, 0, 0, start_m, stride_dom, stride_dok, N_Q, BLOCK_M, HEAD_DIM, BLOCK_D0,
                           BLOCK_D1, True, False)
     lse = tl.load(LSE + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(Delta + off_zq * stride_lz + off_h * stride_lh + offs_m, mask=row_ok, other=0.0)

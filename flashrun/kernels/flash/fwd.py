@@ -34,7 +34,7 @@ def _attn_fwd(Q, K, V, Q1, K1, V1, O, LSE,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
-    """Q, K, V are tensors, or (TMA) descriptors over their (batch*heads*seq, head_dim) rows.
+    """Q, K, V are tensors, or (TMA) 4-D descriptors over their (batch, heads, seq, head_dim).
     The head dim is the column blocks [0, BLOCK_D0) and [BLOCK_D0, BLOCK_D0 + BLOCK_D1)
     (BLOCK_D1 = 0: one block); Q1, K1, V1 are the second block's descriptors (TMA and
     BLOCK_D1 > 0), None otherwise.
@@ -67,37 +67,36 @@ def _attn_fwd(Q, K, V, Q1, K1, V1, O, LSE,
     if BLOCK_D1 > 0:
         acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     # q stays in registers/SRAM for the whole loop over K/V
-    if TMA:
-        # rows past N_Q are the next head's: computed, never stored
-        q0, q1 = _load_tile(Q, Q1, off_hz * N_Q, start_m, stride_qm, stride_qk, N_Q,
+    if TMA:  # 4-D descriptors, addressed by (batch, head): rows past N_Q come back zero, never stored
+        off_b = off_hz // H
+        q0, q1 = _load_tile(Q, Q1, off_b, off_h, start_m, stride_qm, stride_qk, N_Q,
                             BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, True)
         k_src = K
         v_src = V
-        kv_row = ((off_hz // H) * (H // GROUP) + off_hkv) * N_K
     else:
+        off_b = 0
         q_src = Q + off_zq * stride_qz + off_h * stride_qh
-        q0, q1 = _load_tile(q_src, q_src, 0, start_m, stride_qm, stride_qk, N_Q,
+        q0, q1 = _load_tile(q_src, q_src, 0, 0, start_m, stride_qm, stride_qk, N_Q,
                             BLOCK_M, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, False)
         k_src = K + off_zk * stride_kz + off_hkv * stride_kh
         v_src = V + off_zk * stride_vz + off_hkv * stride_vh
-        kv_row = 0
     slope2 = _alibi_slope2(ALIBI_SLOPES, off_z, off_h, stride_az, stride_ah, ALIBI)
 
     lo, mid_lo, mid_hi, hi = _key_range(start_m, N_Q, N_K, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     if WINDOW:  # stage 0: the window's left edge - masked
-        acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, kv_row,
+        acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, off_b, off_hkv,
                                                stride_kn, stride_kk, stride_vn, stride_vk, offs_m, lo, mid_lo,
                                                N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
                                                BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW,
                                                SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, False)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, kv_row,
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, off_b, off_hkv,
                                            stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_lo, mid_hi,
                                            N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
                                            BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, False, CAUSAL, WINDOW,
                                            SOFTCAP, ALIBI, UPCAST, PRECISION, TMA, WS)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end of the sequence - masked
-    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, kv_row,
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, K1, v_src, V1, off_b, off_hkv,
                                            stride_kn, stride_kk, stride_vn, stride_vk, offs_m, mid_hi, hi,
                                            N_Q, N_K, qk_scale, softcap2, slope2, win_left, win_right,
                                            BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, True, CAUSAL, WINDOW,

@@ -58,6 +58,7 @@ import torch
 import triton
 
 from flashrun.kernels import tuning
+from flashrun.kernels.flash.args import tma_aligned
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 log = logging.getLogger("flashrun.hopper")
@@ -206,13 +207,6 @@ def _disabled_by_env() -> bool:
     return os.environ.get("FLASHRUN_HOPPER", "1").strip().lower() in ("0", "false", "off", "no")
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    # a TMA descriptor's strides must be positive multiples of 16 bytes (an expanded GQA k/v, stride 0, is not)
-    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:3]))
-
-
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | None:
     """None when this call may take the Gluon path (before the first-use check), else why not."""
     if not ENABLED or _disabled_by_env():
@@ -236,7 +230,7 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | N
                 if rows else f"head_dim {q.shape[-1]}{' causal' if variant.causal else ''}")
     if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
         return "window/softcap/ALiBi"
-    if not all(_aligned(t) for t in (q, k, v)):
+    if not all(tma_aligned(t) for t in (q, k, v)):
         return "strides or base not 16-byte aligned"
     return None
 

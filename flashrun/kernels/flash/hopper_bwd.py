@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrun.kernels.flash import hopper
+from flashrun.kernels.flash.args import tma_aligned
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 
@@ -157,7 +158,7 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, v
         return f"head_dim {q.shape[-1]}"
     if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
         return "window/softcap/ALiBi"
-    if not all(hopper._aligned(t) for t in (q, k, v, do)):
+    if not all(tma_aligned(t) for t in (q, k, v, do)):
         return "strides or base not 16-byte aligned"
     return None
 

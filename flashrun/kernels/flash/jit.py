@@ -165,23 +165,21 @@ def _dot_cols(a, b0, b1, acc0, acc1, BLOCK_D1: tl.constexpr, UPCAST: tl.constexp
 
 
 @triton.jit
-def _load_rows(src, head_row, start, stride_row, stride_d, N,
+def _load_rows(src, off_z, off_h, start, stride_row, stride_d, N,
                BLOCK: tl.constexpr, COL: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
                MASKED: tl.constexpr, TMA: tl.constexpr):
     """Rows [start, start + BLOCK) x columns [COL, COL + WIDTH) of one head's (seq, head_dim) matrix.
 
-    TMA: ``src`` is a tensor descriptor (block WIDTH wide) over all (batch*heads*seq, head_dim)
-    rows and the head starts at row ``head_row``; the copy engine zero-fills past the tensor and
-    past head_dim, but rows past N belong to the next head, so MASKED tiles zero them (a NaN
-    there must not leak). Pointers: ``src`` points at the head; only MASKED tiles (and columns
-    past head_dim) pay for masks.
+    TMA: ``src`` is a 4-D tensor descriptor over (batch, heads, seq, head_dim), its box one head's
+    (1, 1, BLOCK, WIDTH), and the head is (``off_z``, ``off_h``); the copy engine zero-fills rows
+    past that head's N and columns past head_dim, so no mask is needed. Pointers: ``src`` points
+    at the head (``off_z``/``off_h`` unused); only MASKED tiles (and columns past head_dim) pay
+    for masks.
     """
-    rows = start + tl.arange(0, BLOCK)
     if TMA:
-        x = src.load([head_row + start, COL])
-        if MASKED:
-            x = tl.where(rows[:, None] < N, x, 0.0)
+        x = src.load([off_z, off_h, start, COL]).reshape([BLOCK, WIDTH])
     else:
+        rows = start + tl.arange(0, BLOCK)
         cols = COL + tl.arange(0, WIDTH)
         ptrs = src + rows[:, None] * stride_row + cols[None, :] * stride_d
         if MASKED:
@@ -194,16 +192,16 @@ def _load_rows(src, head_row, start, stride_row, stride_d, N,
 
 
 @triton.jit
-def _load_tile(src, src1, head_row, start, stride_row, stride_d, N,
+def _load_tile(src, src1, off_z, off_h, start, stride_row, stride_d, N,
                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                MASKED: tl.constexpr, TMA: tl.constexpr):
     """(x0, x1): rows [start, start + BLOCK) of one head as the column blocks [0, BLOCK_D0) and
     [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (x1 = NO_BLOCK when BLOCK_D1 = 0). TMA: ``src1`` is the
     descriptor for the second block; pointers: ``src`` serves both (see :func:`_load_rows`)."""
-    x0 = _load_rows(src, head_row, start, stride_row, stride_d, N, BLOCK, 0, BLOCK_D0, HEAD_DIM, MASKED, TMA)
+    x0 = _load_rows(src, off_z, off_h, start, stride_row, stride_d, N, BLOCK, 0, BLOCK_D0, HEAD_DIM, MASKED, TMA)
     x1 = NO_BLOCK
     if BLOCK_D1 > 0:
-        x1 = _load_rows(src1 if TMA else src, head_row, start, stride_row, stride_d, N,
+        x1 = _load_rows(src1 if TMA else src, off_z, off_h, start, stride_row, stride_d, N,
                         BLOCK, BLOCK_D0, BLOCK_D1, HEAD_DIM, MASKED, TMA)
     return x0, x1
 
@@ -232,7 +230,7 @@ def _store_tile(dst, rows, row_ok, stride_row, stride_d, x0, x1,
 
 
 @triton.jit
-def _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k1_src, v_src, v1_src, kv_row,
+def _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k1_src, v_src, v1_src, off_z, off_hkv,
                     stride_kn, stride_kk, stride_vn, stride_vk,
                     offs_m, lo, hi, N_Q, N_K, qk_scale, softcap2, slope2, left, right,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
@@ -243,9 +241,9 @@ def _attn_fwd_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, k1_src, v_src, v1_src, 
     # WS: let the compiler split the loop into producer (TMA) and consumer warps (Hopper+)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k0, k1 = _load_tile(k_src, k1_src, kv_row, start_n, stride_kn, stride_kk, N_K,
+        k0, k1 = _load_tile(k_src, k1_src, off_z, off_hkv, start_n, stride_kn, stride_kk, N_K,
                             BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, TMA)
-        v0, v1 = _load_tile(v_src, v1_src, kv_row, start_n, stride_vn, stride_vk, N_K,
+        v0, v1 = _load_tile(v_src, v1_src, off_z, off_hkv, start_n, stride_vn, stride_vk, N_K,
                             BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED, TMA)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         # -- update m_i and l_i --
