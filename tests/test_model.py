@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="flashrun model needs transformers: p
 from rich.console import Console  # noqa: E402
 
 from flashrun.config import load_config  # noqa: E402
-from flashrun.model import data, families, swap  # noqa: E402
+from flashrun.model import checks, data, families, swap  # noqa: E402
 from flashrun.model import run as model_run  # noqa: E402
 
 KERNELS = Path(__file__).parent / "kernels" / "model_kernels.py"
@@ -73,6 +73,30 @@ def test_a_kernel_wrong_in_one_variant_fails_the_model_at_its_first_layer(arch, 
     assert logits.detail["first_diverging_layer"] == layer
     assert f"first diverging layer: {layer}" in logits.summary
     assert report.exit_code == 1
+
+
+def test_a_kernel_with_a_wrong_backward_fails_the_train_step_and_names_the_parameter():
+    report = _by_name(_run("model.checks=['logits', 'train-step']", kernel=f"{KERNELS}:half_dq"))
+    assert report["logits"].passed  # its forward is right
+    step = report["train-step"]
+    assert not step.passed and step.detail["failed"], step.summary
+    # the last layer's q_proj gets half its gradient; its k/v/o projections (downstream of no
+    # other wrong dQ) and the token losses (the forward) stay right
+    last = f"model.layers.{families.build_config('llama', 'mini').num_hidden_layers - 1}.self_attn"
+    assert f"{last}.q_proj.weight" in step.detail["failed"]
+    assert not any(name.startswith((f"{last}.k_proj", f"{last}.v_proj", f"{last}.o_proj", "token"))
+                   for name in step.detail["failed"])
+
+
+@pytest.mark.parametrize("arch", families.ARCHS)
+def test_the_token_losses_are_what_the_loss_averages(arch):
+    # the train-step check judges the loss token by token: the tokens must be the model's own
+    config = families.build_config(arch, "mini")
+    model = families.build(config, torch.float64, "cpu", 0)
+    batch = data.copy_task(config.vocab_size, 2, 24, 0)
+    loss, tokens, grads = checks._gradients(model, "eager", batch)
+    assert len(tokens) == int(batch.valid().sum()) - batch.input_ids.shape[0]  # the first token has no label
+    assert torch.allclose(tokens.mean().to(loss.dtype), loss, rtol=1e-6) and grads
 
 
 def test_a_good_user_kernel_passes():

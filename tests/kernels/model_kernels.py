@@ -1,6 +1,8 @@
 """Kernels that are right as attention calls go but wrong for a model in one way each:
 ``flashrun model`` must fail the model and say where (tests/test_model.py)."""
 
+import torch
+
 from flashrun.kernels import flash_attention, flash_attention_varlen
 
 
@@ -40,3 +42,22 @@ def leaks_future(q, k, v, causal, sm_scale, cu_seqlens_q=None, cu_seqlens_k=None
 def plain(q, k, v, causal, sm_scale):
     """No variant or packed arguments at all."""
     return flash_attention(q, k, v, causal, sm_scale)
+
+
+class _HalfGradient(torch.autograd.Function):
+    """The identity forward; the backward halves the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+def half_dq(q, k, v, causal, sm_scale, window=(-1, -1), softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None):
+    """The right output, and a backward that hands back half of dQ."""
+    return _flash(_HalfGradient.apply(q), k, v, causal, sm_scale, window, softcap, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_q, max_seqlen_k)
