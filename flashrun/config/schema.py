@@ -278,7 +278,7 @@ class ModelConfig(_Section):
     path: str | None = None
     kernel: str = "flash"  # any verify kernel spec: flash, flash-atomic, PATH.py:FUNCTION
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"  # auto: float32 on the CPU, bfloat16 on a GPU
-    batch: PositiveInt | None = None  # None: the size's default (mini 2, 1b 4)
+    batch: PositiveInt | None = None  # None: the size's default (mini 1, 1b 4)
     seq_len: PositiveInt | None = None  # None: the size's default (mini 32, 1b 2048)
     sliding_window: PositiveInt | None = None  # overrides the family's window (mistral, gemma2)
     checks: list[Literal["logits", "train-step", "training", "generate"]] = ["logits", "train-step", "training",
