@@ -11,7 +11,7 @@
 #                                            # variant set, against Flex and cuDNN
 #   bash benchmarks/gpu_round10.sh models    # flashrun model: llama and qwen2 at 1b (checks, speed)
 #   bash benchmarks/gpu_round10.sh prefill   # prefill_forward_ab.py: the models' forward shapes
-# Still waiting for a session (issue 22): `bash benchmarks/gpu_round9.sh decode`.
+# Round 11: benchmarks/gpu_round11.sh. Still waiting for a session (issue 22): `bash benchmarks/gpu_round9.sh decode`.
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
