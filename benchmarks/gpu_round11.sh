@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_round11.sh models   # flashrun model at 1b: every family's checks, then speed
 #   bash benchmarks/gpu_round11.sh sweep    # prefill_forward_ab.py --sweep: launch configs, model layout
 #   bash benchmarks/gpu_round11.sh first-use  # benchmarks/first_use.sh (issue 24's cold timings)
+#   OLD=<checkout> bash benchmarks/gpu_round11.sh api   # first_call.py new-key, cold, twice each,
+#                                           # alternating OLD and this checkout
 # Still waiting for a session (issue 22): `bash benchmarks/gpu_round9.sh decode`.
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
@@ -39,6 +41,14 @@ case "${1:-}" in
     OUT="$OUT" timeout 300 python3 benchmarks/prefill_forward_ab.py --sweep ;;
   first-use)
     DEADLINE=520 bash benchmarks/first_use.sh ;;
+  api)
+    work=$(mktemp -d)
+    for rep in 1 2; do
+      for tree in ${OLD:-} "$PWD"; do
+        export TRITON_CACHE_DIR=$(mktemp -d -p "$work") FLASHRUN_CACHE_DIR=$(mktemp -d -p "$work")
+        echo "$rep $(basename "$tree"): $(timeout 60 python3 "$tree/benchmarks/first_call.py" new-key 2>/dev/null | tail -1)"
+      done
+    done | tee "$OUT/api-new-key.txt" ;;
   *)
-    echo "usage: bash benchmarks/gpu_round11.sh ab|models|sweep|first-use" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round11.sh ab|models|sweep|first-use|api" >&2; exit 2 ;;
 esac
