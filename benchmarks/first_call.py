@@ -12,13 +12,16 @@ torch, import flashrun's kernels, the CUDA context, the first call of verify's d
 (D=64, N=128), the first call of a shape the Gluon sm_90 forward takes (D=128, N=4096: its
 first-use check runs there, or its verdict is read from FLASHRUN_CACHE_DIR) - and profiles the
 first call. ``--profile FILE`` writes the first call's profile either way (the 30 costliest
-functions by cumulative time). One JSON line on stdout either way.
+functions by cumulative time); ``--timeline`` logs flashrun's compile steps (each kernel's
+compile, launcher build and readiness) to stderr, stamped in ms since the process began. One
+JSON line on stdout either way.
 """
 
 import argparse
 import cProfile
 import io
 import json
+import logging
 import pstats
 import sys
 import time
@@ -158,7 +161,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=("new-key", "breakdown"))
     ap.add_argument("--profile", help="write the first call's profile here (the 30 costliest functions)")
+    ap.add_argument("--timeline", action="store_true", help="log flashrun's compile steps to stderr")
     ns = ap.parse_args()
+    if ns.timeline:
+        logging.basicConfig(format="%(relativeCreated)7.0f ms %(threadName)s %(name)s: %(message)s")
+        logging.getLogger("flashrun").setLevel(logging.DEBUG)
     result = new_key(ns.profile) if ns.what == "new-key" else breakdown(ns.profile)
     print(json.dumps(result))
     return 0 if result.get("ok", True) else 1

@@ -496,3 +496,39 @@ def test_decode_replays_from_a_cuda_graph_and_launches_lean():
     graph.replay()
     for got, want in zip(outs, step()):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+
+# -- first use: Triton 3.6's per-signature C launcher, built beside the compile ---------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from flashrun.kernels import warmup  # noqa: E402
+
+
+@triton.jit
+def _add_one(X, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(X + offs, tl.load(X + offs, mask=offs < N) + 1, mask=offs < N)
+
+
+@pytest.mark.skipif(not warmup.per_kernel_launchers(), reason="this Triton launches every kernel through one launcher")
+def test_a_launcher_built_ahead_is_the_one_the_first_load_finds(tmp_path, monkeypatch):
+    """warmup._build_launcher builds, from a compile's source object alone, the launcher that the
+    compiled kernel's first load would build: that load then finds it in Triton's cache and runs
+    no compiler, and the kernel launches through it."""
+    import triton.runtime.build as build
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    sources, builds = [], []
+    real_compile, real_build = _add_one.compile, build._build  # the compile a @triton.jit function calls
+    monkeypatch.setattr(_add_one, "compile", lambda src, *a, **kw: sources.append(src) or real_compile(src, *a, **kw))
+    monkeypatch.setattr(build, "_build", lambda name, *a, **kw: builds.append(name) or real_build(name, *a, **kw))
+    x = torch.zeros(100, device="cuda")
+    _add_one.warmup(x, 100, BLOCK=128, grid=(1,))  # compiled, not loaded
+    (src,) = sources
+    warmup._build_launcher(src)
+    assert builds == ["__triton_launcher"]
+    _add_one[(1,)](x, 100, BLOCK=128)  # the first load, then the launch
+    torch.cuda.synchronize()
+    assert builds == ["__triton_launcher"] and bool((x == 1).all())

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import logging
 import os
 import pickle
@@ -185,8 +186,57 @@ class _Compiler(Executor):
         job = _job(fn) if not args and not kwargs else None
         workers_ = processes() if job is not None else None
         if workers_ is None:
-            return pool().submit(_compile_here, fn, *args, **kwargs)
-        return pool().submit(_compile_elsewhere, workers_, job, fn)
+            compiling = pool().submit(_compile_here, fn, *args, **kwargs)
+        else:
+            compiling = pool().submit(_compile_elsewhere, workers_, job, fn)
+        src = _closure(fn).get("src")
+        if src is not None and per_kernel_launchers():
+            pool().submit(_build_launcher, src)
+        return compiling
+
+
+def _closure(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The variables Triton's compile closure ``fn`` holds, by name ({} for another callable)."""
+    try:
+        return dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+    except (AttributeError, TypeError, ValueError):  # not a closure, or an empty cell
+        return {}
+
+
+@functools.cache
+def per_kernel_launchers() -> bool:
+    """Whether this Triton builds a C launcher for each kernel signature (3.6, with gcc on a cold
+    cache) rather than launching every kernel through one (3.9)."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:  # no CUDA backend in this Triton
+        return False
+    return hasattr(nvidia, "make_launcher")
+
+
+def _build_launcher(src: Any) -> None:
+    """In a pool thread, beside ``src``'s compile: the C launcher Triton 3.6 would build for it
+    when the compiled kernel is first loaded, after its compile (gcc, ~0.35 s on the H200's host,
+    one after the other on the path to the kernel being ready). Built from the signature and
+    constants as ``CudaLauncher`` builds it, into Triton's cache, where the load finds it. A
+    kernel that takes tensor descriptors is left to the load: its launcher also depends on what
+    the compile says about them."""
+    from triton.backends.nvidia import driver as nvidia
+
+    signature = dict(src.signature)
+    if any(str(kind).startswith("tensordesc") for kind in signature.values()):
+        return
+    constants = {(src.fn.arg_names.index(name),) if isinstance(name, str) else name: value
+                 for name, value in src.constants.items()}
+    began = time.perf_counter()
+    try:
+        nvidia.compile_module_from_src(src=nvidia.make_launcher(constants, signature, None), name="__triton_launcher",
+                                       library_dirs=nvidia.library_dirs(), include_dirs=nvidia.include_dirs,
+                                       libraries=nvidia.libraries)
+    except Exception as exc:  # noqa: BLE001 - no compiler or CUDA library here: the load builds it and says so
+        log.debug("%s's launcher not built ahead: %s: %s", src.name, type(exc).__name__, exc)
+        return
+    log.debug("%s's launcher built in %.2f s", src.name, time.perf_counter() - began)
 
 
 def _compile_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -200,7 +250,7 @@ def _compile_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def _job(fn: Callable[..., Any]) -> compile_worker.Job | None:
     """What a process needs to compile what Triton's closure ``fn`` would (None: it cannot)."""
     try:
-        cells = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+        cells = _closure(fn)
         src, target, options, env_vars = cells["src"], cells["target"], cells["options"], cells["env_vars"]
         function = src.fn.fn  # the Python function under the @triton.jit one
         module, qualname = function.__module__, function.__qualname__
