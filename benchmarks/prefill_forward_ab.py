@@ -8,6 +8,11 @@ function: (B, N, H, D) projections seen as (B, H, N, D).
 
 --sweep also times, in the model layout, every forward candidate the tuner has for the head dim
 and a few launch configs outside its space (other tiles, stages, warp specialization).
+--gluon-sweep times, in the model layout, the Gluon forward over its config space (one or two
+consumer warpgroups, 64- or 128-key blocks, 2-4 stages, with and without the intra-warpgroup
+overlap, persistent or not), compiled ahead in parallel (flashrun's warmup.Batch), each config
+timed in REPEATS separate do_bench calls (the Gluon forward's times varied from call to call in
+v11); and one config's single launches, timed with CUDA events, as percentiles.
 """
 
 import itertools
@@ -22,10 +27,65 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from flashrun.kernels import LaunchConfig, tuning  # noqa: E402
+from flashrun.kernels import LaunchConfig, tuning, warmup  # noqa: E402
 from flashrun.kernels.flash import attention as flash, hopper  # noqa: E402
 
 SHAPES = (("llama", 32, 8, 64), ("qwen2", 12, 2, 128))  # (family, heads, k/v heads, head_dim)
+REPEATS = 3
+
+
+def gluon_space(d: int) -> list[hopper.HopperConfig]:
+    """The Gluon forward's configs at head_dim ``d`` that fit an SM's shared memory."""
+    space = []
+    for consumers, block_n, stages, overlap, persistent in itertools.product(
+            (1, 2), (64, 128), (2, 3, 4), (True, False), (False, True)):
+        regs = {} if consumers == 2 else {"consumer_regs": 232, "maxnreg": 128}
+        cfg = hopper.HopperConfig(d, block_n=block_n, stages=stages, overlap=overlap, consumers=consumers,
+                                  persistent=persistent, **regs)
+        if hopper.smem_bytes(cfg) + 2048 <= hopper.SMEM_LIMIT:
+            space.append(cfg)
+    return space
+
+
+def gluon_name(cfg: hopper.HopperConfig) -> str:
+    return (f"gluon c{cfg.consumers} n{cfg.block_n} s{cfg.stages}{' overlap' if cfg.overlap else ''}"
+            f"{' persistent' if cfg.persistent else ''}")
+
+
+def gluon_sweep(q, k, v, ref, row: dict) -> None:
+    """Every :func:`gluon_space` config: compiled ahead together, then each timed REPEATS times."""
+    space = gluon_space(q.shape[-1])
+    batch = warmup.Batch()
+    kernels = batch.collect(lambda: [hopper._run_gluon(q, k, v, q.shape[-1] ** -0.5, True, cfg) for cfg in space])
+    print(f"compiled {len(kernels)} Gluon kernels in {batch.wait(kernels):.1f} s", flush=True)
+    batch.close()
+    for cfg in space:
+        def run(cfg=cfg):
+            return hopper._run_gluon(q, k, v, q.shape[-1] ** -0.5, True, cfg)[0]
+        try:
+            got = [timed(run, ref) for _ in range(REPEATS)]
+            row[gluon_name(cfg)] = {"ms": [t["ms"] for t in got], "err": got[0]["err"]}
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a result too
+            row[gluon_name(cfg)] = {"error": repr(exc)[:200]}
+    ok = {name: min(r["ms"]) for name, r in row.items() if name.startswith("gluon c") and "ms" in r}
+    best = min(ok, key=ok.get)
+    cfg = next(c for c in space if gluon_name(c) == best)
+    row["best gluon launches (CUDA events, ms)"] = {"config": best, **single_launches(
+        lambda: hopper._run_gluon(q, k, v, q.shape[-1] ** -0.5, True, cfg))}
+
+
+def single_launches(fn, count: int = 200) -> dict:
+    """Percentiles of ``count`` single launches, each between CUDA events (L2 not flushed)."""
+    times = []
+    for _ in range(count):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return {f"p{p}": round(times[min(count - 1, count * p // 100)], 4) for p in (0, 10, 50, 90, 100)}
 
 
 def timed(fn, ref) -> dict:
@@ -79,6 +139,10 @@ def main() -> None:
                                               ref)
                 except Exception as exc:  # noqa: BLE001 - a config that does not fit is a result too
                     row[f"cfg {cfg}"] = {"error": repr(exc)[:200]}
+        if layout == "model" and "--gluon-sweep" in sys.argv[1:]:
+            gluon_sweep(q, k, v, ref, row)
+            row["shipped launches (CUDA events, ms)"] = single_launches(shipped)
+            row["cudnn launches (CUDA events, ms)"] = single_launches(cudnn)
         results[f"{family}-{layout}"] = row
         print(family, layout, json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "."))
