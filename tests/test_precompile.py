@@ -6,6 +6,7 @@ on this GPU-less machine (real Triton compiles, Triton's own keys). Everything e
 the interpreter or with made-up tables."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,23 @@ def test_a_kernel_compiled_after_the_compile_threads_stopped_is_dropped_quietly(
     compile_ = warmup.Compile("_attn_fwd", handle=None)
     batch._load_later(compile_, done)
     assert not compile_.ready.is_set()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_neither_uses_nor_stops_its_parents_compile_processes():
+    """The compile processes answer the process that started them: a forked child starts with
+    none (its first batch would start its own), and its copy closing at exit leaves the parent's
+    workers running."""
+    from flashrun.kernels import warmup
+
+    parent = warmup.processes()
+    assert parent is not None
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status, skip pytest's teardown
+        ok = warmup._processes is None and warmup._pool is None
+        parent.close()  # what its atexit would do
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(worker.poll() is None for worker in parent._all)  # still running, still ours
+    assert warmup._processes is parent

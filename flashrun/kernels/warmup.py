@@ -26,7 +26,10 @@ Before its first compile or cache lookup, each process hashes Triton's own insta
 helpers for CUDA (gcc on a cold cache: 0.45 s on the H200's host). :func:`prime` starts both in
 background threads when the kernels are imported (hashing and gcc release the GIL), so they
 overlap the CUDA context's start and the first inputs instead of delaying the first kernel; a
-batch waits for them rather than doing either a second time.
+batch waits for them rather than doing either a second time. Triton 3.6 also builds a C
+launcher per kernel signature with gcc when a compiled kernel is first loaded: a pool thread
+builds it while the kernel compiles (:func:`_build_launcher`). A forked child starts with none
+of its parent's threads or processes.
 
 The mode is entered in a copy of the caller's context, so launches the caller makes while
 kernels compile (a run working through the cases whose kernels are ready) run as usual instead
@@ -105,22 +108,31 @@ class _Processes:
                      for _ in range(count)]
         for worker in self._all:
             self._idle.put(worker)
+        self.pid = os.getpid()  # the process the workers answer
         atexit.register(self.close)
 
     def close(self) -> None:
-        """At exit: close every worker's stdin (an idle one exits), stop any still compiling."""
-        for worker in self._all:
-            for pipe in (worker.stdin, worker.stdout):
-                try:
-                    pipe.close()
-                except OSError:  # a broken pipe to a worker that is gone
-                    pass
+        """At exit: close every worker's stdin (an idle one exits), stop any still compiling.
+        In a forked child (its copy of this object) only the child's copies of the pipes close:
+        the workers are its parent's."""
+        self.forget()
+        if os.getpid() != self.pid:
+            return
         for worker in self._all:
             try:
                 worker.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
+
+    def forget(self) -> None:
+        """Close this process's copies of the workers' pipes, leaving the workers alone."""
+        for worker in self._all:
+            for pipe in (worker.stdin, worker.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
 
     def compile(self, job: compile_worker.Job) -> float:
         """``job`` compiled into Triton's disk cache by an idle process; its seconds. Raises
@@ -170,6 +182,20 @@ def processes() -> _Processes | None:
                 _processes_broken = True
                 return None
     return _processes
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts without its parent's compile threads (they do not exist in it) and
+    processes (they answer the parent): its first batch starts its own."""
+    global _pool, _pool_lock, _processes
+    _pool_lock = threading.Lock()
+    _pool = None
+    if _processes is not None:
+        _processes.forget()
+    _processes = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def compiled_in() -> str:
