@@ -150,6 +150,20 @@ def test_plans_are_cached_and_launch_every_parameter():
     assert plan.splits > 1 and plan.combine is not None
     assert 13 + len(plan.decode.tail) == len(_attn_decode.arg_names)
     assert 4 + len(plan.combine.tail) == len(_attn_decode_combine.arg_names)
+    # the combine: a program per (row, batch and kv head, column block of the head dim)
+    assert plan.combine.grid == (2, 2, 1)  # a group of 2 rows, 1 x 2 (batch, kv head) pairs, all 16 columns
+
+
+def test_the_combine_spreads_a_wide_head_dim_over_column_blocks():
+    """MQA: one (batch, kv head) pair merging many splits, too few rows to fill the GPU. Its
+    rows' columns go to several programs (the last block partly past head_dim 80), and the
+    output still matches; where the rows fill the GPU, a program takes the whole head dim."""
+    shape, inputs = _cache_inputs((700,), 4, 1, 1, 80)
+    decode._plans.clear()
+    _check(shape, inputs)
+    (plan,) = [p for p in decode._plans.values() if p.lse_shape is None]  # the KV-cache call's
+    assert plan.splits > 1 and plan.combine.grid == (4, 1, 2)  # 4 rows < 2 x 4 "SMs": two blocks of 64 columns
+    assert [decode.combine_cols(p, 128, torch.device("cpu")) for p in (1, 2, 4, 8)] == [32, 32, 64, 128]
 
 
 def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
@@ -168,6 +182,12 @@ def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
     t = torch.empty(4)
     launch(7, t, None, 5)
     assert seen == [(3, 1, 2, 7, "fn", "meta", None, None, None, t.data_ptr(), None, 5, "tail")]
+    # a 1-D grid (the Gluon forward's) is padded to the three the launcher takes before the stream
+    flat = launch_mod._Launch(_attn_decode, (6,), ("tail",), {"num_warps": 4, "maxnreg": 168})
+    flat.compiled = Compiled()
+    flat(7, t)
+    assert seen[-1] == (6, 1, 1, 7, "fn", "meta", None, None, None, t.data_ptr(), "tail")
+    assert flat.options == {"num_warps": 4, "maxnreg": 168}
     assert not launch_mod._hooked()
     with launches():  # bench --metrics' recorder wraps CompiledKernel.launch_metadata: Triton's path
         assert launch_mod._hooked()

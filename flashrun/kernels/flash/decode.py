@@ -67,7 +67,8 @@ MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
 DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
-COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x head_dim)
+COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x its columns)
+COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 PLANS = 512  # plans kept (the oldest dropped)
 
 
@@ -125,6 +126,17 @@ def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> 
     at least MIN_CHUNK_BLOCKS key blocks."""
     chunk = MIN_CHUNK_BLOCKS * block_n
     return max(1, min(WAVES * _multiprocessors(device) // programs, cdiv(keys, chunk)))
+
+
+def combine_cols(programs: int, head_dim: int, device: torch.device) -> int:
+    """Head-dim columns per combine program, for ``programs`` (row, batch and kv head) pairs: the
+    whole (padded) head dim where they fill WAVES programs per SM, else narrower blocks (at least
+    COMBINE_MIN_COLS) so that a few rows' long merges spread over more programs - MQA at batch 1
+    is 32 rows merging up to 264 splits each (H200: 0.77 -> 0.87 of cuDNN at 16k keys, 0.75 ->
+    0.93 at 128k, benchmarks/NOTES.md v12)."""
+    padded = max(16, next_power_of_2(head_dim))
+    blocks = cdiv(WAVES * _multiprocessors(device), programs)
+    return min(padded, max(COMBINE_MIN_COLS, next_power_of_2(cdiv(head_dim, blocks))))
 
 
 @dataclass(frozen=True)
@@ -197,11 +209,11 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, cfg)
     combine = None
     if splits > 1:
-        block_s = min(next_power_of_2(splits), COMBINE_SPLITS if dims.head_dim <= 128 else COMBINE_SPLITS // 2)
-        combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, 1),
-                          (*dims.o, dims.kv_heads, dims.n_q, splits, group, dims.head_dim, bm,
-                           max(16, next_power_of_2(dims.head_dim)), block_s, write_lse),
-                          LaunchConfig(num_warps=4, num_stages=1))
+        cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)
+        block_s = min(next_power_of_2(splits), COMBINE_SPLITS if cols <= 128 else COMBINE_SPLITS // 2)
+        combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, cdiv(dims.head_dim, cols)),
+                          (*dims.o, dims.kv_heads, dims.n_q, splits, group, dims.head_dim, bm, cols, block_s,
+                           write_lse), LaunchConfig(num_warps=4, num_stages=1))
     rows = pairs * tiles * splits * bm
     lse_shape = (dims.batch, dims.heads, dims.n_q) if write_lse else None
     return _Plan(decode, combine, dims.out, lse_shape, (rows * dims.head_dim, rows), splits,

@@ -275,15 +275,18 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
 def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_oh, stride_ok, H_KV, N_Q, SPLITS,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Program (row of the group, batch * H_KV + kv head): merges the row's SPLITS partials,
-    BLOCK_S at a time with a running maximum. The head dim stays one padded BLOCK_D tile: no
-    matmul here, and masked padding costs no memory traffic."""
+    """Program (row of the group, batch * H_KV + kv head, column block): merges columns
+    [BLOCK_D · c, BLOCK_D · (c + 1)) of the row's SPLITS partials, BLOCK_S at a time with a
+    running maximum (every column block recomputes the weights from the LSEs, a few bytes per
+    split; column block 0 writes the LSE). Column blocks spread a long merge - one (batch, kv
+    head) of MQA has SPLITS in the hundreds - over more programs than the group's rows."""
     row = tl.program_id(0)
     pair = tl.program_id(1)
+    col = tl.program_id(2)
     tiles = tl.cdiv(N_Q * GROUP, BLOCK_M)
     first = ((pair * tiles + row // BLOCK_M).to(tl.int64) * SPLITS) * BLOCK_M + row % BLOCK_M  # split 0's row
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -304,7 +307,9 @@ def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_
     off_i = row // GROUP
     off_h = (pair % H_KV) * GROUP + row % GROUP
     if WRITE_LSE:
-        lse = tl.where(total > 0.0, (m + tl.math.log2(tl.where(total > 0.0, total, 1.0))) / LOG2E_C, float("-inf"))
-        tl.store(LSE + (off_z * H_KV * GROUP + off_h) * N_Q + off_i, lse)
+        if col == 0:
+            lse = tl.where(total > 0.0, (m + tl.math.log2(tl.where(total > 0.0, total, 1.0))) / LOG2E_C,
+                           float("-inf"))
+            tl.store(LSE + (off_z * H_KV * GROUP + off_h) * N_Q + off_i, lse)
     tl.store(O + off_z * stride_oz + off_i * stride_om + off_h * stride_oh + offs_d * stride_ok,
              o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)

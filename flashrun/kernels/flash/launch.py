@@ -48,9 +48,12 @@ class _Launch:
     __slots__ = ("kernel", "grid", "tail", "options", "compiled")
     direct = True  # False once a launcher refused the direct call (then for every launch)
 
-    def __init__(self, kernel, grid: tuple[int, int, int], tail: tuple, cfg: LaunchConfig) -> None:
-        self.kernel, self.grid, self.tail = kernel, grid, tail
-        self.options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    def __init__(self, kernel, grid: tuple[int, ...], tail: tuple, cfg: LaunchConfig | dict[str, int]) -> None:
+        """``cfg``: the launch's warps and stages, or its launch options as given to Triton
+        (a Gluon kernel's: warps and ``maxnreg``; other options would specialize another kernel)."""
+        self.kernel, self.tail = kernel, tail
+        self.grid = (*grid, 1, 1)[:3]  # the launcher takes three (a 1-D grid would shift every argument)
+        self.options = dict(cfg) if isinstance(cfg, dict) else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         self.compiled = None
 
     def __call__(self, stream: int | None, *args) -> None:
