@@ -431,6 +431,29 @@ def test_gluon_kernels_on_gpu(name, case):
     _judge(Reference(Inputs(q, k, v, do), causal=causal, grads=False), o, None)
 
 
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
+@pytest.mark.parametrize("name", ["d128", "d192-persistent"])
+def test_gluon_forward_plans_launch_lean_and_agree(name):
+    """The Gluon path keeps a plan per shape: its first call goes through Triton and keeps the
+    compiled kernel, later calls on other tensors of the same layout launch it directly and give
+    the same bits; O comes back laid out like q (here a model's (B, N, H, D) view)."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    cfg = flash_hopper.KERNELS[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, h, cfg.head_dim, device="cuda", generator=gen).to(BF16).transpose(1, 2)
+               for h in (8, 2, 2))
+    flash_hopper._plans.clear()
+    first = flash_hopper._run_gluon(q, k, v, 0.1, True, cfg)
+    (plan,) = flash_hopper._plans.values()
+    assert plan.launch.compiled is not None
+    second = flash_hopper._run_gluon(*(t.clone() for t in (q, k, v)), 0.1, True, cfg)
+    assert len(flash_hopper._plans) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, second)) and second[0].stride() == q.stride()
+    _, lse_ref = flash._attn_forward(q, k, v, 0.1, flash.Variant(causal=True), "default", try_gluon=False)
+    assert (second[1] - lse_ref).abs().max().item() <= 1e-2
+
 # -- decode and the KV cache (flashrun/kernels/flash/decode.py) ------------------------------------
 # (cache lengths, heads, kv heads, queries, head_dim, dtype, page size, new keys, causal): ragged
 # with an empty cache and 1 key, pages of 16, 48, 256 and 1 key, appends, MQA, split head dims,
