@@ -18,7 +18,7 @@ bench` times, so comparable with it) in microseconds, and `wall`: back-to-back c
 clearing, host overhead included (the number an inference loop without graphs sees). Then a
 small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
 
-    OUT=/tmp/out python benchmarks/decode_probe.py [--quick]
+    OUT=/tmp/out python benchmarks/decode_probe.py [--quick] [--budget-s 170] [--waves W]
 
 ``--smoke`` runs the same code on the CPU through Triton's interpreter with tiny shapes, SDPA's
 math backend for cuDNN and no graphs: a check that the script itself runs, timings meaningless.
@@ -76,7 +76,7 @@ PAGED_ON = {0, 1, 2, 6, 11}  # grid rows also timed through the KV-cache API, co
 CONFIGS = [LaunchConfig(block_n=64, num_warps=4, num_stages=3), LaunchConfig(block_n=64, num_warps=8, num_stages=3),
            LaunchConfig(block_n=32, num_warps=4, num_stages=3), LaunchConfig(block_n=128, num_warps=8, num_stages=3),
            LaunchConfig(block_n=64, num_warps=4, num_stages=2)]
-BUDGET_S = 170  # sections still to come are skipped past this, and say so
+BUDGET_S = 170.0  # sections still to come are skipped past this, and say so (--budget-s)
 
 
 def reference(q, k, v):
@@ -269,13 +269,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="four shapes, no config sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): does the script run?")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="skip grid shapes that would start after this")
+    ap.add_argument("--waves", type=int, help="decode.WAVES for the whole run (the split target; default: decode's)")
     ns = ap.parse_args()
+    global BUDGET_S
+    BUDGET_S = ns.budget_s
+    if ns.waves:
+        decode.WAVES = ns.waves
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     env = {"gpu": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__,
-           "sms": None if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count}
+           "sms": None if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count,
+           "waves": decode.WAVES}
     print(f"{env}", flush=True)
     rows: list[dict] = []
     for row in SMOKE_GRID if SMOKE else QUICK if ns.quick else GRID:

@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_round11.sh first-use  # benchmarks/first_use.sh (issue 24's cold timings)
 #   OLD=<checkout> bash benchmarks/gpu_round11.sh api   # first_call.py new-key, cold, twice each,
 #                                           # alternating OLD and this checkout
-# Still waiting for a session (issue 22): `bash benchmarks/gpu_round9.sh decode`.
+# gpu_round9.sh decode ran in round 12 (gpu_round12.sh decode, results/h200-v12-decode-*).
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
