@@ -114,7 +114,7 @@ from flashrun.kernels.flash.bwd import (
     _attn_bwd_preprocess,
 )
 from flashrun.kernels.flash.fwd import _attn_fwd
-from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta
+from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta, keep
 from flashrun.kernels.tuning import (
     CHOSEN,
     INTERPRETED,
@@ -227,13 +227,12 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     cfg = choose("fwd", q, k, variant.causal, launch, run, **variant.tuning(N_Q, N_K))
     run(cfg)
     if lean:
-        _keep_forward_plan(key, _ForwardPlan.of(cfg, *arguments(cfg)))
+        keep(_forward_plans, key, _ForwardPlan.of(cfg, *arguments(cfg)))
     return o, lse
 
 
 # -- lean launches of the portable forward (:mod:`.launch`) ------------------------------------------
 
-FORWARD_PLANS = 512  # plans kept (the oldest dropped)
 PER_CALL = 8  # _attn_fwd's arguments that change from call to call: Q, K, V, Q1, K1, V1, O, LSE
 
 
@@ -273,12 +272,6 @@ class _ForwardPlan:
 
 
 _forward_plans: dict[tuple, _ForwardPlan] = {}
-
-
-def _keep_forward_plan(key: tuple, plan: _ForwardPlan) -> None:
-    if len(_forward_plans) >= FORWARD_PLANS:  # the oldest goes
-        del _forward_plans[next(iter(_forward_plans))]
-    _forward_plans[key] = plan
 
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

@@ -51,7 +51,7 @@ from flashrun.kernels.flash.args import (
     dot_options,
 )
 from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
-from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta
+from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta, keep
 from flashrun.kernels.tuning import INTERPRETED, LaunchConfig, cdiv, next_power_of_2
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
@@ -69,7 +69,6 @@ DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x its columns)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
-PLANS = 512  # plans kept (the oldest dropped)
 
 
 
@@ -223,13 +222,6 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
 _plans: dict[tuple, _Plan] = {}
 
 
-def _keep_plan(key: tuple, plan: _Plan) -> _Plan:
-    if len(_plans) >= PLANS:  # the oldest goes
-        del _plans[next(iter(_plans))]
-    _plans[key] = plan
-    return plan
-
-
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -263,7 +255,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, var
     o_strides = _contiguous_strides(q.shape)
     dims = _Dims(batch, heads, k.shape[1], n_q, head_dim, order(q), order(k), order(v), tuple(q.shape),
                  (o_strides[0], o_strides[2], o_strides[1], o_strides[3]), keys=end - first)
-    return _keep_plan(key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False, write_lse=True))
+    return keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False, write_lse=True))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant
@@ -398,7 +390,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         # the mask folded as flash_attention folds it, against the longest a sequence can be
         variant = _variant(q.transpose(1, 2), dims.batch, dims.capacity, causal, window, softcap, alibi_slopes)
         scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
-        plan = _keep_plan(key, _make_plan(dims, q.dtype, q.device, variant, scale,
+        plan = keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, scale,
                                           seqlens=isinstance(cache_seqlens, torch.Tensor), write_lse=False))
     n_k = 0
     if not isinstance(cache_seqlens, torch.Tensor):

@@ -59,7 +59,7 @@ import triton
 
 from flashrun.kernels import tuning
 from flashrun.kernels.flash.args import tma_aligned
-from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta
+from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 log = logging.getLogger("flashrun.hopper")
@@ -298,7 +298,6 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
 
 
 PER_CALL = 8  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE
-PLANS = 512  # plans kept (the oldest dropped)
 
 
 @dataclass(frozen=True)
@@ -350,9 +349,7 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
     plan = _Plan(_Launch(_fa3_fwd, grid, tuple(ordered[PER_CALL:]), options), (HALF_M, cfg.block_n),
                  split_head_dim(q.shape[-1]))
     plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
-    if len(_plans) >= PLANS:  # the oldest goes
-        del _plans[next(iter(_plans))]
-    _plans[key] = plan
+    keep(_plans, key, plan)
     return o, lse
 
 

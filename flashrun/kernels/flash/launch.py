@@ -86,7 +86,17 @@ def _current_stream(device: torch.device) -> int | None:
     return _stream_of(device.index)
 
 
-# -- plan keys ----------------------------------------------------------------------------------
+# -- plans and their keys -----------------------------------------------------------------------
+PLANS = 512  # plans a cache keeps (the oldest dropped)
+
+
+def keep(plans: dict, key: tuple, plan: Any) -> Any:
+    """``plan`` kept in ``plans`` under ``key`` (at most PLANS of them: the oldest goes)."""
+    if len(plans) >= PLANS:
+        del plans[next(iter(plans))]
+    plans[key] = plan
+    return plan
+
 def _meta(t: torch.Tensor | None) -> tuple | None:
     """What a plan depends on in a tensor argument: its layout, type, place, and the 16-byte
     alignment Triton specializes a pointer on."""
