@@ -4,8 +4,8 @@
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
 (checked by feature, :func:`gluon_api`), float16/bfloat16, a (head_dim, causal, key count) that
-:data:`GATE` gives a kernel (today head_dim 128, causal from 2048 keys, and 64 from 4096 keys,
-causal 8192), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
+:data:`GATE` gives a kernel (today head_dim 128 from 2048 keys, causal or not; 64 from 2048,
+causal from 8192; 192 and 256 at any length), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
 base are 16-byte aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and
 not a flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
 (those, and float32, go to the portable kernel).
