@@ -209,13 +209,14 @@ class _Compiler(Executor):
     process when the closure describes a kernel of flashrun's, else in a pool thread as it is."""
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        job = _job(fn) if not args and not kwargs else None
+        cells = _closure(fn)
+        job = _job(cells) if not args and not kwargs else None
         workers_ = processes() if job is not None else None
         if workers_ is None:
             compiling = pool().submit(_compile_here, fn, *args, **kwargs)
         else:
             compiling = pool().submit(_compile_elsewhere, workers_, job, fn)
-        src = _closure(fn).get("src")
+        src = cells.get("src")
         if src is not None and per_kernel_launchers():
             pool().submit(_build_launcher, src)
         return compiling
@@ -273,10 +274,10 @@ def _compile_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return compiled
 
 
-def _job(fn: Callable[..., Any]) -> compile_worker.Job | None:
-    """What a process needs to compile what Triton's closure ``fn`` would (None: it cannot)."""
+def _job(cells: dict[str, Any]) -> compile_worker.Job | None:
+    """What a process needs to compile what Triton's compile closure would, given its variables
+    (:func:`_closure`; None: it cannot)."""
     try:
-        cells = _closure(fn)
         src, target, options, env_vars = cells["src"], cells["target"], cells["options"], cells["env_vars"]
         function = src.fn.fn  # the Python function under the @triton.jit one
         module, qualname = function.__module__, function.__qualname__
