@@ -15,6 +15,9 @@ from triton.tools.tensor_descriptor import (
 from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.jit import (
     LOG2E,
+    SOFTCAP_FAST,
+    SOFTCAP_FAST_CAP,
+    SOFTCAP_PRECISE,
     UNBOUNDED,
 )
 from flashrun.kernels.tuning import (
@@ -183,8 +186,9 @@ class Variant:
                  ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen))
         return {"variants": "+".join(name for name, on in flags if on), "lengths": (n_q, n_k)}
 
-    def kernel_args(self, sm_scale: float) -> dict:
-        """The runtime arguments and constexprs every kernel here takes for the variants."""
+    def kernel_args(self, sm_scale: float, dtype: torch.dtype) -> dict:
+        """The runtime arguments and constexprs every kernel here takes for the variants, for
+        inputs of ``dtype``."""
         slopes = self.alibi_slopes
         left, right = self.window if self.window is not None else (0, 0)  # read only under WINDOW
         return {
@@ -200,10 +204,18 @@ class Variant:
             "CU_SEQLENS_K": self.cu_seqlens_k,
             "CAUSAL": self.causal,
             "WINDOW": self.window is not None,
-            "SOFTCAP": self.softcap > 0,
+            "SOFTCAP": self.softcap_kind(dtype),
             "ALIBI": slopes is not None,
             "VARLEN": self.varlen,
         }
+
+    def softcap_kind(self, dtype: torch.dtype) -> int:
+        """The SOFTCAP constexpr: 0 without a softcap; the fast tanh where its error (the cap
+        times 3e-7) stays far below the rounding of float16/bfloat16 P; else the precise one."""
+        if not self.softcap:
+            return 0
+        fast = dtype in (torch.float16, torch.bfloat16) and self.softcap <= SOFTCAP_FAST_CAP
+        return SOFTCAP_FAST.value if fast else SOFTCAP_PRECISE.value
 
     def key_span(self, n_q: int, n_k: int) -> tuple[int, int]:
         """Keys [first, n_k) that some of queries 0..n_q-1 may see (the last query faces the last

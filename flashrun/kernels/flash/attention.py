@@ -201,7 +201,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     o = torch.empty_like(q)  # laid out like q: a model's (B, N, H, D) view comes back as one
     lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
-    var = variant.kernel_args(sm_scale)
+    var = variant.kernel_args(sm_scale, q.dtype)
     d0, d1 = _split_head_dim(D)  # the head dim's column blocks (d1 = 0: one block)
     if N_Q == 0:  # packed sequences that are all empty
         return o, lse
@@ -297,7 +297,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
           else torch.zeros(q.shape, dtype=torch.float32, device=q.device))
     delta = torch.empty_like(lse)
     d0, d1 = _split_head_dim(D)
-    common = dict(HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, **variant.kernel_args(sm_scale), **dot_options(q.dtype))
+    common = dict(HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, **variant.kernel_args(sm_scale, q.dtype), **dot_options(q.dtype))
 
     # delta = rowsum(dO * O), laid out as LSE; packed rows are one (1, H, total_q) batch to it
     rows = q.shape[0] if variant.varlen else N_Q

@@ -197,7 +197,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     pairs = dims.batch * dims.kv_heads
     splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
     d0, d1 = _split_head_dim(dims.head_dim)
-    var = variant.kernel_args(sm_scale)
+    var = variant.kernel_args(sm_scale, dtype)
     queries = bm // group + (2 if bm % group else 0)  # queries a tile's rows can belong to (at most)
     tail = (*dims.q, *dims.k, *dims.v, *dims.o, *dims.new, dims.table_stride, var["stride_az"], var["stride_ah"],
             dims.kv_heads, dims.n_q, dims.n_new, dims.capacity, splits, var["qk_scale"], var["softcap2"],

@@ -16,6 +16,12 @@ UNBOUNDED_C = tl.constexpr(UNBOUNDED)
 # The second column block of a head dim that is not split (BLOCK_D1 = 0): a placeholder that no
 # code reads. Not None: Triton (3.6, 3.9) cannot return None from a @triton.jit helper.
 NO_BLOCK = tl.constexpr(0)
+# The SOFTCAP constexpr: 0 (off) or which tanh the kernels compute (:func:`_tanh`). The fast one's
+# absolute error (3e-7) times the cap is the scores' error: up to SOFTCAP_FAST_CAP it stays below
+# 1e-4, a fifth of float16's rounding of P (bfloat16's is 8x coarser still)
+SOFTCAP_FAST = tl.constexpr(1)
+SOFTCAP_PRECISE = tl.constexpr(2)
+SOFTCAP_FAST_CAP = 256.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,26 +121,36 @@ def _in_window(rows, cols, shift, left, right, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    # tanh from exp2 (the interpreter has no libdevice; one code path for CPU and GPU): the odd
-    # Taylor series below 0.4, where (1 - e)/(1 + e) would lose digits to cancellation (both are
-    # within about 1e-7 relative there), that formula above
-    a = tl.abs(x)
-    e = tl.math.exp2(a * (-2.0 * LOG2E_C))  # exp(-2|x|) in (0, 1]: cannot overflow
-    far = (1.0 - e) / (1.0 + e)
-    x2 = x * x
-    near = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
-        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * (
-            -0.008863235529902197 + x2 * 0.003592128036572481)))))
-    return tl.where(a < 0.4, near, tl.where(x < 0.0, -far, far))
+def _tanh(x, PRECISE: tl.constexpr):
+    # tanh from exp2 (the interpreter has no libdevice; one code path for CPU and GPU), as
+    # 1 - 2 / (1 + e^2x): one exp2 and one reciprocal, within 3e-7 of tanh everywhere (absolute),
+    # which is what a score c·tanh(s / c) needs while c·3e-7 stays far below the P's rounding
+    # (SOFTCAP_FAST). PRECISE keeps the relative precision of float32 near 0 too, where that
+    # form cancels: the odd Taylor series below 0.4, (1 - e)/(1 + e) with e = exp(-2|x|) above
+    # (both within about 1e-7 relative there), for float32 inputs and caps too wide for the other
+    if PRECISE:
+        a = tl.abs(x)
+        e = tl.math.exp2(a * (-2.0 * LOG2E_C))  # exp(-2|x|) in (0, 1]: cannot overflow
+        far = (1.0 - e) / (1.0 + e)
+        x2 = x * x
+        near = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+            -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * (
+                -0.008863235529902197 + x2 * 0.003592128036572481)))))
+        t = tl.where(a < 0.4, near, tl.where(x < 0.0, -far, far))
+    else:
+        # clamped where t is 1 in float32 already (x > 43): e^2x stays finite (no overflow for
+        # the interpreter's numpy to warn about) and 1 - 2 / (1 + 2^126) rounds to 1
+        t = 1.0 - 2.0 / (1.0 + tl.math.exp2(tl.minimum(x * (2.0 * LOG2E_C), 126.0)))
+    return t
 
 
 @triton.jit
 def _scores(qk, rows, cols, shift, qk_scale, softcap2, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Base-2 scores s · log2 e from the dot products ``qk`` (``rows``/``cols`` broadcast to its
-    shape), and t = tanh(s / softcap) for the softcap backward (``qk`` when SOFTCAP is off: unused)."""
+    shape), and t = tanh(s / softcap) for the softcap backward (``qk`` when SOFTCAP is off: unused).
+    SOFTCAP: 0 off, SOFTCAP_FAST or SOFTCAP_PRECISE (which tanh, see :func:`_tanh`)."""
     if SOFTCAP:
-        t = _tanh(qk * qk_scale)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
+        t = _tanh(qk * qk_scale, SOFTCAP == SOFTCAP_PRECISE)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
         s = t * softcap2  # softcap · log2 e: base 2 only after the tanh
     else:
         t = qk
