@@ -117,9 +117,19 @@ def kernels(names: list[str], head_dim: int | None = None) -> dict[str, hopper_b
 
 
 # -- the kernel, the portable path, the reference ------------------------------------------------
+# A case's mask: False (full), True (causal) or a window (left, right), query i seeing keys
+# [i + shift - left, i + shift + right] (shift = Nk - Nq; sides given as numbers, not -1)
 
 
-def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
+def variant(mask) -> flash.Variant:
+    return flash.Variant(window=mask) if isinstance(mask, tuple) else flash.Variant(causal=mask)
+
+
+def mask_label(mask) -> str:
+    return f"w{mask[0]},{mask[1]}" if isinstance(mask, tuple) else "causal" if mask else "full  "
+
+
+def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
     """The Gluon kernel itself, as hopper_bwd launches it, with dK/dV poisoned (NaN) first; ``dq``
     (a zeroed float32 buffer): with dQ inside, added there."""
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
@@ -128,8 +138,9 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None)
     out_dtype = k.dtype if split == 1 else torch.float32
     dk = torch.full((z, h_kv * split, n_k, d), float("nan"), dtype=out_dtype, device=k.device)
     dv = torch.full_like(dk, float("nan"))
-    grid, args, constexprs, options = hopper_bwd.launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal,
-                                                             cfg, split, dq)
+    window = mask if isinstance(mask, tuple) else None
+    grid, args, constexprs, options = hopper_bwd.launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale,
+                                                             window is None and mask, cfg, split, dq, window)
     _fa3_bwd_dkdv[grid](*args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
@@ -137,10 +148,10 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None)
     return dk, dv
 
 
-def standin_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
+def standin_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
     """--dry-run only: the portable backward standing in for the Gluon kernel (which needs sm_90)."""
-    o, lse, _ = forward(q, k, v, do, sm_scale, causal)
-    dk, dv, dq_p = portable_grads(q, k, v, do, o, lse, sm_scale, causal)
+    o, lse, _ = forward(q, k, v, do, sm_scale, mask)
+    dk, dv, dq_p = portable_grads(q, k, v, do, o, lse, sm_scale, mask)
     if dq is not None:
         dq += dq_p.float()
     return dk, dv
@@ -149,29 +160,31 @@ def standin_dkdv(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=Non
 RUN = standin_dkdv if DRY_RUN else gluon_dkdv
 
 
-def forward(q, k, v, do, sm_scale, causal):
+def forward(q, k, v, do, sm_scale, mask):
     """(o, lse, delta) from the portable forward (fixed config), delta = rowsum(dO ∘ O) in float32."""
-    o, lse = flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", try_gluon=False)
+    o, lse = flash._attn_forward(q, k, v, sm_scale, variant(mask), "default", try_gluon=False)
     return o, lse, (o.float() * do.float()).sum(-1)
 
 
-def portable_grads(q, k, v, do, o, lse, sm_scale, causal):
+def portable_grads(q, k, v, do, o, lse, sm_scale, mask):
     """(dK, dV, dQ) of the portable deterministic backward."""
-    dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, sm_scale, flash.Variant(causal=causal), "default",
+    dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, sm_scale, variant(mask), "default",
                                       deterministic=True, try_gluon=False)
     return dk, dv, dq
 
 
-def reference_dkdv(q, k, v, do, sm_scale, causal, dtype=torch.float64):
+def reference_dkdv(q, k, v, do, sm_scale, mask, dtype=torch.float64):
     """dK, dV, dQ of softmax(q kᵀ · scale) v by autograd in ``dtype`` (GQA by repeating k/v heads,
-    bottom-right causal, a row that sees no key outputs 0)."""
+    bottom-right causal or window, a row that sees no key outputs 0)."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * sm_scale
-    if causal:
+    if mask is not False:
         n_q, n_k = q.shape[2], k.shape[2]
-        rows = torch.arange(n_q, device=q.device)[:, None] + n_k - n_q
-        s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > rows, float("-inf"))
+        # key j - query i's diagonal key (i + shift)
+        offset = torch.arange(n_k, device=q.device)[None, :] - (torch.arange(n_q, device=q.device)[:, None] + n_k - n_q)
+        left, right = mask if isinstance(mask, tuple) else (n_k, 0)
+        s = s.masked_fill((offset < -left) | (offset > right), float("-inf"))
     p = torch.softmax(s.float() if dtype != torch.float64 else s, -1).nan_to_num(0.0).to(dtype)
     out = p @ v.repeat_interleave(group, 1)
     return torch.autograd.grad(out, (k, v, q), do.to(dtype))
@@ -185,23 +198,23 @@ def _warm(job: tuple) -> tuple[tuple, str | None, float]:
     start = time.perf_counter()
     os.environ["FLASHRUN_COMPILE_PROCESSES"] = "0"  # this worker compiles in its own threads, no processes of its own
     try:
-        kind, name, dtype, d, causal, group, split, n = job
+        kind, name, dtype, d, mask, group, split, n = job
         dtype = getattr(torch, dtype)
         if kind == "gluon":  # lengths and strides are not specialized on: one launch per binary
             h = 2 * group * split  # ``group``: query heads per program
             q, do = (torch.randn(1, h, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(1, 2, 130, d, device=DEVICE, dtype=dtype) for _ in range(2))
             lse, delta = torch.zeros(1, h, 130, device=DEVICE), torch.zeros(1, h, 130, device=DEVICE)
-            gluon_dkdv(q, k, v, do, lse, delta, d ** -0.5, causal, config(name), split,
+            gluon_dkdv(q, k, v, do, lse, delta, d ** -0.5, mask, config(name), split,
                        torch.zeros(q.shape, device=DEVICE) if fused(name) else None)
         elif kind == "check":  # the correctness cases' portable forward and backward (fixed configs)
             n_q, n_k = n
             q, do = (torch.randn(2, 2 * group, n_q, d, device=DEVICE, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(2, 2, n_k, d, device=DEVICE, dtype=dtype) for _ in range(2))
-            o, lse, _ = forward(q, k, v, do, d ** -0.5, causal)
-            portable_grads(q, k, v, do, o, lse, d ** -0.5, causal)
+            o, lse, _ = forward(q, k, v, do, d ** -0.5, mask)
+            portable_grads(q, k, v, do, o, lse, d ** -0.5, mask)
         else:  # "path": a timed shape's backward (B = 1, its heads and length), portable or with a Gluon kernel
-            h, h_kv, n_ = n
+            causal, (h, h_kv, n_) = mask, n
             use_path(name)
             q = torch.randn(1, h, n_, d, device=DEVICE, dtype=dtype, requires_grad=True)
             k, v = (torch.randn(1, h_kv, n_, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -234,10 +247,11 @@ def compile_ahead(jobs: set, workers: int) -> None:
 
 
 def check_cases(extra: list[tuple]) -> list[tuple]:
-    """(dtype, causal, Nq, Nk, H, H_kv, split) per kernel; ``extra``: the timed GQA shapes' own."""
+    """(dtype, mask, Nq, Nk, H, H_kv, split) per kernel; ``extra``: the timed GQA shapes' own."""
     if DRY_RUN:
         cases = [(F16, False, 1, 1, 2, 2, 1), (BF16, True, 17, 17, 2, 2, 1), (F16, True, 33, 33, 8, 2, 2),
-                 (F16, False, 33, 33, 8, 2, 1), (BF16, True, 20, 36, 4, 2, 1), (F16, True, 36, 20, 4, 2, 2)]
+                 (F16, False, 33, 33, 8, 2, 1), (BF16, True, 20, 36, 4, 2, 1), (F16, True, 36, 20, 4, 2, 2),
+                 (F16, (7, 2), 33, 33, 8, 2, 2), (BF16, (5, 0), 20, 36, 4, 2, 1)]
         return cases + [c for c in extra if c not in cases]
     cases = [(dtype, causal, n, n, 2, 2, 1) for dtype in (F16, BF16) for causal in (False, True)
              for n in (1, 17, 97, 1025, 4096)]
@@ -245,6 +259,11 @@ def check_cases(extra: list[tuple]) -> list[tuple]:
     cases += [(BF16, True, 1025, 1025, 8, 2, 2), (BF16, True, 333, 333, 12, 2, 6),
               (BF16, True, 100, 300, 8, 2, 2), (BF16, True, 300, 100, 8, 2, 2),
               (F16, False, 97, 1025, 2, 2, 1), (F16, True, 1025, 17, 2, 2, 1)]
+    # windows: sliding (causal side), two-sided, (0, 0), wider than the keys, Nq != Nk both ways
+    # (rows that see no key), N = 1, GQA split
+    cases += [(BF16, (100, 0), 1025, 1025, 2, 2, 1), (F16, (37, 5), 333, 333, 8, 2, 4), (BF16, (0, 0), 97, 97, 2, 2, 1),
+              (BF16, (256, 0), 4096, 4096, 8, 2, 2), (F16, (64, 64), 300, 100, 8, 2, 2), (BF16, (37, 5), 100, 300, 8, 2, 1),
+              (F16, (500, 3), 1025, 17, 2, 2, 1), (F16, (3, 0), 1, 1, 2, 2, 1), (BF16, (2000, 700), 1025, 1025, 2, 2, 1)]
     return cases + [c for c in extra if c not in cases]
 
 
@@ -256,11 +275,11 @@ def judge(got, ref, low, dtype) -> tuple[float, float]:
     return err, bound
 
 
-def check_case(name, cfg, dtype, causal, n_q, n_k, h, h_kv, split) -> dict:
+def check_case(name, cfg, dtype, mask, n_q, n_k, h, h_kv, split) -> dict:
     d = cfg.head_dim
-    label = (f"{name:8s} {short(dtype):8s} D{d} {'causal' if causal else 'full  '} Nq{n_q} Nk{n_k} "
+    label = (f"{name:8s} {short(dtype):8s} D{d} {mask_label(mask)} Nq{n_q} Nk{n_k} "
              f"H{h}/{h_kv} split{split}")
-    rec = {"kernel": name, "config": asdict(cfg), "dtype": short(dtype), "causal": causal, "n_q": n_q, "n_k": n_k,
+    rec = {"kernel": name, "config": asdict(cfg), "dtype": short(dtype), "mask": mask, "n_q": n_q, "n_k": n_k,
            "h": h, "h_kv": h_kv, "split": split}
     try:
         gen = torch.Generator(device="cpu").manual_seed(n_q * 131 + n_k * 7 + h + split)
@@ -269,15 +288,15 @@ def check_case(name, cfg, dtype, causal, n_q, n_k, h, h_kv, split) -> dict:
         for t in (q, k, v, do):  # batch entry 1 all NaN: entry 0 must not see it
             t[1] = float("nan")
         scale = d ** -0.5
-        o, lse, delta = forward(q, k, v, do, scale, causal)
+        o, lse, delta = forward(q, k, v, do, scale, mask)
         dq = torch.zeros(q.shape, device=DEVICE) if fused(name) else None
-        dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq)
-        dk_p, dv_p, dq_p = portable_grads(q, k, v, do, o, lse, scale, causal)
+        dk, dv = RUN(q, k, v, do, lse, delta, scale, mask, cfg, split, dq)
+        dk_p, dv_p, dq_p = portable_grads(q, k, v, do, o, lse, scale, mask)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         first = [t[:1] for t in (q, k, v, do)]
-        ref = reference_dkdv(*first, scale, causal)
-        low = reference_dkdv(*first, scale, causal, dtype)
+        ref = reference_dkdv(*first, scale, mask)
+        low = reference_dkdv(*first, scale, mask, dtype)
         errs = {}
         grads = [("dK", dk, dk_p, ref[0], low[0]), ("dV", dv, dv_p, ref[1], low[1])]
         if dq is not None:
@@ -306,7 +325,7 @@ def correctness(names: list[str], cases: list[tuple], budget_s: float) -> set[st
     for name, cfg in kernels(names).items():
         for case in cases:
             if elapsed() > budget_s:  # an unchecked kernel is not timed either
-                say(f"skip {name} {short(case[0])} causal={case[1]} {case[2:]}: correctness budget spent")
+                say(f"skip {name} {short(case[0])} {mask_label(case[1])} {case[2:]}: correctness budget spent")
                 RESULTS["correctness"].append({"kernel": name, "skipped": str(case)})
                 failed.add(name)
                 continue
@@ -603,8 +622,8 @@ def main() -> int:
     _, check_h, check_h_kv, check_nq, check_nk = hopper_bwd.CHECK_SHAPE
     check_group = check_h // check_h_kv
     for name, cfg in kernels(names).items():
-        for dtype, causal, _, _, h, h_kv, split in cases:
-            jobs.add(("gluon", name, short(dtype), cfg.head_dim, causal, h // h_kv // split, split, 0))
+        for dtype, mask, _, _, h, h_kv, split in cases:
+            jobs.add(("gluon", name, short(dtype), cfg.head_dim, mask, h // h_kv // split, split, 0))
         for dtype in (F16, BF16):  # the product path's first-use check: full unsplit, causal split 2
             jobs.add(("gluon", name, short(dtype), cfg.head_dim, False, check_group, 1, 0))
             jobs.add(("gluon", name, short(dtype), cfg.head_dim, True, check_group // 2, 2, 0))
@@ -613,8 +632,8 @@ def main() -> int:
         return 1 if n == 1 else 256 if n % 16 == 0 else 129
 
     for d in sorted({cfg.head_dim for cfg in kernels(names).values()}):
-        for dtype, causal, n_q, n_k, h, h_kv, split in cases:
-            jobs.add(("check", None, short(dtype), d, causal, h // h_kv, 1, (length_class(n_q), length_class(n_k))))
+        for dtype, mask, n_q, n_k, h, h_kv, split in cases:
+            jobs.add(("check", None, short(dtype), d, mask, h // h_kv, 1, (length_class(n_q), length_class(n_k))))
         for dtype in (F16, BF16):
             for causal in (False, True):  # the first-use check's portable side
                 jobs.add(("check", None, short(dtype), d, causal, check_group, 1,

@@ -1,5 +1,5 @@
 """Compile the Gluon sm_90 dK/dV backward (flashrun/kernels/flash/hopper_bwd_jit.py) for a Hopper
-GPU on a machine without one: every kernel in hopper_bwd.KERNELS, fp16 and bf16, causal and not,
+GPU on a machine without one: every kernel in hopper_bwd.KERNELS, fp16 and bf16, full, causal and a window,
 plain (GQA 1:1, bf16/fp16 outputs) and the GQA split (float32 partial outputs); report what the PTX
 holds (wgmma, TMA loads, mbarrier, setmaxnreg and its register counts), the threads launched,
 shared memory, and what ptxas -v makes of it: registers, spill bytes, its warning C7515 ("wgmma
@@ -42,8 +42,12 @@ from flashrun.kernels.flash import hopper as flash_hopper, hopper_bwd  # noqa: E
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(dtype, causal, cfg, group=1, split=1, fused=False):
-    """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90 (``fused``: with dQ)."""
+MASKS = {"full": (False, None), "causal": (True, None), "window": (False, (256, 0))}  # (causal, window)
+
+
+def compile_one(dtype, mask, cfg, group=1, split=1, fused=False):
+    """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90 (``mask``: a MASKS key;
+    ``fused``: with dQ)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
@@ -55,7 +59,9 @@ def compile_one(dtype, causal, cfg, group=1, split=1, fused=False):
     out_dtype = dtype if split == 1 else torch.float32
     dk = torch.empty(z, h_kv * split, n, d, dtype=out_dtype)
     dq = torch.empty(q.shape, dtype=torch.float32) if fused else None
-    _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq)
+    causal, window = MASKS[mask]
+    _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq,
+                                                          window)
     signature, constants = {}, {}
     params = list(_fa3_bwd_dkdv.params)
     for p, value in zip(params, list(args) + [None] * len(params)):
@@ -93,13 +99,13 @@ def ptxas(ptx: str) -> dict:
 
 
 def check_one(job) -> tuple[bool, str]:
-    """Compile one (kernel name, config, dtype, causal, group, split, fused) and describe it."""
-    name, cfg, dtype, causal, group, split, fused, ptx_dir = job
-    label = (f"{name}{'+dq' if fused else ''} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full  '} "
+    """Compile one (kernel name, config, dtype, mask, group, split, fused) and describe it."""
+    name, cfg, dtype, mask, group, split, fused, ptx_dir = job
+    label = (f"{name}{'+dq' if fused else ''} {str(dtype).removeprefix('torch.')} {mask:6} "
              f"{'GQA ' + str(group) + ':1 split ' + str(split) if split > 1 else 'GQA ' + str(group) + ':1'}")
     start = time.perf_counter()
     try:
-        kernel = compile_one(dtype, causal, cfg, group, split, fused)
+        kernel = compile_one(dtype, mask, cfg, group, split, fused)
     except Exception as exc:  # noqa: BLE001
         return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-4:])
     ptx = kernel.asm["ptx"]
@@ -111,7 +117,7 @@ def check_one(job) -> tuple[bool, str]:
     info = ptxas(ptx)
     if ptx_dir:
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-        Path(ptx_dir, f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{int(causal)}_g{group}s{split}.ptx"
+        Path(ptx_dir, f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{mask}_g{group}s{split}.ptx"
              ).write_text(ptx)
     problems = []
     if threads and int(threads.group(1)) != hopper_bwd.launched_threads(cfg):
@@ -148,7 +154,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", help="comma-separated hopper_bwd.KERNELS names (default: all)")
     ap.add_argument("--pairs", action="store_true",
-                    help="per kernel only fp16 full and bf16 causal GQA split (each dtype, mask and output once)")
+                    help="per kernel only fp16 full, bf16 causal GQA split and fp16 window (each dtype, mask and "
+                         "output once)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     ap.add_argument("--ptx", help="write each PTX here")
     ap.add_argument("--dq", choices=("both", "fused", "separate"), default="both",
@@ -164,10 +171,10 @@ def main() -> int:
         print(f"Triton {triton.__version__}: no CUDA backend to compile sm_90 with ({exc}); nothing compiled")
         return 3
     names = ns.kernels.split(",") if ns.kernels else list(hopper_bwd.KERNELS)
-    # (dtype, causal, GQA group, split): the plain launch and the split GQA one (float32 partials)
-    cases = ([(torch.float16, False, 1, 1), (torch.bfloat16, True, 4, 2)] if ns.pairs else
-             [(dtype, causal, group, split) for dtype in hopper_bwd.DTYPES for causal in (False, True)
-              for group, split in ((1, 1), (4, 2))])
+    # (dtype, mask, GQA group, split): the plain launch and the split GQA one (float32 partials)
+    cases = ([(torch.float16, "full", 1, 1), (torch.bfloat16, "causal", 4, 2), (torch.float16, "window", 1, 1)]
+             if ns.pairs else [(dtype, mask, group, split) for dtype in hopper_bwd.DTYPES for mask in MASKS
+                               for group, split in ((1, 1), (4, 2))])
     fused = {"both": (False, True), "fused": (True,), "separate": (False,)}[ns.dq]
     jobs = [(name, hopper_bwd.KERNELS[name], *case, f, ns.ptx) for name in names for case in cases for f in fused
             if not f or hopper_bwd.fusable(hopper_bwd.KERNELS[name])]

@@ -275,6 +275,26 @@ def test_variants_on_gpu(name, shape, dtype, causal, variants, q_scale):
     _check(q, k, v, do, causal, launch=_defaults(shape[-1], dtype), **variants)
 
 
+# Windows alone take the Gluon backward on sm_90 (fp16/bf16, head_dim 64/128): both backwards,
+# sliding and two-sided, Nq != Nk both ways (rows that see no key, whole query blocks skipped on
+# either side of a key block), GQA, a window wider than one side
+GLUON_WINDOW_CASES = [
+    ("sliding200-nq>nk-d64", (1, 8, 4, 3001, 1025, 64), FP16, {"window": (200, 0)}),
+    ("window500x100-nq<nk-d128", (2, 8, 2, 1000, 3000, 128), BF16, {"window": (500, 100)}),
+    ("window0x0-d128", (1, 4, 4, 777, 777, 128), FP16, {"window": (0, 0)}),
+    ("window3000x5-gqa6-d64", (2, 12, 2, 2048, 2048, 64), BF16, {"window": (3000, 5)}),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+@pytest.mark.parametrize("name,shape,dtype,variants", GLUON_WINDOW_CASES, ids=[c[0] for c in GLUON_WINDOW_CASES])
+def test_windows_on_the_gluon_backward(name, shape, dtype, variants, deterministic):
+    q, k, v, do = _inputs(*shape, dtype)
+    _check(q, k, v, do, False, launch=_defaults(shape[-1], dtype), deterministic=deterministic, **variants)
+    if torch.cuda.get_device_capability() == (9, 0) and hopper_bwd.enabled():
+        assert hopper_bwd.LAST_PATH == (flash_hopper.GLUON_PATH if deterministic else hopper_bwd.FUSED_PATH)
+
+
 @pytest.mark.parametrize("variants", [{"window": (4096, 0), "alibi_slopes": "H"}, {"softcap": 30.0}],
                          ids=["sliding4096-alibi", "softcap"])
 def test_flash_decoding_with_variants_on_gpu(variants):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flashrun.kernels.flash import attention as flash, hopper as flash_hopper, hopper_bwd
+from flashrun.kernels.flash.jit import UNBOUNDED
 
 
 @pytest.fixture(autouse=True)
@@ -35,19 +36,23 @@ def _inputs(n=24, n_k=None, d=64, h=2, h_kv=2, dtype=torch.float32, seed=1):
     return q, k, v, do
 
 
-def _reference_dkdv(q, k, v, do, sm_scale, causal):
-    """dK, dV by float64 autograd (GQA by repeating k/v heads; bottom-right causal)."""
-    return _reference(q, k, v, do, sm_scale, causal)[1:]
+def _reference_dkdv(q, k, v, do, sm_scale, causal, window=None):
+    """dK, dV by float64 autograd (GQA by repeating k/v heads; bottom-right causal or window)."""
+    return _reference(q, k, v, do, sm_scale, causal, window)[1:]
 
 
-def _reference(q, k, v, do, sm_scale, causal):
-    """dQ, dK, dV by float64 autograd."""
+def _reference(q, k, v, do, sm_scale, causal, window=None):
+    """dQ, dK, dV by float64 autograd; ``window`` (left, right): query i sees keys
+    [i + shift - left, i + shift + right], shift = N_K - N_Q."""
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
+    n_q, n_k = q.shape[2], k.shape[2]
+    offset = torch.arange(n_k)[None, :] - (torch.arange(n_q)[:, None] + n_k - n_q)  # key j - query i's diagonal
     if causal:
-        n_q, n_k = q.shape[2], k.shape[2]
-        s = s.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + n_k - n_q, -math.inf)
+        s = s.masked_fill(offset > 0, -math.inf)
+    if window is not None:
+        s = s.masked_fill((offset < -window[0]) | (offset > window[1]), -math.inf)
     p = torch.nan_to_num(torch.softmax(s, -1))  # a row that sees no key: 0
     (p @ v64.repeat_interleave(group, 1)).backward(do.double())
     return q64.grad.to(q.dtype), k64.grad.to(k.dtype), v64.grad.to(v.dtype)
@@ -56,9 +61,9 @@ def _reference(q, k, v, do, sm_scale, causal):
 def _reference_kernel(calls):
     """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature): with ``dq``, the fused
     kernel, which adds dQ into that zeroed float32 buffer."""
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
-        calls.append((tuple(q.shape), causal, cfg, split, dq is not None))
-        ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal)
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):
+        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window))
+        ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal, window)
         if dq is not None:
             dq += ref_dq.float()
         return dk, dv
@@ -69,12 +74,13 @@ def _pretend_hopper(monkeypatch):
     """As on an H200 with triton 3.6: the real on/off switch, then every call in scope (float32 too,
     the interpreter's exact dtype, so that the check's comparison means something here)."""
     monkeypatch.setattr(hopper_bwd, "eligible", lambda q, k, v, do, variant, fused=False: (
-        None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1], fused)))
+        None if hopper_bwd.enabled() else "off")
+        or hopper_bwd._checked.get((q.dtype, q.shape[-1], fused, variant.window is not None)))
     monkeypatch.setitem(hopper_bwd.CHECK_ATOL, torch.float32, 1e-4)
 
 
-def _backward(q, k, v, do, causal=False, deterministic=True):
-    variant = flash._variant(q, q.shape[0], k.shape[2], causal, (-1, -1), 0.0, None)
+def _backward(q, k, v, do, causal=False, deterministic=True, window=(-1, -1)):
+    variant = flash._variant(q, q.shape[0], k.shape[2], causal, window, 0.0, None)
     sm_scale = q.shape[-1] ** -0.5
     o, lse = flash._attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False)
     return flash._attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=deterministic)
@@ -116,7 +122,8 @@ def test_on_still_needs_an_sm90_gpu(monkeypatch):
 
 @pytest.mark.parametrize("change,why", [
     (dict(dtype=torch.float32), "dtype"), (dict(d=96), "head_dim 96"), (dict(d=256), "head_dim 256"),
-    (dict(window=(8, 0)), "window"), (dict(softcap=5.0), "softcap"), (dict(alibi=True), "ALiBi"),
+    (dict(window=(8, 0)), None), (dict(window=(3, 5), causal=False), None),
+    (dict(softcap=5.0), "softcap"), (dict(alibi=True), "ALiBi"),
     (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
     (dict(), None), (dict(d=128, causal=True, h=8, h_kv=2, n_k=40), None), (dict(model_view=True), None)])
 def test_scope(change, why):
@@ -170,7 +177,8 @@ def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape)
     # the first-use check's two cases (full, then causal through the GQA split), then the call itself,
     # its group spread by the portable kernel's rule with the Gluon kernel's threshold
     split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES)
-    assert [(c[1], c[3], c[4]) for c in calls] == [(False, 1, False), (True, 2, False), (True, split, False)]
+    assert [(c[1], c[3], c[4], c[5]) for c in calls] == [(False, 1, False, None), (True, 2, False, None),
+                                                         (True, split, False, None)]
     assert calls[-1][0] == tuple(q.shape) and calls[-1][2] == hopper_bwd.KERNELS["d64"]
     ref_dk, ref_dv = _reference_dkdv(q, k, v, do, 64 ** -0.5, True)
     torch.testing.assert_close(dk, ref_dk)
@@ -209,8 +217,8 @@ def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, 
     _pretend_hopper(monkeypatch)
     right = _reference_kernel([])
 
-    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):  # adds nothing into dq
-        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split)
+    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):  # adds nothing into dq
+        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, window=window)
 
     monkeypatch.setattr(hopper_bwd, "RUN", no_dq)
     q, k, v, do = _inputs()
@@ -231,7 +239,7 @@ def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
     _pretend_hopper(monkeypatch)
     calls = []
 
-    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None):
+    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):
         calls.append(causal)
         if broken == "raises":
             raise RuntimeError("PassManager::run failed")
@@ -260,7 +268,8 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
 
     monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
     _pretend_hopper(monkeypatch)
-    monkeypatch.setattr(hopper_bwd, "RUN", lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None: (
+    monkeypatch.setattr(hopper_bwd, "RUN", lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None,
+                        window=None: (
         torch.zeros_like(k), torch.zeros_like(v)))
     handed = []
     q, k, v, do = _inputs()
@@ -270,7 +279,52 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
     assert "_attn_bwd_dkdv" in handed and "_attn_bwd_dq" in handed  # (the portable side, compiled)
     _, dk, _ = _backward(q, k, v, do)
     assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH  # ... on the first real call
-    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64, False)]
+    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64, False, False)]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dkdv", "fused"])
+def test_a_window_takes_the_path_after_its_own_check(monkeypatch, caplog, deterministic):
+    """A windowed call is checked apart (two windows) from the plain and causal ones, so a call
+    without a window never compiles the window's kernels; the kernel gets the window as the
+    variant holds it (an unbounded side as UNBOUNDED)."""
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
+    q, k, v, do = _inputs(n=30, n_k=20, h=4, h_kv=2)
+    _backward(q, k, v, do, causal=True, deterministic=deterministic)
+    assert [c[5] for c in calls] == [None, None, None]
+    with caplog.at_level(logging.WARNING, logger="flashrun.hopper"):
+        dq, dk, dv = _backward(q, k, v, do, window=(7, -1), deterministic=deterministic)
+    assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
+    assert hopper_bwd.LAST_PATH == (flash_hopper.GLUON_PATH if deterministic else hopper_bwd.FUSED_PATH)
+    masks = [w for _, w, _ in hopper_bwd.CHECK_MASKS[True]]
+    assert [(c[1], c[5]) for c in calls[3:]] == [(False, masks[0]), (False, masks[1]), (False, (7, UNBOUNDED))]
+    for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 64 ** -0.5, False, (7, UNBOUNDED))):
+        torch.testing.assert_close(got, ref)
+
+
+def test_a_kernel_that_ignores_the_window_fails_the_window_check_only(monkeypatch, caplog):
+    """A kernel right without a window but blind to one: the windowed calls fall back (once, with
+    the reason), while causal calls keep the Gluon path."""
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    right = _reference_kernel([])
+
+    def blind(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):
+        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq)
+
+    monkeypatch.setattr(hopper_bwd, "RUN", blind)
+    q, k, v, do = _inputs()
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    for _ in range(2):
+        _, dk, dv = _backward(q, k, v, do, window=(5, 0))
+        assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
+        torch.testing.assert_close(dk, _reference_dkdv(q, k, v, do, 64 ** -0.5, False, (5, 0))[0], atol=1e-4, rtol=1e-4)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "flashrun.hopper"]
+    assert len(warnings) == 1 and "with a window" in warnings[0] and "window (37, 5)" in warnings[0], warnings
+    _backward(q, k, v, do, causal=True)
+    assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
 
 
 # -- the launcher (host side only) ------------------------------------------------------------------
@@ -343,5 +397,5 @@ def test_compiles_for_hopper(python):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # each kernel as the deterministic backward's dK/dV and with dQ inside
     kernels = len(hopper_bwd.KERNELS) + sum(map(hopper_bwd.fusable, hopper_bwd.KERNELS.values()))
-    assert result.stdout.count("ok ") == 2 * kernels
+    assert result.stdout.count("ok ") == 3 * kernels  # --pairs: full, causal (GQA split) and a window
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout

@@ -341,14 +341,15 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     tuning = variant.tuning(N_Q, N_K)
     if not deterministic:
         if gluon_fused:
-            dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, dq=dq)
+            dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, dq=dq,
+                                     window=variant.window)
             hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
         elif N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
             run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
             hopper_bwd.LAST_PATH = hopper.TRITON_PATH
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
     if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check):
-        dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split)
+        dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, window=variant.window)
         hopper_bwd.LAST_PATH = hopper.GLUON_PATH
     elif N_K:
         run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **tuning))
@@ -358,10 +359,10 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
-def _portable_backward_check(q, k, v, do, sm_scale, causal):
+def _portable_backward_check(q, k, v, do, sm_scale, causal, window=None):
     """The portable forward and deterministic backward on the Gluon backward's first-use check's
     small inputs (fixed configs, no tuning): (dk, dv, lse, delta, dq)."""
-    variant = Variant(causal=causal)
+    variant = Variant(causal=causal, window=window)
     o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False)
     dq, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
     return dk, dv, lse, (o.float() * do.float()).sum(-1), dq

@@ -15,13 +15,14 @@ When it runs (:func:`eligible`): turned on, compiling (not the interpreter), a C
 capability (9, 0), Triton's Gluon Hopper API (the forward's feature check,
 :func:`flashrun.kernels.flash.hopper.gluon_api`), float16/bfloat16, head_dim 64 or 128, dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
-aligned (TMA descriptors), plain or causal (bottom-right aligned when Nq != Nk), any GQA group; no
-window, softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
+aligned (TMA descriptors), plain, causal or a window (bottom-right aligned when Nq != Nk), any GQA
+group; no softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
 dK/dV kernel).
 
-The first eligible call per (dtype, head_dim, with dQ or not) in a process compares the kernel with
-the portable backward on small inputs (:func:`_self_check`: causal and not, GQA 2:1, a ragged tail); if it raises
-or disagrees the path is off for that (dtype, head_dim) in this process and one warning says why.
+The first eligible call per (dtype, head_dim, with dQ or not, with a window or not) in a process
+compares the kernel with the portable backward on small inputs (:func:`_self_check`: causal and
+not, or two windows, GQA 2:1, a ragged tail); if it raises or disagrees the path is off for that
+key in this process and one warning says why.
 
 Kernels (:data:`KERNELS`, fixed launches; :data:`DEFAULT` picks one per head_dim): 128-key blocks,
 two consumer warpgroups of 64 keys at 240 registers and a producer warp at 24 (maxnreg 168 so that
@@ -143,7 +144,8 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         return "Triton's interpreter"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
-    return scope(q, k, v, do, variant) or hopper._api_reason() or _checked.get((q.dtype, q.shape[-1], fused))
+    return (scope(q, k, v, do, variant) or hopper._api_reason()
+            or _checked.get((q.dtype, q.shape[-1], fused, variant.window is not None)))
 
 
 def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
@@ -156,8 +158,8 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, v
         return f"batch {q.shape[0]} > 65535"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}"
-    if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
-        return "window/softcap/ALiBi"
+    if variant.softcap > 0 or variant.alibi_slopes is not None:
+        return "softcap/ALiBi"
     if not all(tma_aligned(t) for t in (q, k, v, do)):
         return "strides or base not 16-byte aligned"
     return None
@@ -179,12 +181,12 @@ def rows_aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
-                dq: torch.Tensor | None = None):
+                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
     partials; ``dq``: a zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ
-    into (FUSED_DQ), or None. Shared by the launcher and tests/compile_hopper_bwd.py (which
-    compiles for sm_90 without a GPU)."""
+    into (FUSED_DQ), or None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
+    Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90 without a GPU)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -208,18 +210,19 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
         return TensorDescriptor(t, [z, h, n_q], list(t.stride()), [1, 1, cfg.block_m], layout)
 
     lse, delta = rows_aligned(lse), rows_aligned(delta)
+    left, right = window if window is not None else (0, 0)  # read only under WINDOW
     args = (desc(q, cfg.block_m), desc(k, HALF_N), desc(v, HALF_N), desc(do, cfg.block_m), row_desc(lse),
-            row_desc(delta), None if dq is None else desc(dq, cfg.block_m, gl.float32, cfg.dq_cols), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k,
-            sm_scale, sm_scale * LOG2E)
+            row_desc(delta), None if dq is None else desc(dq, cfg.block_m, gl.float32, cfg.dq_cols), dk, dv,
+            dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=d, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), FUSED_DQ=dq is not None, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs)
+                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
+                      FUSED_DQ=dq is not None, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     grid = (max(cdiv(n_k, cfg.block_n), 1), h_kv * split, z)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
-def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig,
-               split: int = 1, dq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
+               dq: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
     z, h_kv, n_k, d = k.shape
@@ -228,7 +231,8 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         dv = torch.empty_like(dk)
     else:  # each part's partial in float32, summed below (in a fixed order: repeatable)
         dk, dv = (torch.empty((z, h_kv * split, n_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
-    grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal, cfg, split, dq)
+    grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal, cfg, split, dq,
+                                                  window)
     launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
@@ -243,7 +247,7 @@ SPLIT_WAVES = 2  # programs per SM below which a GQA group is split (the portabl
 
 
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
-         dq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         dq: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) through the Gluon kernel; call only where :func:`eligible` and :func:`ensure_checked`
     allow it. ``dq``: a zeroed float32 (B, H, N_Q, D) contiguous buffer that the kernel adds dQ
     (scaled) into, the :data:`FUSED` kernels (non-deterministic: the adds land in any order). ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA
@@ -255,13 +259,13 @@ def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
     group = q.shape[1] // k.shape[1]
     programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
     split = kv_split(programs, group, q.device, SPLIT_WAVES) if kv_split is not None else 1
-    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq)
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq, window)
 
 
 # -- first use: check against the portable kernel -------------------------------------------------
 
-# (dtype, head_dim, fused) -> why the path is off after its first-use check there (None: it passed)
-_checked: dict[tuple[torch.dtype, int, bool], str | None] = {}
+# (dtype, head_dim, fused, windowed) -> why the path is off after its first-use check there (None: it passed)
+_checked: dict[tuple[torch.dtype, int, bool, bool], str | None] = {}
 
 # Max-abs bounds on dK and dV (and dQ) against the portable kernel on the check's inputs (randn, N ~ 200):
 # both accumulate in float32 and round P and dS to the input dtype before their matmuls, over
@@ -269,25 +273,29 @@ _checked: dict[tuple[torch.dtype, int, bool], str | None] = {}
 # of fp16 (2^-11 relative) or bf16 (2^-8). A wrong mask, tile or head gives errors of order 1.
 CHECK_ATOL = {torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
 CHECK_SHAPE = (1, 4, 2, 200, 190)  # (batch, query heads, k/v heads, N_Q, N_K): GQA 2:1, Nq != Nk, ragged
+# (causal, window, GQA split) per check: without a window, full and causal; with one (the windowed
+# calls' check), two windows. At CHECK_SHAPE (shift -10) the first rows see no key, a 128-key block
+# skips query blocks on both sides, and blocks are masked on either edge of the window
+CHECK_MASKS = {False: ((False, None, 1), (True, None, 2)), True: ((False, (37, 5), 1), (False, (60, 0), 2))}
 
 
-def _self_check(device, dtype, head_dim, portable, fused: bool = False) -> str | None:
+def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False) -> str | None:
     """None when the Gluon dK/dV (``fused``: and dQ) agrees with ``portable(q, k, v, do, sm_scale,
-    causal) -> (dk, dv, lse, delta, dq)`` on small inputs of this dtype and head_dim, causal and
-    not, else what went wrong. While compiling ahead the launches only compile, so nothing is
-    compared."""
+    causal, window) -> (dk, dv, lse, delta, dq)`` on small inputs of this dtype and head_dim, causal
+    and not (``windowed``: two windows), else what went wrong. While compiling ahead the launches
+    only compile, so nothing is compared."""
     cfg = _config(head_dim, fused)
     gen = torch.Generator(device="cpu").manual_seed(0)
     z, h, h_kv, n_q, n_k = CHECK_SHAPE
-    for causal in (False, True):
+    for causal, window, split in CHECK_MASKS[windowed]:
         q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         scale = head_dim ** -0.5
         try:
-            dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal)
-            split = 2 if causal and (h // h_kv) % 2 == 0 else 1  # the split path (float32 partials) too
+            dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, window)
+            split = split if (h // h_kv) % split == 0 else 1  # the split path (float32 partials) too
             dq = torch.zeros(q.shape, dtype=torch.float32, device=device) if fused else None
-            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq)
+            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq, window)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
@@ -297,29 +305,33 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False) -> str |
             continue
         errs = {name: (got.float() - ref.float()).abs().max().item()
                 for name, got, ref in (("dK", dk, dk_ref), ("dV", dv, dv_ref)) + ((("dQ", dq, dq_ref),) if fused else ())}
-        label = f"Nq={n_q} Nk={n_k} D={head_dim} GQA {h}/{h_kv} {'causal' if causal else 'full'}"
+        label = (f"Nq={n_q} Nk={n_k} D={head_dim} GQA {h}/{h_kv} "
+                 + (f"window {window}" if window is not None else "causal" if causal else "full"))
         if not all(err <= CHECK_ATOL[dtype] for err in errs.values()):  # NaN fails too
             return (f"the Gluon {'dQ/' if fused else ''}dK/dV kernel disagrees with the portable one ({label}: "
                     + ", ".join(f"max |d{name}| {err:.3g}" for name, err in errs.items()) + ")")
     return None
 
 
-def ensure_checked(device, dtype, head_dim, portable, fused: bool = False) -> bool:
-    """Run the first-use check once per process, dtype, head_dim and kernel (``fused``: with dQ);
-    True when the path stays on. While compiling ahead the check's kernels are compiled, nothing
-    runs, and the path is taken as on: the check itself runs on the first real call."""
-    key = (dtype, head_dim, fused)
+def ensure_checked(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False) -> bool:
+    """Run the first-use check once per process, dtype, head_dim, kernel (``fused``: with dQ) and
+    mask (``windowed``: the window's, checked apart so that calls without one never pay for its
+    compiles); True when the path stays on. While compiling ahead the check's kernels are
+    compiled, nothing runs, and the path is taken as on: the check itself runs on the first real
+    call."""
+    key = (dtype, head_dim, fused, windowed)
     if key in _checked:
         return _checked[key] is None
-    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused),
-                            "dQ/dK/dV backward" if fused else "dK/dV backward")
+    what = ("dQ/dK/dV backward" if fused else "dK/dV backward") + (" with a window" if windowed else "")
+    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused, windowed),
+                            what)
 
 
 def applies(q, k, v, do, variant, portable, fused: bool = False) -> bool:
     """Whether this backward's dK/dV (``fused``: and dQ) takes the Gluon path: eligible and its
     first-use check passed."""
     return (eligible(q, k, v, do, variant, fused) is None
-            and ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused))
+            and ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused, variant.window is not None))
 
 
 def reset() -> None:

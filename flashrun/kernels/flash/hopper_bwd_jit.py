@@ -46,7 +46,10 @@ exactly 0. Keys past N_K load as 0 and only ever reach their own rows of dK and 
 LSE = -inf: its LSE · log2 e is taken as +inf, so P = exp2(s − inf) = 0, not NaN. Causal with
 Nq != Nk is aligned bottom-right: query i sees keys j <= i + N_K − N_Q; the query blocks before
 the first row that sees the block's first key are not visited, and only blocks on the diagonal
-(some row misses some key of this consumer's 64) pay for the mask.
+(some row misses some key of this consumer's 64) pay for the mask. A window (left, right) sees keys
+[i + shift − left, i + shift + right]: the query blocks visited are those between the first row
+that sees the block's first key and the last that sees its last, and the mask is paid on both of
+the window's edges.
 """
 
 from __future__ import annotations
@@ -85,31 +88,40 @@ HALF_N_C = gl.constexpr(HALF_N)
 
 
 @gluon.jit
-def _query_blocks(start_n, N_Q, N_K, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first query block, query blocks from there) that see some key of the block at start_n:
-    causal, query i sees key start_n from row start_n - (N_K - N_Q) on (bottom-right alignment)."""
+def _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(first query block, query blocks from there) that see some key of the BLOCK_N keys at
+    start_n. Query i faces key i + shift (shift = N_K - N_Q, bottom-right alignment): causal, key
+    j is seen from row j - shift on; WINDOW, by rows [j - shift - right, j - shift + left]."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
-    if CAUSAL:
-        first = gl.minimum(gl.maximum(start_n - (N_K - N_Q), 0) // BLOCK_M, n_m)
+    shift = N_K - N_Q
+    if WINDOW:
+        first = gl.minimum(gl.maximum(start_n - shift - right, 0), N_Q) // BLOCK_M
+        end = gl.cdiv(gl.minimum(gl.maximum(start_n + BLOCK_N - shift + left, 0), N_Q), BLOCK_M)
+        count = gl.maximum(end - first, 0)
+    elif CAUSAL:
+        first = gl.minimum(gl.maximum(start_n - shift, 0) // BLOCK_M, n_m)
+        count = n_m - first
     else:
-        first = n_m * 0  # (a tensor, as in the causal branch)
-    return first, n_m - first
+        first = n_m * 0  # (a tensor, as in the other branches)
+        count = n_m
+    return first, count
 
 
 @gluon.jit
-def _next_block(off_h, start_m, first_m, N_Q, BLOCK_M: gl.constexpr):
-    """The loop step after (query head off_h, first row start_m): the next query block, or the
-    next query head of the GQA group from its first block (head-major)."""
+def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
+    """The loop step after (query head off_h, first row start_m): the next query block, or at
+    end_m the next query head of the GQA group from its first block (head-major)."""
     start_m += BLOCK_M
-    wrap = start_m >= N_Q
+    wrap = start_m >= end_m
     return gl.where(wrap, off_h + 1, off_h), gl.where(wrap, first_m, start_m)
 
 
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                  lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
+                  lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     start_n = gl.program_id(0) * (CONSUMERS * HALF_N_C)
     off_hkv = gl.program_id(1)
     off_z = gl.program_id(2)
@@ -118,7 +130,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem,
         mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [off_z, off_hkv // KV_SPLIT, start_n + c * HALF_N_C, 0], kv_bars.index(c), k_smem.index(c))
         _tma_load(v_desc, [off_z, off_hkv // KV_SPLIT, start_n + c * HALF_N_C, 0], kv_bars.index(c), v_smem.index(c))
-    first, n_m = _query_blocks(start_n, N_Q, N_K, BLOCK_M, CAUSAL)
+    first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * HALF_N_C, CAUSAL, WINDOW)
     off_h = off_hkv * GROUP
     start_m = first * BLOCK_M
     for i in range(GROUP * n_m):
@@ -132,17 +144,21 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem,
         mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
-        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, N_Q, BLOCK_M)
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
 
 
 @gluon.jit
-def _probs(sT, lse2, offs_m, diag, qk_scale, MASKED: gl.constexpr):
+def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.constexpr):
     """Pᵀ = exp2(Sᵀ · qk_scale − lse2) for keys (Sᵀ's rows) x queries start_m + offs_m (its
-    columns); MASKED: 0 where key j lies right of query i's diagonal (j > i + shift), i.e. where
-    ``diag`` = j − shift − start_m (per key) > offs_m (per column)."""
+    columns); MASKED: 0 where query i does not see key j, i.e. where offs_m (per column) < ``lo``
+    (per key: causal j − shift − start_m, right of the diagonal; WINDOW j − shift − right −
+    start_m) or, WINDOW, offs_m > ``hi`` (j − shift + left − start_m: past the window's left side)."""
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse2, 0))
     if MASKED:
-        pT = gl.where(gl.expand_dims(diag, 1) <= gl.expand_dims(offs_m, 0), pT, 0.0)
+        keep = gl.expand_dims(lo, 1) <= gl.expand_dims(offs_m, 0)
+        if WINDOW:
+            keep = keep & (gl.expand_dims(offs_m, 0) <= gl.expand_dims(hi, 1))
+        pT = gl.where(keep, pT, 0.0)
     return pT
 
 
@@ -183,9 +199,9 @@ def _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars, q_bars,
                   do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
-                  sm_scale, qk_scale, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
+                  sm_scale, qk_scale, left, right, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  FUSED_DQ: gl.constexpr):
+                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D); Pᵀ, dSᵀ as their A operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -203,9 +219,13 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
     keys = key0 + gl.arange(0, HALF_N_C, layout=key_s)
     offs_m = gl.arange(0, BLOCK_M, layout=query_s)
     shift = N_K - N_Q  # bottom-right alignment: query i faces key i + shift
-    # causal: query blocks from this row on see every key of this consumer's 64 (no mask)
+    # causal: query blocks from this row on see every key of this consumer's 64 (no mask); a
+    # window's right side moves that row up by `right`, and its left side ends the unmasked blocks
+    # at the last row that sees this consumer's first key, full_from - (HALF_N - 1) + left. Kept
+    # as one register beside the arguments (the fused head_dim 128 kernel spilled 16 B on Triton
+    # 3.6 with two more)
     full_from = key0 + HALF_N_C - 1 - shift
-    first, n_m = _query_blocks(start_n, N_Q, N_K, BLOCK_M, CAUSAL)
+    first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * HALF_N_C, CAUSAL, WINDOW)
     ragged = key0 + HALF_N_C > N_K  # keys past N_K: their dSᵀ rows are zeroed before dQ sees them
 
     k = k_smem.index(C).reshape([HALF_N_C, HEAD_D])
@@ -237,13 +257,19 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
         lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         dpT, sT = warpgroup_mma_wait(0, deps=(dpT_tok, sT_tok))
-        if CAUSAL:
-            if start_m < full_from:  # the diagonal
-                pT = _probs(sT, lse2, offs_m, keys - shift - start_m, qk_scale, True)
+        if WINDOW:
+            if (start_m + right < full_from) | (start_m + (BLOCK_M + HALF_N_C - 2) - left > full_from):  # an edge
+                diag = keys - shift - start_m
+                pT = _probs(sT, lse2, offs_m, diag - right, diag + left, qk_scale, True, True)
             else:
-                pT = _probs(sT, lse2, offs_m, keys, qk_scale, False)
+                pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
+        elif CAUSAL:
+            if start_m < full_from:  # the diagonal
+                pT = _probs(sT, lse2, offs_m, keys - shift - start_m, keys, qk_scale, True, False)
+            else:
+                pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
         else:
-            pT = _probs(sT, lse2, offs_m, keys, qk_scale, False)
+            pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pT_op, do, dv, is_async=True)  # dV_c += Pᵀ dO
         dsT = pT * dpT  # dSᵀ = Pᵀ ∘ (dPᵀ − delta), while dV's wgmma runs
@@ -271,7 +297,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
             else:  # each consumer its half of dQ's columns, every step
                 _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, i % 2, (i // 2) & 1,
                          sm_scale, C, C * (HEAD_D // 2), HEAD_D, BLOCK_M)
-        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, N_Q, BLOCK_M)
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
         s += 1
         phase = gl.where(s == STAGES, phase ^ 1, phase)
         s = gl.where(s == STAGES, 0, s)
@@ -287,18 +313,21 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
 
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh"])
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
 def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV,
-                  stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale,
+                  stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
     H_KV, B). q_desc, do_desc: 4-D descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M,
     HEAD_D]; k_desc, v_desc over k, v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D];
     lse_desc, delta_desc: 3-D over LSE (natural log) and Delta = rowsum(dO ∘ O), float32
     (B, H, N_Q), box [1, 1, BLOCK_M], unswizzled. DK, DV: (B, H_KV, N_K, HEAD_D), one layout, last
-    dim contiguous, written in their dtype. qk_scale = sm_scale · log2 e. Launch with num_warps=4
+    dim contiguous, written in their dtype. qk_scale = sm_scale · log2 e. CAUSAL or WINDOW (or
+    neither): WINDOW, query i sees keys [i + shift − win_left, i + shift + win_right] (shift =
+    N_K − N_Q; an unbounded side comes as a value wider than any sequence), and only the query
+    blocks that see some key of the program's are visited. Launch with num_warps=4
     (the default partition, consumer 0) and maxnreg so that setmaxnreg can hand the consumers
     CONSUMER_REGS and the producer PRODUCER_REGS.
 
@@ -352,23 +381,23 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
-                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, 0, GROUP, HEAD_D, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, FUSED_DQ)),
+                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
-                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, 1, GROUP, HEAD_D, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, FUSED_DQ)),
+                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP, HEAD_D,
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
-                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, 0, GROUP, HEAD_D, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, FUSED_DQ)),
+                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL)),
+                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)),
         ], [1], [PRODUCER_REGS])
