@@ -256,10 +256,12 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
     seen = l_i > 0.0
-    acc0 = acc0 / tl.where(seen, l_i, 1.0)[:, None]
+    l_safe = tl.where(seen, l_i, 1.0)
+    inv_l = 1.0 / l_safe  # one reciprocal per row, a multiply per output
+    acc0 = acc0 * inv_l[:, None]
     if BLOCK_D1 > 0:
-        acc1 = acc1 / tl.where(seen, l_i, 1.0)[:, None]
-    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        acc1 = acc1 * inv_l[:, None]
+    lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
     if SPLIT:
         part = ((pair * tl.num_programs(1) + tile).to(tl.int64) * SPLITS + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(LSE_PART + part, lse2, mask=row_ok)
@@ -302,7 +304,7 @@ def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_
         acc = acc * scale + tl.sum(w[:, None] * o_s, 0)
         total = total * scale + tl.sum(w, 0)
         m = m_new
-    o = acc / tl.where(total > 0.0, total, 1.0)
+    o = acc * (1.0 / tl.where(total > 0.0, total, 1.0))
     off_z = (pair // H_KV).to(tl.int64)
     off_i = row // GROUP
     off_h = (pair % H_KV) * GROUP + row % GROUP

@@ -298,15 +298,16 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         # epilogue: normalize; a row that saw no key outputs 0 and LSE = -inf
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
+        inv_l = 1.0 / l_safe  # one reciprocal per row, a multiply per output
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) / LOG2E_C, float("-inf"))
         off_z64 = off_z.to(gl.int64)
         gl.store(LSE + off_z64 * stride_lz + off_h * stride_lh + rows, lse, mask=rows < N_Q)
         base = off_z64 * stride_oz + off_h * stride_oh
-        acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
         _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
                     0, HEAD_D0, o_layout, dtype)
         if HEAD_D1 > 0:
-            acc1 = acc1 / gl.expand_dims(gl.convert_layout(l_safe, row_o1), 1)
+            acc1 = acc1 * gl.expand_dims(gl.convert_layout(inv_l, row_o1), 1)
             _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o1), N_Q, stride_om, acc1,
                         HEAD_D0, HEAD_D1, o1_layout, dtype)
         it += n_blocks
