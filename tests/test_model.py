@@ -305,30 +305,41 @@ def test_ctrl_c_keeps_the_finished_checks(isolated: Path) -> None:
     assert recorded[-1]["command"] == "model" and recorded[-1]["results"]["interrupted"] is True
 
 
+def _clocked(monkeypatch, model):
+    """CPU clocks in place of CUDA events and memory stats; returns the implementation each
+    timed call ran under, in order."""
+    import time
+
+    from flashrun.model import speed
+
+    order = []
+
+    def event_ms(fn):
+        order.append(model.config._attn_implementation)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    monkeypatch.setattr(speed, "_event_ms", event_ms)
+    monkeypatch.setattr(speed, "_peak", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(speed, "DECODE_STEPS", 2)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return order
+
+
 def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
     # speed is timed on a GPU only; here CPU clocks stand in for CUDA events and memory stats, so
     # that the phases (prefill into a DynamicCache, train step, decode against the cache) and the
     # rows' arithmetic run against this transformers' API
-    import time
-
     from flashrun import kernels
     from flashrun.model import speed
 
-    def timed(fn, reps):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) / reps * 1e3
-
-    monkeypatch.setattr(speed, "_timed", timed)
-    monkeypatch.setattr(speed, "_peak", lambda fn: (fn(), 1.0)[1])
-    monkeypatch.setattr(speed, "DECODE_STEPS", 2)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     swap.register(kernels.get("flash"))
     config = families.build_config("mistral", "mini")
     model = families.build(config, torch.float32, "cpu", 0)
+    order = _clocked(monkeypatch, model)
     batch = data.copy_task(config.vocab_size, 2, 24, 0)
-    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2"], "sdpa", {}, batch, reps=1)
+    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2"], "sdpa", {}, batch, reps=3)
     assert [r.attention for r in rows] == ["flash", "sdpa", "flash_attention_2"]
     flash, sdpa, fa2 = rows
     assert flash.status == sdpa.status == "ok", (flash.note, sdpa.note)
@@ -337,6 +348,36 @@ def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
     assert sdpa.speedup_train == pytest.approx(1.0)
     assert flash.speedup_train == pytest.approx(sdpa.train_ms / flash.train_ms)
     assert fa2.status == "n/a" and "flash-attn" in fa2.note
+    # interleaved: every round times each implementation once, in turn (3 prefill and 3 train
+    # rounds, 2 decode steps), so a drift over the run falls on both alike
+    assert order == [swap.NAME, "sdpa"] * (3 + 3 + 2)
+
+
+def test_an_implementation_that_fails_is_its_row_and_the_others_are_timed(monkeypatch):
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from flashrun import kernels
+    from flashrun.model import speed
+
+    def broken(module, query, key, value, attention_mask, **kwargs):  # runs inference only
+        if torch.is_grad_enabled():
+            raise RuntimeError("no backward here\nsecond line")
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("fr_test_broken", broken)
+    swap.register(kernels.get("flash"))
+    config = families.build_config("llama", "mini")
+    model = families.build(config, torch.float32, "cpu", 0)
+    order = _clocked(monkeypatch, model)
+    rows = speed.run(model, "flash", ["fr_test_broken", "sdpa"], "sdpa", {},
+                     data.copy_task(config.vocab_size, 1, 16, 0), reps=2)
+    flash, broken_row, sdpa = rows
+    assert flash.status == sdpa.status == "ok" and flash.train_ms and sdpa.decode_ms
+    # its prefill was timed; its train step failed (in the warm-up), so it left the rotation
+    assert broken_row.status == "error" and broken_row.note == "RuntimeError: no backward here"
+    assert broken_row.prefill_ms is not None and broken_row.train_ms is None and broken_row.decode_ms is None
+    assert order.count("fr_test_broken") == 2 and order.count(swap.NAME) == 2 + 2 + 2
 
 
 def test_the_reference_is_finite_on_padded_rows_and_a_nonfinite_one_fails():

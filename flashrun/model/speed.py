@@ -11,17 +11,18 @@ For each implementation, on the same weights and the same copy-task batch:
 * peak memory of the train step and of the prefill (``torch.cuda.max_memory_allocated``,
   weights included).
 
-Each phase is warmed up (compiling and tuning happen there) and timed with CUDA events; the
-median of the repetitions is reported. An implementation that is not installed, cannot run
-this family faithfully, runs out of memory or fails is a row with the reason, and the sweep
-goes on.
+Each phase is warmed up for every implementation (compiling and tuning happen there), then
+timed with CUDA events with the implementations interleaved - one repetition of each in turn - so
+that a drift of the GPU's clocks or of the host over the run falls on all of them alike; the
+median of each one's repetitions is reported. An implementation that is not installed, cannot run
+this family faithfully, runs out of memory or fails is a row with the reason, and the others go on.
 """
 
 from __future__ import annotations
 
 import inspect
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -55,19 +56,14 @@ class SpeedRow:
         return asdict(self)
 
 
-def _timed(fn: Callable[[], Any], reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` calls after WARMUP untimed ones."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _event_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds of one call of ``fn`` between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def _peak(fn: Callable[[], Any]) -> float:
@@ -83,12 +79,30 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def measure(model: Any, impl: str, label: str, batch: Batch, reps: int) -> SpeedRow:
+@dataclass
+class _Subject:
+    """One implementation being timed: its row, and its call for the phase at hand."""
+    impl: str
+    row: SpeedRow
+    call: Callable[[], Any] | None = None
+    times: list[float] = field(default_factory=list)
+
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, swap.Unsupported):
+            self.row.status, self.row.note = "n/a", exc.message
+        elif is_oom(exc):
+            self.row.status, self.row.note = "OOM", "out of memory"
+        else:
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            self.row.status, self.row.note = "error", f"{type(exc).__name__}: {first_line}"
+
+
+def _phases(model: Any, batch: Batch) -> dict[str, Callable[[], Callable[[], Any]]]:
+    """Per phase, what makes its call under the implementation the model is set to (decode's
+    prefills a cache of its own first)."""
     from transformers import DynamicCache
 
-    row = SpeedRow(label)
     ids = batch.input_ids
-    tokens = ids.numel()
     cache_arg = _cache_kwarg(model)
 
     def prefill() -> Any:
@@ -100,33 +114,58 @@ def measure(model: Any, impl: str, label: str, batch: Batch, reps: int) -> Speed
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    try:
-        model.set_attn_implementation(impl)
-        row.prefill_ms = _timed(prefill, reps)
-        row.prefill_peak_gib = _peak(prefill)
-        row.train_ms = _timed(train_step, reps)
-        row.train_peak_gib = _peak(train_step)
-        model.zero_grad(set_to_none=True)
+    def decode() -> Callable[[], Any]:
         out = prefill()
         cache, token = getattr(out, "cache", None) or out.past_key_values, out.logits[:, -1:].argmax(-1)
 
         def decode_step() -> None:
             with torch.no_grad():
                 model(input_ids=token, use_cache=True, **{cache_arg: cache})
+        return decode_step
 
-        row.decode_ms = _timed(decode_step, DECODE_STEPS)
-        row.prefill_tok_s, row.train_tok_s = tokens / row.prefill_ms * 1e3, tokens / row.train_ms * 1e3
-        row.decode_tok_s = ids.shape[0] / row.decode_ms * 1e3
-    except swap.Unsupported as exc:
-        row.status, row.note = "n/a", exc.message
+    return {"prefill": lambda: prefill, "train": lambda: train_step, "decode": decode}
+
+
+def _guarded(model: Any, subject: _Subject, fn: Callable[[], Any]) -> Any:
+    """``fn()`` under the subject's implementation; a failure becomes its row's status."""
+    try:
+        model.set_attn_implementation(subject.impl)
+        return fn()
     except Exception as exc:  # noqa: BLE001 - one implementation's failure is its row, not the run's
-        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-        row.status, row.note = (("OOM", "out of memory") if is_oom(exc)
-                                else ("error", f"{type(exc).__name__}: {first_line}"))
-    finally:
+        subject.fail(exc)
+        return None
+
+
+def measure(model: Any, subjects: list[_Subject], batch: Batch, reps: int,
+            progress: Callable[[str], None] = lambda _: None) -> None:
+    """Fill each subject's row: every phase warmed up per implementation, then timed
+    interleaved (``reps`` rounds; decode :data:`DECODE_STEPS`), then the peak memory."""
+    tokens, sequences = batch.input_ids.numel(), batch.input_ids.shape[0]
+    for phase, make in _phases(model, batch).items():
+        live = [s for s in subjects if s.row.status == "ok"]
+        progress(f"timing {phase}: {', '.join(s.row.attention for s in live)}")
+        for subject in live:
+            subject.times = []
+            subject.call = _guarded(model, subject, make)
+            for _ in range(WARMUP):
+                if subject.row.status == "ok":
+                    _guarded(model, subject, subject.call)
+        for _ in range(DECODE_STEPS if phase == "decode" else reps):
+            for subject in live:
+                if subject.row.status == "ok":
+                    subject.times.append(_guarded(model, subject, lambda s=subject: _event_ms(s.call)))
+        for subject in live:
+            if subject.row.status == "ok" and phase != "decode":
+                peak = _guarded(model, subject, lambda s=subject: _peak(s.call))
+                setattr(subject.row, f"{phase}_peak_gib", peak)
+            if subject.row.status != "ok":
+                continue
+            ms = statistics.median(subject.times)
+            setattr(subject.row, f"{phase}_ms", ms)
+            setattr(subject.row, f"{phase}_tok_s", (sequences if phase == "decode" else tokens) / ms * 1e3)
+            subject.call = None
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
-    return row
 
 
 def available(impl: str) -> str | None:
@@ -144,15 +183,14 @@ def run(model: Any, kernel_label: str, baselines: list[str], baseline: str, unfa
     """Time the kernel (registered as :data:`swap.NAME`) and each of ``baselines``; speedups are
     against ``baseline`` (sdpa, or eager where SDPA is not faithful). ``unfaithful``: baselines
     that would run but compute something else for this model, with why (skipped)."""
-    rows = []
+    rows, subjects = [], []
     for impl in [swap.NAME, *baselines]:
         label = kernel_label if impl == swap.NAME else impl
         reason = unfaithful.get(impl) or available(impl)
-        if reason:
-            rows.append(SpeedRow(label, status="n/a", note=reason))
-            continue
-        progress(f"timing {label}")
-        rows.append(measure(model, impl, label, batch, reps))
+        rows.append(SpeedRow(label, status="n/a", note=reason) if reason else SpeedRow(label))
+        if not reason:
+            subjects.append(_Subject(impl, rows[-1]))
+    measure(model, subjects, batch, reps, progress)
     base = next((r for r in rows if r.attention == baseline and r.status == "ok"), None)
     for row in rows:
         if base is not None and row.status == "ok":
