@@ -347,8 +347,8 @@ def suggest_gate(margin: float = 1.02) -> dict:
             ours = {p: t for p, t in tf.items() if p in flash_hopper.KERNELS}
             best = max(ours, key=ours.get) if ours else None
             pick = best if best and "flash-tl" in tf and ours[best] >= margin * tf["flash-tl"] else None
-            if not rows or rows[-1][1] != pick:
-                rows.append((0 if not rows else r["n"], pick))
+            if not rows or rows[-1][2] != pick:
+                rows.append((0 if not rows else r["n"], 0, pick))
         gate[key] = tuple(rows)
     print(f"\nsuggested flash_hopper.GATE rows (the fastest Gluon kernel where it beat flash-tl by "
           f"{(margin - 1) * 100:.0f}%;\ncheck the ratios above before adopting them):")

@@ -108,7 +108,7 @@ def _portable_as_gluon(used):
 
 def test_passed_check_takes_the_path(monkeypatch, caplog):
     _pretend_hopper(monkeypatch)
-    monkeypatch.setattr(flash_hopper, "GATE", {(64, False): ((0, "d64"),), (64, True): ((0, "d64"),)})
+    monkeypatch.setattr(flash_hopper, "GATE", {(64, False): ((0, 0, "d64"),), (64, True): ((0, 0, "d64"),)})
     used = []
     good_kernel = _portable_as_gluon(used)
 
@@ -193,8 +193,8 @@ def test_first_use_check_covers_every_gated_kernel(monkeypatch):
     """Each kernel GATE uses at a head_dim is checked on that head_dim's first use, causal and not; a
     persistent one on CHECK_PROGRAMS programs (each loops over several tiles: the cross-tile path)."""
     _pretend_hopper(monkeypatch)
-    monkeypatch.setattr(flash_hopper, "GATE", {(128, False): ((0, "d128-persistent"), (4096, "d128")),
-                                               (128, True): ((0, "d128-m64"), (2048, None))})
+    monkeypatch.setattr(flash_hopper, "GATE", {(128, False): ((0, 0, "d128-persistent"), (4096, 0, "d128")),
+                                               (128, True): ((0, 0, "d128-m64"), (2048, 0, None))})
     used = []
     monkeypatch.setattr(flash_hopper, "RUN", _portable_as_gluon(used))
     q, k, v = _inputs(n=20, d=128)
@@ -242,35 +242,43 @@ def test_tma_alignment():
     assert not tma_aligned(torch.empty(2, 4, 40, 68, dtype=torch.float16)[..., :60])  # 136-byte rows
 
 
-@pytest.mark.parametrize("head_dim,n_k,causal,why", [
-    (128, 1024, False, "fewer than 2048"), (128, 2048, False, None), (128, 4096, True, None),
-    (128, 2048, True, None), (128, 1024, True, "fewer than 2048"), (64, 2048, False, None),
-    (64, 1024, False, "fewer than 2048 keys"),
-    (64, 4096, True, "fewer than 8192"), (64, 8192, True, None), (256, 40, False, None), (256, 40, True, None),
-    (192, 40, True, None), (192, 4096, False, None), (96, 4096, False, "head_dim 96")])
-def test_where_the_h200_measured_it_faster(head_dim, n_k, causal, why):
+@pytest.mark.parametrize("head_dim,n_k,tiles,causal,why", [
+    (128, 256, 1024, False, "fewer than 512 keys"), (128, 512, 1024, False, None),
+    (128, 1024, 512, False, "fewer than 1024 query tiles of 128 rows at 1024 keys"),
+    (128, 2048, 1, False, None), (128, 4096, 1, True, None),
+    (128, 2048, 1, True, None), (128, 1024, 1024, True, "fewer than 2048"), (64, 1024, 1024, False, None),
+    (64, 1024, 1023, False, "fewer than 1024 query tiles"), (64, 2048, 1, False, None),
+    (64, 512, 1024, False, "fewer than 1024 keys"),
+    (64, 4096, 1, True, "fewer than 8192"), (64, 8192, 1, True, None), (256, 40, 1, False, None),
+    (256, 40, 1, True, None), (192, 40, 1, True, None), (192, 4096, 1, False, None), (96, 4096, 1, False, "head_dim 96")])
+def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
     # round 6's H200 probe (NOTES v6): 128 from 2048 keys, 64 from 2048 (8192 causal), 192 and 256
-    # at every length; round 12's (NOTES v12): 128 causal from 2048 keys (was 4096)
-    q = torch.randn(1, 2, 64, head_dim, dtype=torch.float16)
-    k = torch.randn(1, 2, n_k, head_dim, dtype=torch.float16)
+    # at every length; round 12's (NOTES v12): 128 causal from 2048 keys (was 4096); round 14's
+    # (NOTES v14): with 1024 query tiles or more, 128 from 512 keys and 64 from 1024
+    q = torch.empty(1, tiles, 128, head_dim, dtype=torch.float16)  # one 128-row tile per head
+    k = torch.empty(1, 1, n_k, head_dim, dtype=torch.float16)
+    assert flash_hopper.query_tiles(q) == tiles
     variant = flash._variant(q, 1, n_k, causal, (-1, -1), 0.0, None)
     reason = flash_hopper.scope(q, k, k, variant)
     assert reason == why if why is None else why in reason
 
 
 def test_gate_table_picks_the_last_row_reached(monkeypatch):
-    monkeypatch.setattr(flash_hopper, "GATE", {(128, True): ((0, "d128-persistent"), (2048, "d128"), (65536, None))})
-    assert [flash_hopper.kernel_for(128, True, n) for n in (1, 2047, 2048, 65535, 65536)] == \
+    monkeypatch.setattr(flash_hopper, "GATE", {(128, True): ((0, 0, "d128-persistent"), (2048, 0, "d128"),
+                                                             (4096, 100, "d128-m64"), (65536, 0, None))})
+    assert [flash_hopper.kernel_for(128, True, n, 1) for n in (1, 2047, 2048, 65535, 65536)] == \
         ["d128-persistent", "d128-persistent", "d128", "d128", None]
-    assert flash_hopper.kernel_for(128, False, 4096) is None  # no rows: the portable kernel
-    assert flash_hopper.gated_kernels(128) == ["d128-persistent", "d128"]
+    # a row whose tiles are not reached is skipped: the last row reached decides
+    assert [flash_hopper.kernel_for(128, True, 4096, tiles) for tiles in (99, 100)] == ["d128", "d128-m64"]
+    assert flash_hopper.kernel_for(128, False, 4096, 1) is None  # no rows: the portable kernel
+    assert flash_hopper.gated_kernels(128) == ["d128-persistent", "d128", "d128-m64"]
     assert flash_hopper.gated_kernels(64) == []
 
 
 def test_gate_names_known_kernels_of_their_head_dim():
     for (head_dim, _), rows in flash_hopper.GATE.items():
-        assert [least for least, _ in rows] == sorted(least for least, _ in rows)
-        for _, name in rows:
+        assert [least for least, _, _ in rows] == sorted(least for least, _, _ in rows)
+        for _, _, name in rows:
             assert name is None or flash_hopper.KERNELS[name].head_dim == head_dim
 
 

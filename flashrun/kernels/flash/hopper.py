@@ -4,8 +4,9 @@
 When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device of capability
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
 (checked by feature, :func:`gluon_api`), float16/bfloat16, a (head_dim, causal, key count) that
-:data:`GATE` gives a kernel (today head_dim 128 from 2048 keys, causal or not; 64 from 2048,
-causal from 8192; 192 and 256 at any length), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
+:data:`GATE` gives a kernel (today head_dim 128 from 2048 keys, or from 512 with 1024 query tiles
+of 128 rows, causal from 2048; 64 from 2048, or 1024 with 1024 tiles, causal from 8192; 192 and 256
+at any length), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
 base are 16-byte aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and
 not a flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
 (those, and float32, go to the portable kernel).
@@ -143,29 +144,40 @@ KERNELS = {
     "d256-n32": HopperConfig(256, block_n=32, stages=4),
 }
 
-# Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, kernel name or None) in
-# increasing key order; the last row whose fewest keys <= N_K decides, None or no row is the
-# portable kernel. Rows only where the H200 measured the kernel faster than the portable one.
-GATE: dict[tuple[int, bool], tuple[tuple[int, str | None], ...]] = {
+# Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, fewest query tiles of
+# TILE_ROWS rows over all batch entries and heads, kernel name or None) in increasing key order;
+# the last row whose fewest keys <= N_K and fewest tiles <= the call's tiles decides, None or no
+# row is the portable kernel. Rows only where the H200 measured the kernel faster than the
+# portable one.
+GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     # round 6's H200 probe (benchmarks/gluon_probe.py, NOTES v6; fp16 at 64/128, bf16 at 192/256):
-    # where a Gluon kernel beat the portable one; 64 causal keeps v5's row (not re-timed past 4096)
-    (64, False): ((2048, "d64-persistent"),),
-    (64, True): ((8192, "d64"),),
-    (128, False): ((2048, "d128-persistent"), (4096, "d128")),
-    (128, True): ((2048, "d128"),),  # round 12: 1.05-1.18x the portable at 2048 keys, bf16 (NOTES v12)
-    (192, False): ((0, "d192-persistent"),),
-    (192, True): ((0, "d192"),),
-    (256, False): ((0, "d256-base"),),
-    (256, True): ((0, "d256-base"),),
+    # where a Gluon kernel beat the portable one; 64 causal keeps v5's row (not re-timed past 4096).
+    # Round 14's (benchmarks/short_forward_probe.py, NOTES v14): the persistent kernels also from
+    # 1024 keys at 64 (1.03-1.05x the portable kernel) and from 512 at 128 (1.09-1.12x) - with
+    # 1024 tiles or more: with 512 or fewer the portable kernel was faster at those lengths
+    (64, False): ((1024, 1024, "d64-persistent"), (2048, 0, "d64-persistent")),
+    (64, True): ((8192, 0, "d64"),),
+    (128, False): ((512, 1024, "d128-persistent"), (2048, 0, "d128-persistent"), (4096, 0, "d128")),
+    (128, True): ((2048, 0, "d128"),),  # round 12: 1.05-1.18x the portable at 2048 keys, bf16 (NOTES v12)
+    (192, False): ((0, 0, "d192-persistent"),),
+    (192, True): ((0, 0, "d192"),),
+    (256, False): ((0, 0, "d256-base"),),
+    (256, True): ((0, 0, "d256-base"),),
 }
+TILE_ROWS = 128
 OVERRIDE: HopperConfig | None = None  # benchmarks/gluon_probe.py runs its variants through this
 
 
-def kernel_for(head_dim: int, causal: bool, n_k: int) -> str | None:
+def query_tiles(q: torch.Tensor) -> int:
+    """The call's query tiles of :data:`TILE_ROWS` rows, over every batch entry and head."""
+    return q.shape[0] * q.shape[1] * cdiv(q.shape[2], TILE_ROWS)
+
+
+def kernel_for(head_dim: int, causal: bool, n_k: int, tiles: int) -> str | None:
     """The :data:`KERNELS` name :data:`GATE` picks, None for the portable kernel."""
     name = None
-    for least, kernel in GATE.get((head_dim, causal), ()):
-        if n_k >= least:
+    for least_keys, least_tiles, kernel in GATE.get((head_dim, causal), ()):
+        if n_k >= least_keys and tiles >= least_tiles:
             name = kernel
     return name
 
@@ -225,10 +237,13 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | N
         return f"dtype {q.dtype}"
     if q.dim() != 4 or variant.varlen:
         return "packed sequences"
-    if OVERRIDE is None and kernel_for(q.shape[-1], variant.causal, k.shape[2]) is None:
-        rows = [least for least, name in GATE.get((q.shape[-1], variant.causal), ()) if name]
-        return (f"head_dim {q.shape[-1]}{' causal' if variant.causal else ''} with fewer than {min(rows)} keys"
-                if rows else f"head_dim {q.shape[-1]}{' causal' if variant.causal else ''}")
+    if OVERRIDE is None and kernel_for(q.shape[-1], variant.causal, k.shape[2], query_tiles(q)) is None:
+        what = f"head_dim {q.shape[-1]}{' causal' if variant.causal else ''}"
+        rows = [(keys, tiles) for keys, tiles, name in GATE.get((q.shape[-1], variant.causal), ()) if name]
+        reached = [tiles for keys, tiles in rows if keys <= k.shape[2]]
+        if reached:
+            return f"{what} with fewer than {min(reached)} query tiles of {TILE_ROWS} rows at {k.shape[2]} keys"
+        return f"{what} with fewer than {min(keys for keys, _ in rows)} keys" if rows else what
     if variant.window is not None or variant.softcap > 0 or variant.alibi_slopes is not None:
         return "window/softcap/ALiBi"
     if not all(tma_aligned(t) for t in (q, k, v)):
@@ -359,7 +374,7 @@ RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 def forward(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` through the Gluon kernel :data:`GATE` picks (or :data:`OVERRIDE`); call only
     where :func:`eligible` and :func:`ensure_checked` allow it."""
-    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1], causal, k.shape[2])]
+    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1], causal, k.shape[2], query_tiles(q))]
     return RUN(q, k, v, sm_scale, causal, cfg)
 
 
@@ -380,7 +395,7 @@ CHECK_PROGRAMS = 2  # a persistent kernel's grid in the check: each program loop
 
 def gated_kernels(head_dim: int) -> list[str]:
     """The :data:`KERNELS` that :data:`GATE` uses at this head_dim (what the first-use check runs)."""
-    names = [name for (d, _), rows in sorted(GATE.items()) if d == head_dim for _, name in rows if name]
+    names = [name for (d, _), rows in sorted(GATE.items()) if d == head_dim for _, _, name in rows if name]
     return list(dict.fromkeys(names))
 
 
