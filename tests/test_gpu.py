@@ -474,6 +474,41 @@ def test_gluon_forward_plans_launch_lean_and_agree(name):
     _, lse_ref = flash._attn_forward(q, k, v, 0.1, flash.Variant(causal=True), "default", try_gluon=False)
     assert (second[1] - lse_ref).abs().max().item() <= 1e-2
 
+
+@pytest.mark.parametrize("fused", [False, True], ids=["dkdv", "dkdv+dq"])
+def test_gluon_backward_plans_launch_lean_and_agree(fused):
+    """The Gluon backward keeps a plan per layout too: its first call goes through Triton and keeps
+    the compiled kernel, later calls on other tensors of the same layout launch it directly; dK and
+    dV come out with the same bits (dQ's reduce-adds land in any order) and agree with the
+    portable backward."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    cfg = hopper_bwd.KERNELS[hopper_bwd.kernel_for(128, fused)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 1000, h, 128, device="cuda", generator=gen).to(BF16).transpose(1, 2)
+                   for h in (8, 2, 2, 8))
+    variant = flash.Variant(causal=True)
+    o, lse = flash._attn_forward(q, k, v, 0.1, variant, "default", try_gluon=False)
+    delta = (o.float() * do.float()).sum(-1)
+
+    def run(q, k, v, do):
+        dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda") if fused else None
+        return (*hopper_bwd._run_gluon(q, k, v, do, lse, delta, 0.1, True, cfg, 2, dq), dq)
+
+    hopper_bwd._plans.clear()
+    first = run(q, k, v, do)
+    (plan,) = hopper_bwd._plans.values()
+    assert plan.compiled is not None
+    second = run(*(t.clone() for t in (q, k, v, do)))
+    assert len(hopper_bwd._plans) == 1
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    dq_ref, dk_ref, dv_ref = flash._attn_backward(do, q, k, v, o, lse, 0.1, variant, "default", deterministic=True,
+                                                  try_gluon=False)
+    atol = hopper_bwd.CHECK_ATOL[BF16]
+    for got, ref in zip(second, (dk_ref, dv_ref, dq_ref if fused else None)):
+        if ref is not None:
+            assert (got.float() - ref.float()).abs().max().item() <= atol
+
 # -- decode and the KV cache (flashrun/kernels/flash/decode.py) ------------------------------------
 # (cache lengths, heads, kv heads, queries, head_dim, dtype, page size, new keys, causal): ragged
 # with an empty cache and 1 key, pages of 16, 48, 256 and 1 key, appends, MQA, split head dims,
