@@ -9,7 +9,10 @@ GPU), the wall time per call (200 calls, then one synchronize), and a cProfile o
 ``--stubbed`` measures flashrun's own part alone, on any machine, GPU or not: Triton's driver
 replaced by one that names an sm_90 target (tests/precompile_sm90.py's), every launch handed to
 a no-op instead of Triton (so neither Triton's per-call launch nor the GPU is timed), and the
-mean host time per forward call over 2000 calls, without and with autograd, on the same shapes:
+mean host time per forward call over 2000 calls, without and with autograd, on the same shapes,
+then per backward call (``torch.autograd.grad`` of one kept forward, and flashrun's
+``_attn_backward`` alone; GQA 4:1; the portable backward, since CPU tensors never take the Gluon
+one):
 
     python benchmarks/host_overhead.py --stubbed
 """
@@ -62,6 +65,36 @@ def stubbed() -> None:
                 times.append((time.perf_counter() - start) / 2000 * 1e6)
             print(f"B{b} H{h} N{n} D{d} fp16 {'causal' if causal else 'full':6}: flashrun's own host time "
                   f"{times[0]:.1f} us/call, {times[1]:.1f} us with autograd (launch stubbed)")
+        stubbed_backward(flash_attention)
+
+
+def stubbed_backward(flash_attention) -> None:
+    """Host time per backward call, launches stubbed (the caller's compile_only): through autograd,
+    and flashrun's ``_attn_backward`` called directly. CPU tensors: autograd's own tensor work
+    (dK + dV, dQ's cast) runs on the CPU here, where a GPU host would only enqueue it, so the
+    first overstates; the second is what a GPU host pays in flashrun's Python too."""
+    from flashrun.kernels.flash import attention
+
+    def per_call(fn, calls: int = 500) -> float:
+        for _ in range(20):
+            fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    for n, d, causal in SHAPES:
+        q = torch.randn(1, 8, n, d, dtype=torch.float16, requires_grad=True)
+        k = torch.randn(1, 2, n, d, dtype=torch.float16, requires_grad=True)
+        do = torch.randn(1, 8, n, d, dtype=torch.float16)
+        out = flash_attention(q, k, k, causal=causal)
+        variant = attention._variant(q, 1, n, causal, (-1, -1), 0.0, None)
+        o, lse = attention._attn_forward(q.detach(), k.detach(), k.detach(), d ** -0.5, variant)
+        total = per_call(lambda: torch.autograd.grad(out, (q, k), do, retain_graph=True))
+        own = per_call(lambda: attention._attn_backward(do, q.detach(), k.detach(), k.detach(), o, lse, d ** -0.5,
+                                                        variant))
+        print(f"B1 H8/2 N{n} D{d} fp16 {'causal' if causal else 'full':6}: backward {total:.0f} us/call through "
+              f"autograd, flashrun's _attn_backward {own:.0f} us (launch stubbed)")
 
 
 def main() -> None:
