@@ -183,16 +183,6 @@ def rows_aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _box_layout(rows: int, cols: int, dtype: torch.dtype):
-    """The shared-memory layout of a (1, 1, rows, cols) TMA box of ``dtype`` (made once: ~13 us
-    each in Python, seven per launch)."""
-    from triton.experimental.gluon import language as gl
-
-    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gdtype)
-
-
-@functools.cache
 def _row_layout():
     """LSE/delta's: one unswizzled row of float32 per box."""
     from triton.experimental.gluon import language as gl
@@ -213,7 +203,7 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
 
     def desc(t, rows, cols=cfg.head_dim):
         block = [1, 1, rows, cols]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _box_layout(rows, cols, t.dtype))
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, hopper._smem_layout(rows, cols, t.dtype))
 
     def row_desc(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_m], _row_layout())
