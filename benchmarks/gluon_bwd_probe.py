@@ -363,10 +363,11 @@ def timed_shapes() -> list[tuple]:
 
 
 def timed_split(b, h, h_kv, n, d) -> int:
-    """The GQA split the product path will use for this shape on this GPU (hopper_bwd.dkdv's rule)."""
+    """The GQA split the product path's deterministic backward will use for this shape on this GPU
+    (hopper_bwd.dkdv's rule)."""
     programs = hopper_bwd.cdiv(n, 128) * b * h_kv
     return flash._kv_split(programs, h // h_kv, torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu"),
-                           hopper_bwd.SPLIT_WAVES)
+                           hopper_bwd.SPLIT_WAVES[False])
 
 
 def use_path(name: str | None) -> None:
@@ -649,7 +650,7 @@ def main() -> int:
             f"{sorted(failed) or 'none'}) ==")
         for w in waves:
             if w is not None:
-                flash.SPLIT_WAVES = hopper_bwd.SPLIT_WAVES = w
+                flash.SPLIT_WAVES, hopper_bwd.SPLIT_WAVES = w, {True: w, False: w}
             for row in shapes:
                 if len(waves) > 1:
                     row = (f"{row[0]} waves {w}", *row[1:])

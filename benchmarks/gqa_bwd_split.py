@@ -1,8 +1,12 @@
 """The 1b models' attention backward (bf16, causal, 4 x 2048, the model's layout): flash's fused
 and deterministic backwards with the dK/dV kernel's GQA split forced to each divisor of the group
-(``attention._kv_split``), against cuDNN's on k/v expanded to every query head (the kernel alone:
-transformers' repeat of k/v is not timed). do_bench medians of the backward alone (L2 cleared),
-entries timed in turns, three rounds.
+(``attention._kv_split``), its parts adding into one float32 head ("adds") or writing partials
+that the launcher sums ("partials", ``args.ADD_SPLIT`` off), against cuDNN's on k/v expanded to
+every query head (the kernel alone: transformers' repeat of k/v is not timed). The backward
+alone, entries timed in turns, three rounds: GPU milliseconds per call (the profiler's device
+times of every kernel, memset and copy of 10 calls; round 14's first version timed do_bench's
+wall medians, which the backward's host time dominated at these shapes, NOTES v14), and per
+entry the GPU time of each kernel (last round).
 
     OUT=DIR python benchmarks/gqa_bwd_split.py      # on an sm_90 GPU; writes $OUT/gqa_bwd_split.json
 """
@@ -20,7 +24,7 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from flashrun.kernels import warmup  # noqa: E402
-from flashrun.kernels.flash import attention as flash, hopper, hopper_bwd  # noqa: E402
+from flashrun.kernels.flash import args as flash_args, attention as flash, hopper, hopper_bwd  # noqa: E402
 
 SHAPES = (("llama", 32, 8, 64), ("qwen2", 12, 2, 128))  # (family, heads, k/v heads, head_dim)
 ROUNDS = 3
@@ -55,8 +59,11 @@ def main() -> None:
             for split in (None, *(s for s in range(1, group + 1) if group % s == 0)):
                 def forced(programs, grp, device, waves=None, split=split):
                     return split if split is not None else default_split(programs, grp, device, waves)
-                entries[f"{'deterministic' if det else 'fused'} split {split or 'rule'}"] = \
-                    lambda fn=fn, forced=forced: _with_split(forced, fn, default_split)
+                for adds in ((True,) if split == 1 else (True, False)):
+                    if det and adds and split not in (None, 2):  # the deterministic one adds only 2 parts
+                        continue
+                    name = f"{'deterministic' if det else 'fused'} split {split or 'rule'}" + ("" if adds else " partials")
+                    entries[name] = lambda fn=fn, forced=forced, adds=adds: _with_split(forced, adds, fn, default_split)
         k_all = k.detach().repeat_interleave(group, 1).requires_grad_()
         v_all = v.detach().repeat_interleave(group, 1).requires_grad_()
 
@@ -72,16 +79,20 @@ def main() -> None:
         for name, fn in entries.items():  # first calls: compile, check, and the error against cuDNN's dq
             got = fn()
             row[name]["dq_err"] = round((got[0].float() - ref[0].float()).abs().max().item(), 4)
+            dk_ref = ref[1].float().view(4, h_kv, group, 2048, d).sum(2) if name != "cudnn" else ref[1].float()
+            row[name]["dk_err"] = round((got[1].float() - dk_ref).abs().max().item(), 4)
             row[name]["path"] = hopper_bwd.LAST_PATH if name != "cudnn" else "cudnn"
         torch.cuda.synchronize()
         for _ in range(ROUNDS):
             for name, fn in entries.items():
-                row[name]["runs"].append(round(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), 4))
+                total, kernels = gpu_ms(fn)
+                row[name]["runs"].append(round(total, 4))
+                row[name]["kernels_ms"] = kernels
         for name in row:
             row[name]["ms"] = statistics.median(row[name]["runs"])
             row[name]["cudnn/this"] = round(statistics.median(row["cudnn"]["runs"]) / row[name]["ms"], 3)
         results[family] = row
-        print(family, json.dumps({name: (r["ms"], r["cudnn/this"], r["path"], r["dq_err"]) for name, r in row.items()}),
+        print(family, json.dumps({name: (r["ms"], r["cudnn/this"], r["path"], r["dq_err"], r["dk_err"]) for name, r in row.items()}),
               flush=True)
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
@@ -90,12 +101,23 @@ def main() -> None:
                                                         "results": results}, indent=1))
 
 
-def _with_split(forced, fn, default_split):
-    flash._kv_split = forced
+def gpu_ms(fn, calls: int = 10) -> tuple[float, dict]:
+    """GPU milliseconds per call, in all and per kernel (name cut to 60 characters)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {e.key[:60]: round(e.self_device_time_total / calls / 1e3, 4) for e in prof.key_averages()
+               if e.self_device_time_total > 0}
+    return sum(kernels.values()), dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+
+
+def _with_split(forced, adds, fn, default_split):
+    flash._kv_split, flash_args.ADD_SPLIT = forced, adds
     try:
         return fn()
     finally:
-        flash._kv_split = default_split
+        flash._kv_split, flash_args.ADD_SPLIT = default_split, True
 
 
 if __name__ == "__main__":

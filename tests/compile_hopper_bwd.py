@@ -45,9 +45,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 MASKS = {"full": (False, None), "causal": (True, None), "window": (False, (256, 0))}  # (causal, window)
 
 
-def compile_one(dtype, mask, cfg, group=1, split=1, fused=False):
+def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90 (``mask``: a MASKS key;
-    ``fused``: with dQ)."""
+    ``fused``: with dQ; ``adds``: a split's parts add into one float32 head)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
@@ -57,11 +57,11 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False):
     k = torch.empty(z, h_kv, n, d, dtype=dtype)
     lse = torch.empty(z, h_kv * group, n, dtype=torch.float32)
     out_dtype = dtype if split == 1 else torch.float32
-    dk = torch.empty(z, h_kv * split, n, d, dtype=out_dtype)
+    dk = torch.empty(z, h_kv if adds else h_kv * split, n, d, dtype=out_dtype)
     dq = torch.empty(q.shape, dtype=torch.float32) if fused else None
     causal, window = MASKS[mask]
     _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq,
-                                                          window)
+                                                          window, adds)
     signature, constants = {}, {}
     params = list(_fa3_bwd_dkdv.params)
     for p, value in zip(params, list(args) + [None] * len(params)):
@@ -99,13 +99,13 @@ def ptxas(ptx: str) -> dict:
 
 
 def check_one(job) -> tuple[bool, str]:
-    """Compile one (kernel name, config, dtype, mask, group, split, fused) and describe it."""
-    name, cfg, dtype, mask, group, split, fused, ptx_dir = job
-    label = (f"{name}{'+dq' if fused else ''} {str(dtype).removeprefix('torch.')} {mask:6} "
-             f"{'GQA ' + str(group) + ':1 split ' + str(split) if split > 1 else 'GQA ' + str(group) + ':1'}")
+    """Compile one (kernel name, config, dtype, mask, group, split, adds, fused) and describe it."""
+    name, cfg, dtype, mask, group, split, adds, fused, ptx_dir = job
+    label = (f"{name}{'+dq' if fused else ''} {str(dtype).removeprefix('torch.')} {mask:6} GQA {group}:1"
+             + (f" split {split} {'adds' if adds else 'partials'}" if split > 1 else ""))
     start = time.perf_counter()
     try:
-        kernel = compile_one(dtype, mask, cfg, group, split, fused)
+        kernel = compile_one(dtype, mask, cfg, group, split, fused, adds)
     except Exception as exc:  # noqa: BLE001
         return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-4:])
     ptx = kernel.asm["ptx"]
@@ -117,7 +117,7 @@ def check_one(job) -> tuple[bool, str]:
     info = ptxas(ptx)
     if ptx_dir:
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-        Path(ptx_dir, f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{mask}_g{group}s{split}.ptx"
+        Path(ptx_dir, f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{mask}_g{group}s{split}{'a' if adds else ''}.ptx"
              ).write_text(ptx)
     problems = []
     if threads and int(threads.group(1)) != hopper_bwd.launched_threads(cfg):
@@ -171,10 +171,12 @@ def main() -> int:
         print(f"Triton {triton.__version__}: no CUDA backend to compile sm_90 with ({exc}); nothing compiled")
         return 3
     names = ns.kernels.split(",") if ns.kernels else list(hopper_bwd.KERNELS)
-    # (dtype, mask, GQA group, split): the plain launch and the split GQA one (float32 partials)
-    cases = ([(torch.float16, "full", 1, 1), (torch.bfloat16, "causal", 4, 2), (torch.float16, "window", 1, 1)]
-             if ns.pairs else [(dtype, mask, group, split) for dtype in hopper_bwd.DTYPES for mask in MASKS
-                               for group, split in ((1, 1), (4, 2))])
+    # (dtype, mask, GQA group, split, adds): the plain launch and the split GQA ones (float32
+    # partials, or float32 heads the parts add into)
+    cases = ([(torch.float16, "full", 1, 1, False), (torch.bfloat16, "causal", 4, 2, False),
+              (torch.bfloat16, "causal", 6, 3, True), (torch.float16, "window", 1, 1, False)]
+             if ns.pairs else [(dtype, mask, *split) for dtype in hopper_bwd.DTYPES for mask in MASKS
+                               for split in ((1, 1, False), (4, 2, False), (6, 3, True))])
     fused = {"both": (False, True), "fused": (True,), "separate": (False,)}[ns.dq]
     jobs = [(name, hopper_bwd.KERNELS[name], *case, f, ns.ptx) for name in names for case in cases for f in fused
             if not f or hopper_bwd.fusable(hopper_bwd.KERNELS[name])]

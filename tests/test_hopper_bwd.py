@@ -176,7 +176,7 @@ def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape)
     assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
     # the first-use check's two cases (full, then causal through the GQA split), then the call itself,
     # its group spread by the portable kernel's rule with the Gluon kernel's threshold
-    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES)
+    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES[False])
     assert [(c[1], c[3], c[4], c[5]) for c in calls] == [(False, 1, False, None), (True, 2, False, None),
                                                          (True, split, False, None)]
     assert calls[-1][0] == tuple(q.shape) and calls[-1][2] == hopper_bwd.KERNELS["d64"]
@@ -376,7 +376,12 @@ def test_launch_grid_and_descriptors(shape, split, grid):
                                                        [1, 1, 64, d], [1, 1, 64], [1, 1, 64]]
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
-    assert args[6] is None and constexprs["FUSED_DQ"] is False
+    assert args[6] is None and constexprs["FUSED_DQ"] is False and constexprs["KV_ADD"] == 0
+    if split > 1:  # the parts add into one float32 head: the kernel is told over how many they spread
+        summed = torch.zeros(k.shape, dtype=torch.float32)
+        _, _, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, summed, summed, 0.1, True, cfg, split,
+                                                     adds=True)
+        assert constexprs["KV_ADD"] == split and constexprs["KV_SPLIT"] == split
     with pytest.raises(ValueError, match="split"):
         hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, cfg, 3)
     fused = hopper_bwd.KERNELS[hopper_bwd.kernel_for(d, fused=True)]
@@ -387,16 +392,16 @@ def test_launch_grid_and_descriptors(shape, split, grid):
 
 
 def test_compiles_for_hopper(python):
-    """Every kernel in KERNELS compiles for sm_90, without and with dQ inside (fp16 full GQA 1:1 and
-    bf16 causal GQA 4:1 split: each dtype, mask and output dtype once; the script without --pairs
-    compiles all eight) with
-    no spill, no C7515, no wgmma wait beyond the kernel's own (skips where this Triton lacks the
-    Gluon Hopper API or a CUDA backend)."""
+    """Every kernel in KERNELS compiles for sm_90, without and with dQ inside (fp16 full GQA 1:1,
+    bf16 causal GQA 4:1 split into partials and GQA 6:1 split adding into one head, fp16 window:
+    each dtype, mask and output once; the script without --pairs compiles them all) with no spill,
+    no C7515, no wgmma wait beyond the kernel's own (skips where this Triton lacks the Gluon Hopper
+    API or a CUDA backend)."""
     result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--pairs")
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # each kernel as the deterministic backward's dK/dV and with dQ inside
     kernels = len(hopper_bwd.KERNELS) + sum(map(hopper_bwd.fusable, hopper_bwd.KERNELS.values()))
-    assert result.stdout.count("ok ") == 3 * kernels  # --pairs: full, causal (GQA split) and a window
+    assert result.stdout.count("ok ") == 4 * kernels  # --pairs: full, causal (two GQA splits) and a window
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout

@@ -163,23 +163,27 @@ def test_deterministic_backward_is_bitwise_repeatable():
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("waves, split", [(0, 1), (4, 4), (1000, 4)], ids=["whole", "to-4-waves", "every-head"])
+@pytest.mark.parametrize("waves, split", [(0, 1), (2, 2), (4, 4), (1000, 4)],
+                         ids=["whole", "to-2-waves", "to-4-waves", "every-head"])
 def test_a_gqa_group_split_over_programs_gives_the_gradients(waves, split, deterministic, monkeypatch):
     # GQA 4:1 with 4 key blocks: 4 dK/dV programs. The interpreter counts 4 SMs, so 4 waves want
-    # 16 programs: the group of 4 is split over 4 (each part's partial dK/dV summed by the launcher)
+    # 16 programs: the group of 4 is split over 4. The parts add into one float32 head where the
+    # backward need not be repeatable or there are two of them (exact in either order), else each
+    # part's partial dK/dV is summed by the launcher
     monkeypatch.setattr(flash, "SPLIT_WAVES", waves)
-    splits = []
+    launches = []
     real = flash.launch_kernel
 
     def spy(kernel, grid, *args, **kwargs):
         if kernel.fn.__name__ == "_attn_bwd_dkdv":
-            splits.append(kwargs["KV_SPLIT"])
+            launches.append((kwargs["KV_SPLIT"], kwargs["ADD_KV"], args[6].shape[1]))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(flash, "launch_kernel", spy)
     q, k, v, do = _inputs((1, 4, 1, 97, 97, 64), torch.float16)
     _check_fwd_bwd(q, k, v, do, True, deterministic=deterministic)
-    assert splits == [split]
+    adds = split > 1 and (not deterministic or split == 2)
+    assert launches == [(split, adds, 1 if adds or split == 1 else split)]  # (split, adds, heads of DK)
 
 
 DETERMINISTIC_KERNELS = [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]

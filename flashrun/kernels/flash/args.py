@@ -148,6 +148,29 @@ def _split_head_dim(head_dim: int) -> tuple[int, int]:
     return (d0, d1) if d1 and d0 + d1 < padded else (padded, 0)
 
 
+ADD_SPLIT = True  # benchmarks/gqa_bwd_split.py turns it off to time the partials against the adds
+
+
+def split_outputs(k: torch.Tensor, split: int, repeatable: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(dk, dv buffers, adds) of a dK/dV kernel that spreads each k/v head's GQA group over
+    ``split`` > 1 programs. ``adds``: float32 zeros shaped like k that every part adds into
+    (atomics; the sum stays in L2) - where the backward need not be repeatable, or with two parts,
+    whose one addition onto zero is exact in either order (0 + a + b = 0 + b + a). Otherwise one
+    float32 partial per part, (B, H_KV x split, N_K, D), summed in a fixed order by
+    :func:`split_result` (NOTES v15: the partials and their sum cost qwen2-1b's backward ~50 us a
+    layer of DRAM traffic)."""
+    z, h_kv, n_k, d = k.shape
+    adds = ADD_SPLIT and (not repeatable or split == 2)
+    shape = (z, h_kv if adds else h_kv * split, n_k, d)
+    make = torch.zeros if adds else torch.empty
+    return make(shape, dtype=torch.float32, device=k.device), make(shape, dtype=torch.float32, device=k.device), adds
+
+
+def split_result(buf: torch.Tensor, out: torch.Tensor, split: int, adds: bool) -> torch.Tensor:
+    """``out`` (dK or dV, k's shape and dtype) from one of :func:`split_outputs`' buffers."""
+    return out.copy_(buf if adds else buf.view(*out.shape[:2], split, *out.shape[2:]).sum(2))
+
+
 def dot_options(dtype: torch.dtype) -> dict:
     """Constexprs for ``_dot``: bf16 upcast only in the interpreter; IEEE fp32 dots for float32."""
     return {

@@ -107,6 +107,8 @@ from flashrun.kernels.flash.args import (
     _variant,
     check_inputs,
     dot_options,
+    split_outputs,
+    split_result,
 )
 from flashrun.kernels.flash.bwd import (
     _attn_bwd_dkdv,
@@ -315,18 +317,17 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     def run_dkdv(cfg: LaunchConfig, atomic_dq: bool = False) -> None:
         dq_arg = (_rows_descriptors(dq, cfg.block_m)[0] if dq_tma else dq) if atomic_dq else None
         split = 1 if variant.varlen else _kv_split(cdiv(N_K, cfg.block_n) * Z * H_KV, group, q.device)
-        # split: each part's partial dK/dV in float32, summed below (in a fixed order: repeatable)
-        dk_out, dv_out = (dk, dv) if split == 1 else (
-            torch.empty((Z, H_KV * split, N_K, D), dtype=torch.float32, device=k.device) for _ in range(2))
+        # split: float32 buffers the parts add into, or partials summed below (args.split_outputs)
+        dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=not atomic_dq)
         launch_kernel(_attn_bwd_dkdv, (cdiv(N_K, cfg.block_n), Z * H_KV * split),
             q, k, v, do, lse, delta, dk_out, dv_out, dq_arg, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk_out), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
             H, H_KV * split, N_Q, N_K, sm_scale, GROUP=group // split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and dq_tma, KV_SPLIT=split, num_warps=cfg.num_warps,
+            ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and dq_tma, KV_SPLIT=split, ADD_KV=adds, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **common)
         if split > 1:
-            dk.copy_(dk_out.view(Z, H_KV, split, N_K, D).sum(2))
-            dv.copy_(dv_out.view(Z, H_KV, split, N_K, D).sum(2))
+            split_result(dk_out, dk, split, adds)
+            split_result(dv_out, dv, split, adds)
 
     def run_fused(cfg: LaunchConfig) -> None:
         dq.zero_()  # the tuner times this more than once: each run must start from zeros

@@ -156,7 +156,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, KV_SPLIT: tl.constexpr = 1):
+                   PRECISION: tl.constexpr, KV_SPLIT: tl.constexpr = 1, ADD_KV: tl.constexpr = False):
     """dK, dV for one block of keys of one k/v head; with ATOMIC_DQ also the dQ partials of every
     query block it visits, added into DQ (float32, zeroed by the launcher, any strides; scaled by
     sm_scale here) - with DQ_TMA, DQ is a tensor descriptor over its (batch*heads*Nq, head_dim)
@@ -165,7 +165,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
 
     KV_SPLIT > 1 splits each k/v head's GQA group over that many programs (H_KV and GROUP are
     then per part: H_KV parts of GROUP query heads): part p of k/v head p // KV_SPLIT writes its
-    partial dK/dV as head p of DK/DV, which the launcher sums."""
+    partial dK/dV as head p of DK/DV (float32), which the launcher sums - or with ADD_KV adds it
+    into head p // KV_SPLIT of DK/DV (float32, zeroed), in whatever order the parts land."""
     tl.static_assert(not (CAUSAL and WINDOW))
     start_n = tl.program_id(0) * BLOCK_N
     off_zh = tl.program_id(1)
@@ -219,11 +220,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
     if BLOCK_D1 > 0:
         dk1 *= sm_scale
     # DV shares DK's (contiguous) strides
-    dk_dst = DK + off_zk * stride_dkz + off_hkv * stride_dkh
-    dv_dst = DV + off_zk * stride_dkz + off_hkv * stride_dkh
+    off_out = off_hkv // KV_SPLIT if ADD_KV else off_hkv
+    dk_dst = DK + off_zk * stride_dkz + off_out * stride_dkh
+    dv_dst = DV + off_zk * stride_dkz + off_out * stride_dkh
     key_ok = offs_n < N_K
-    _store_tile(dk_dst, offs_n, key_ok, stride_dkn, stride_dkk, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
-    _store_tile(dv_dst, offs_n, key_ok, stride_dkn, stride_dkk, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
+    _store_tile(dk_dst, offs_n, key_ok, stride_dkn, stride_dkk, dk0, dk1, HEAD_DIM, BLOCK_D0, BLOCK_D1, ADD_KV)
+    _store_tile(dv_dst, offs_n, key_ok, stride_dkn, stride_dkk, dv0, dv1, HEAD_DIM, BLOCK_D0, BLOCK_D1, ADD_KV)
 
 
 @triton.jit

@@ -32,8 +32,8 @@ of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO
   head_dim  64: 32 KB + 2 x 16 KB + 1 KB = 65 KB
   head_dim 128: 64 KB + 2 x 32 KB + 1 KB = 129 KB (3 stages: 161.5 KB)
 One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
-(x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`, lower than the portable kernel's because the
-split's float32 partials and their sum cost this faster kernel relatively more).
+(x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
+backward need not be repeatable, ``args.split_outputs``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrun.kernels.flash import hopper
-from flashrun.kernels.flash.args import tma_aligned
+from flashrun.kernels.flash.args import split_outputs, split_result, tma_aligned
 from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
@@ -213,10 +213,10 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
-                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None):
+                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
-    partials; ``dq``: a zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ
+    partials, or with ``adds`` float32 zeros (B, H_KV, N_K, D) the parts add into; ``dq``: a zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ
     into (FUSED_DQ), or None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
     The first PER_CALL positional arguments are the ones that change between calls of a plan.
     Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90 without a GPU)."""
@@ -233,7 +233,7 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
             dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=d, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
-                      FUSED_DQ=dq is not None, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
     grid = (max(cdiv(n_k, cfg.block_n), 1), h_kv * split, z)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
@@ -248,21 +248,22 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
-    z, h_kv, n_k, d = k.shape
-    if split == 1:
-        dk = torch.empty((z, h_kv, n_k, d), dtype=k.dtype, device=k.device)
-        dv = torch.empty_like(dk)
-    else:  # each part's partial in float32, summed below (in a fixed order: repeatable)
-        dk, dv = (torch.empty((z, h_kv * split, n_k, d), dtype=torch.float32, device=k.device) for _ in range(2))
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
+    adds = False
+    if split > 1:  # float32 buffers the parts add into (dQ inside: not repeatable anyway), or partials
+        dk_out, dv_out, adds = split_outputs(k, split, repeatable=dq is None)
+    else:
+        dk_out, dv_out = dk, dv
     lse, delta = rows_aligned(lse), rows_aligned(delta)
     lean = not compiling()  # compile-only runs take Triton's path
-    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, window)
+    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
     plan = _plans.get(key) if lean else None
     if plan is not None:
-        plan(_current_stream(q.device), *_per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg))
+        plan(_current_stream(q.device), *_per_call(q, k, v, do, lse, delta, dk_out, dv_out, dq, cfg))
     else:
-        grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale, causal, cfg,
-                                                      split, dq, window)
+        grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk_out, dv_out, sm_scale, causal,
+                                                      cfg, split, dq, window, adds)
         if lean:
             ordered = list(args) + [constexprs[name] for name in _fa3_bwd_dkdv.arg_names[len(args):]]
             plan = keep(_plans, key, _Launch(_fa3_bwd_dkdv, grid, tuple(ordered[PER_CALL:]), options))
@@ -270,30 +271,36 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         else:
             launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
     if split > 1:
-        dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
-        dv = dv.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
+        split_result(dk_out, dk, split, adds)
+        split_result(dv_out, dv, split, adds)
     return dk, dv
 
 
 RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 
 
-SPLIT_WAVES = 2  # programs per SM below which a GQA group is split (the portable kernel's rule, lower)
+# programs per SM below which a GQA group is split: with dQ inside (the default backward) the parts
+# add into one float32 head, so a split costs the kernel little and the portable kernel's rule
+# holds; the deterministic backward sums float32 partials, which cost this faster kernel more
+SPLIT_WAVES = {True: 4, False: 2}  # with dQ inside or not
 
 
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
          dq: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) through the Gluon kernel; call only where :func:`eligible` and :func:`ensure_checked`
     allow it. ``dq``: a zeroed float32 (B, H, N_Q, D) contiguous buffer that the kernel adds dQ
-    (scaled) into, the :data:`FUSED` kernels (non-deterministic: the adds land in any order). ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA
-    group (``attention._kv_split``, here with :data:`SPLIT_WAVES`); None: one. On the H200 at 4 x
-    2048 tokens (NOTES v9, GPU time of dK/dV and the partials' sum): qwen2-1b's group of 6 over 2 k/v
-    heads 297 us unsplit, 285 split 2, 271 split 3, 289 split 6; llama-1b's 4 over 8 heads 365
-    unsplit, 393 split 2."""
+    (scaled) into, the :data:`FUSED` kernels (non-deterministic: the adds land in any order).
+    ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA group
+    (``attention._kv_split``, here with :data:`SPLIT_WAVES`); None: one. On the H200 at 4 x 2048
+    tokens, bf16 causal (NOTES v15, GPU time of the whole backward), with dQ inside: qwen2-1b's
+    group of 6 over 2 k/v heads 0.522 ms unsplit, 0.475 split 2, 0.436 split 3, 0.424 split 6
+    (partials: 0.493, 0.457, 0.458); llama-1b's 4 over 8 heads 0.617 unsplit, 0.604 split 2
+    (partials 0.635), 0.623 split 4. Deterministic: qwen2 0.463 split 2 (adds), 0.461 split 3,
+    0.477 split 6; llama 0.613 unsplit, 0.620 split 2 (adds)."""
     cfg = _config(q.shape[-1], dq is not None)
     group = q.shape[1] // k.shape[1]
     programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
-    split = kv_split(programs, group, q.device, SPLIT_WAVES) if kv_split is not None else 1
+    split = kv_split(programs, group, q.device, SPLIT_WAVES[dq is not None]) if kv_split is not None else 1
     return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq, window)
 
 

@@ -163,11 +163,16 @@ def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.
 
 
 @gluon.jit
-def _store_rows(DST, base, rows, n_rows, stride_m, acc, WIDTH: gl.constexpr, layout: gl.constexpr):
-    """Store acc (64 rows x WIDTH columns) to DST's rows below n_rows, in DST's dtype."""
+def _store_rows(DST, base, rows, n_rows, stride_m, acc, WIDTH: gl.constexpr, layout: gl.constexpr,
+                ADD: gl.constexpr):
+    """Store acc (64 rows x WIDTH columns) to DST's rows below n_rows, in DST's dtype (ADD: add
+    it into DST, float32, in whatever order the programs land)."""
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
     ptrs = DST + base + gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, acc.to(DST.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
+    if ADD:
+        gl.atomic_add(ptrs, acc, mask=gl.expand_dims(rows < n_rows, 1), sem="relaxed")
+    else:
+        gl.store(ptrs, acc.to(DST.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
 
 
 @gluon.jit
@@ -201,7 +206,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
                   do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
                   sm_scale, qk_scale, left, right, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr):
+                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D); Pᵀ, dSᵀ as their A operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -306,9 +311,11 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
 
     dk = dk * sm_scale
     rows_kv = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc_layout))
-    base = off_z.to(gl.int64) * stride_dkz + off_hkv * stride_dkh  # DV shares DK's (contiguous) strides
-    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, HEAD_D, acc_layout)
-    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, HEAD_D, acc_layout)
+    # DV shares DK's (contiguous) strides; KV_ADD parts of a split group add into one head
+    off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
+    base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
+    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, HEAD_D, acc_layout, KV_ADD > 0)
+    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, HEAD_D, acc_layout, KV_ADD > 0)
 
 
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
@@ -318,7 +325,8 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
                   stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  PRODUCER_REGS: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
     H_KV, B). q_desc, do_desc: 4-D descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M,
     HEAD_D]; k_desc, v_desc over k, v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D];
@@ -339,7 +347,9 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
 
     KV_SPLIT > 1 spreads each k/v head's GQA group over that many programs (as the Triton kernel:
     H_KV and GROUP are then per part, H_KV parts of GROUP query heads): part p of k/v head
-    p // KV_SPLIT writes its partial dK/dV as head p of DK/DV (float32), which the launcher sums."""
+    p // KV_SPLIT writes its partial dK/dV as head p of DK/DV (float32), which the launcher sums -
+    or with KV_ADD = KV_SPLIT adds it into head p // KV_SPLIT of DK/DV (float32, zeroed; relaxed
+    atomics, in whatever order the parts land). KV_ADD = 0 otherwise."""
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(not FUSED_DQ or CONSUMERS == 2)  # dQ's steps alternate between two consumers
     gl.static_assert(STAGES >= 2)  # a stage is reloaded only once both consumers released it
@@ -382,11 +392,11 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
                              stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
                              stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
                              win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)),
@@ -396,7 +406,7 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
                              stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
                              win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)),
