@@ -31,6 +31,7 @@ from flashrun.kernels import (
     minimal_attention,
 )
 from flashrun.kernels.flash import attention as flash
+from flashrun.kernels.flash.bwd import _attn_bwd_preprocess
 from flashrun.kernels.flash.fwd import _attn_fwd
 from flashrun.kernels import tuning
 from flashrun.kernels.tuning import candidates
@@ -356,13 +357,16 @@ def test_launchers_plan_the_split(head_dim, blocks):
         patch.setattr(flash, "launch_kernel", spy)
         for deterministic in (True, False):
             torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), do)
-    # the second forward is the first one's plan (a lean launch, not through launch_kernel)
+    # the second forward and preprocess are the first ones' plans (lean launches, not through launch_kernel)
     assert [name for name, *_ in seen] == ["_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
-                                           "_attn_bwd_preprocess", "_attn_bwd_dkdv"]
+                                           "_attn_bwd_dkdv"]
     assert {tuple(b) for _, *b in seen} == {blocks}
     (plan,) = flash._forward_plans.values()
     names = _attn_fwd.arg_names[flash.PER_CALL:]
     assert (plan.launch.tail[names.index("BLOCK_D0")], plan.launch.tail[names.index("BLOCK_D1")]) == blocks
+    (plan,) = flash._delta_plans.values()
+    names = _attn_bwd_preprocess.arg_names[3:]
+    assert (plan.tail[names.index("BLOCK_D0")], plan.tail[names.index("BLOCK_D1")]) == blocks
 
 
 # -- minimal: right where it claims to be, refuses elsewhere -------------------------------------

@@ -290,27 +290,21 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, fused=True))
     if deterministic is None:
         deterministic = not gluon_fused
-    group = H // H_KV
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty_like(dk)
     # atomic: every query row's partials land in a zeroed float32 buffer, so rows that no key
     # block visits (no key to see) come out as zeros too
     dq = (torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic
           else torch.zeros(q.shape, dtype=torch.float32, device=q.device))
-    delta = torch.empty_like(lse)
+    delta = _delta(o, do, lse, H, variant.varlen)
+    if gluon_fused:  # (before the portable path's arguments: this is the default backward on sm_90)
+        dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, dq=dq,
+                                 window=variant.window)
+        hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
+        return dq.to(q.dtype), dk, dv
+    group = H // H_KV
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
     d0, d1 = _split_head_dim(D)
     common = dict(HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, **variant.kernel_args(sm_scale, q.dtype), **dot_options(q.dtype))
-
-    # delta = rowsum(dO * O), laid out as LSE; packed rows are one (1, H, total_q) batch to it
-    rows = q.shape[0] if variant.varlen else N_Q
-    o_strides, do_strides = ((_strides(o), _strides(do)) if not variant.varlen else
-                             ((0, *_strides(o)[1:]), (0, *_strides(do)[1:])))
-    pre_m = 64 if rows >= 64 else 16
-    if rows:
-        launch_kernel(_attn_bwd_preprocess, (cdiv(rows, pre_m), (1 if variant.varlen else Z) * H),
-                      o, do, delta, *o_strides, *do_strides, H, rows, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1,
-                      BLOCK_M=pre_m)
-
     # Hopper: dQ's partials go out as one TMA reduce-add per tile instead of an atomic per element
     dq_tma = not deterministic and not variant.varlen and _dq_tma_ok(dq)
 
@@ -341,11 +335,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     tuning = variant.tuning(N_Q, N_K)
     if not deterministic:
-        if gluon_fused:
-            dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, dq=dq,
-                                     window=variant.window)
-            hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
-        elif N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
+        if N_K:  # packed: every key row belongs to a sequence of at most N_K keys; its program writes it
             run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
             hopper_bwd.LAST_PATH = hopper.TRITON_PATH
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
@@ -358,6 +348,39 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if N_Q:
         run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
+
+
+# one launch of _attn_bwd_preprocess per (layouts of O, dO and delta, packed or not): later calls
+# skip Triton's per-call specialization (launch._Launch), as the forward's plans do
+_delta_plans: dict[tuple, _Launch] = {}
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, H: int, varlen: bool) -> torch.Tensor:
+    """delta = rowsum(dO * O), float32, laid out as LSE (packed rows are one (1, H, total_q)
+    batch to it)."""
+    delta = torch.empty_like(lse)
+    rows = o.shape[0] if varlen else o.shape[2]
+    if not rows:
+        return delta
+    # compile-only runs, and CPU tensors standing in for a GPU's (tests/compile_*.py), take Triton's path
+    lean = (o.is_cuda or INTERPRETED) and not compiling()
+    key = (_meta(o), _meta(do), _meta(delta), varlen)
+    plan = _delta_plans.get(key) if lean else None
+    if plan is not None:
+        plan(_current_stream(o.device), o, do, delta)
+        return delta
+    d0, d1 = _split_head_dim(o.shape[-1])
+    o_strides, do_strides = ((_strides(o), _strides(do)) if not varlen else
+                             ((0, *_strides(o)[1:]), (0, *_strides(do)[1:])))
+    pre_m = 64 if rows >= 64 else 16
+    grid = (cdiv(rows, pre_m), (1 if varlen else o.shape[0]) * H)
+    constexprs = dict(HEAD_DIM=o.shape[-1], BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_M=pre_m)
+    launch_kernel(_attn_bwd_preprocess, grid, o, do, delta, *o_strides, *do_strides, H, rows, **constexprs)
+    if lean:
+        tail = (*o_strides, *do_strides, H, rows)
+        tail += tuple(constexprs[name] for name in _attn_bwd_preprocess.arg_names[3 + len(tail):])
+        keep(_delta_plans, key, _Launch(_attn_bwd_preprocess, grid, tail, {}))
+    return delta
 
 
 def _portable_backward_check(q, k, v, do, sm_scale, causal, window=None):
