@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -86,7 +87,12 @@ def family(arch: str, args: argparse.Namespace) -> dict:
 
     from flashrun.kernels import tuning
     from flashrun.model import data, families
-    from flashrun.model.speed import _timed as timed  # flashrun model's own timing
+    from flashrun.model.speed import _event_ms  # flashrun model's own timing
+
+    def timed(fn, reps: int) -> float:
+        """The median of ``reps`` CUDA-event timings after two warm-up calls."""
+        fn(), fn()
+        return statistics.median(_event_ms(fn) for _ in range(reps))
 
     config = families.build_config(arch, "1b")
     model = families.build(config, torch.bfloat16, "cuda", 0)
