@@ -489,8 +489,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     unbounded), ``softcap`` (> 0 caps the scores at ±softcap through a tanh), ``alibi_slopes``
     (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient).
     ``deterministic``: True the bitwise-repeatable backward (two kernels, 7 matmuls per tile
-    pair); False one kernel with 5 matmuls that sums dQ with float32 atomics in whatever order
-    they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``, the default) the faster per call:
+    pair); False one kernel with 5 matmuls that sums dQ (and a split GQA group's dK, dV) with
+    float32 atomics in whatever order they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``, the default) the faster per call:
     the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
     (benchmarks/NOTES.md v10)."""
     check_inputs(q, k, v)

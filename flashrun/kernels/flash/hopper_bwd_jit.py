@@ -343,7 +343,7 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     Each step's dSᵀ halves go through shared memory, and the consumers take the steps' dQ = dS K ·
     sm_scale in turns, each added into a zeroed float32 (B, H, N_Q, HEAD_D) buffer by one TMA
     reduce-add (dq_desc, box [1, 1, BLOCK_M, HEAD_D]): the order of those adds varies from run to
-    run, so dQ's last bits do (dK, dV stay repeatable). Otherwise dq_desc is None.
+    run, so dQ's last bits do (dK, dV too where KV_ADD > 2). Otherwise dq_desc is None.
 
     KV_SPLIT > 1 spreads each k/v head's GQA group over that many programs (as the Triton kernel:
     H_KV and GROUP are then per part, H_KV parts of GROUP query heads): part p of k/v head
