@@ -1,6 +1,6 @@
 # Sourced by the device scripts, from the repo root: $OUT (default ./gpu-session) made, pydantic's
 # wheels from .whl/ installed where the image lacks them (see the device tool's README), the repo
-# on PYTHONPATH, Python's output unbuffered. Each script sets its own COLUMNS.
+# on PYTHONPATH, Python's output unbuffered, and model_speed (below) defined. Each script sets its own COLUMNS.
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -8,3 +8,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+
+# llama and qwen2 at 1b against SDPA, speed only (the implementations timed in turns); $1: a label (the
+# sample), the runs' files under $OUT/model/$1
+model_speed() {
+  mkdir -p "$OUT/model"
+  for arch in llama qwen2; do
+    timeout 120 python3 -m flashrun model --size 1b --arch "$arch" --batch 4 --set "model.checks=[]" \
+      --set "model.baselines=['sdpa']" --set model.reps=10 --set "logging.log_dir='$OUT/model'" \
+      --set "model.out='$OUT/model/$1'" > "$OUT/model/$arch-speed-$1.txt" 2>&1
+    echo "$arch speed $1 rc $?"; grep -A5 "speed, batch" "$OUT/model/$arch-speed-$1.txt"
+  done
+}

@@ -21,16 +21,6 @@
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
-# llama and qwen2 at 1b against SDPA, speed only (the implementations timed in turns); $1: the sample
-model_speed() {
-  mkdir -p "$OUT/model"
-  for arch in llama qwen2; do
-    timeout 120 python3 -m flashrun model --size 1b --arch "$arch" --batch 4 --set "model.checks=[]" \
-      --set "model.baselines=['sdpa']" --set model.reps=10 --set "logging.log_dir='$OUT/model'" \
-      --set "model.out='$OUT/model'" > "$OUT/model/$arch-speed-$1.txt" 2>&1
-    echo "$arch speed rc $?"; grep -A5 "speed, batch" "$OUT/model/$arch-speed-$1.txt"
-  done
-}
 case "${1:-}" in
   probe)
     cp benchmarks/short_forward_probe.py "$OLD/benchmarks/"

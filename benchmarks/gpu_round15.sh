@@ -18,16 +18,6 @@
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
-# llama and qwen2 at 1b against SDPA, speed only (the implementations timed in turns); $1: a label
-model_speed() {
-  mkdir -p "$OUT/model"
-  for arch in llama qwen2; do
-    timeout 120 python3 -m flashrun model --size 1b --arch "$arch" --batch 4 --set "model.checks=[]" \
-      --set "model.baselines=['sdpa']" --set model.reps=10 --set "logging.log_dir='$OUT/model'" \
-      --set "model.out='$OUT/model/$1'" > "$OUT/model/$arch-speed-$1.txt" 2>&1
-    echo "$arch speed $1 rc $?"; grep -A5 "speed, batch" "$OUT/model/$arch-speed-$1.txt"
-  done
-}
 case "${1:-}" in
   split)
     timeout 240 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
