@@ -10,13 +10,20 @@ SDPA's backward runs inside autograd's engine and is not seen), and how long the
 enqueue the whole phase (before its synchronize) against the phase's wall time (CUDA events).
 GPU only; from the repo root whose flashrun is to be timed:
 
-    python benchmarks/model_host.py --arch qwen2,llama --out DIR
+    python benchmarks/model_host.py --arch qwen2,llama --out DIR [--cprofile N]
+
+``--cprofile N`` then runs N more calls of each of flash's phases under cProfile and prints the 25
+functions with the most own time (where the host's time per attention call goes, Triton's
+launcher and torch's calls included).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -104,6 +111,16 @@ def family(arch: str, args: argparse.Namespace) -> dict:
                   f"{row[phase]['enqueue_ms']:7.2f} ms; attention forward on the host "
                   f"{row[phase]['attention_forward_host']['median_us']} us median x {len(fwd_host) // args.reps}"
                   f" per {phase}, flash backward {row[phase]['flash_backward_host']['median_us']} us", flush=True)
+            if args.cprofile and impl == swap.NAME:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(args.cprofile):
+                    fn()
+                torch.cuda.synchronize()
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                print(f"{arch} {impl} {phase}: cProfile of {args.cprofile} calls\n{text.getvalue()}", flush=True)
         rows[impl] = row
     return rows
 
@@ -116,6 +133,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--out", default=".")
     parser.add_argument("--label", default="")
+    parser.add_argument("--cprofile", type=int, default=0, help="profile this many more calls of flash's phases")
     args = parser.parse_args()
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "families": {}}
     instrument()

@@ -66,13 +66,14 @@ class Swap:
             variant["softcap"] = float(softcap)
         dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
             else query.dtype  # autocast hands fp32 q/k with a bf16 v: one compute dtype
-        q, k, v = (t.to(dtype) for t in (query, key, value))
+        q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (query, key, value))
         packed = self._packing(attention_mask, q, k, kwargs)
         if packed is not None:
             variant.update(packed)
         self._refuse_missing(variant, packed is not None)
         self.calls["packed" if packed is not None else "dense"] += 1
-        self.calls.update(name for name in variant if not name.startswith(("_", "cu_", "max_")))
+        if variant:
+            self.calls.update(name for name in variant if not name.startswith(("_", "cu_", "max_")))
         if packed is None:  # (B, H, Nq, D) -> (B, Nq, H, D): a view when the kernel wrote o like q
             out = self.kernel(q, k, v, causal=causal, sm_scale=scaling, **variant).transpose(1, 2)
         else:

@@ -254,6 +254,9 @@ class Variant:
 
 
 def _window_arg(window) -> tuple[int, int]:
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int \
+            and window[0] >= -1 and window[1] >= -1:  # the usual call, without the ABC checks below (~4 us)
+        return window
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)):
         raise ArgumentError(f"window must be a pair of ints >= -1, (left, right), got {window!r}",
@@ -263,6 +266,8 @@ def _window_arg(window) -> tuple[int, int]:
 
 
 def _softcap_arg(softcap) -> float:
+    if type(softcap) in (float, int) and 0 <= softcap < math.inf:  # the usual call (NaN fails both tests)
+        return float(softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ArgumentError(f"softcap must be a finite number >= 0, got {softcap!r}",
                             hint="0 turns it off; Gemma-2 caps attention logits at 50.0")
