@@ -62,7 +62,8 @@ def main() -> None:
                 for adds in ((True,) if split == 1 else (True, False)):
                     if det and adds and split not in (None, 2):  # the deterministic one adds only 2 parts
                         continue
-                    name = f"{'deterministic' if det else 'fused'} split {split or 'rule'}" + ("" if adds else " partials")
+                    name = (f"{'deterministic' if det else 'fused'} split {split or 'rule'}"
+                            + ("" if adds else " partials"))
                     entries[name] = lambda fn=fn, forced=forced, adds=adds: _with_split(forced, adds, fn, default_split)
         k_all = k.detach().repeat_interleave(group, 1).requires_grad_()
         v_all = v.detach().repeat_interleave(group, 1).requires_grad_()
@@ -92,7 +93,8 @@ def main() -> None:
             row[name]["ms"] = statistics.median(row[name]["runs"])
             row[name]["cudnn/this"] = round(statistics.median(row["cudnn"]["runs"]) / row[name]["ms"], 3)
         results[family] = row
-        print(family, json.dumps({name: (r["ms"], r["cudnn/this"], r["path"], r["dq_err"], r["dk_err"]) for name, r in row.items()}),
+        print(family, json.dumps({name: (r["ms"], r["cudnn/this"], r["path"], r["dq_err"], r["dk_err"])
+                                  for name, r in row.items()}),
               flush=True)
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", choices=("short", "gate", "tiles", "prefill"), default="short")
     opts = parser.parse_args()
-    cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells, "prefill": prefill_cells}[opts.cells]())
+    cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells,
+                  "prefill": prefill_cells}[opts.cells]())
     repeats = 3 if opts.cells in ("gate", "tiles") else 1
     prepared = [(cell, *inputs(cell)) for cell in cells]
     start = time.perf_counter()

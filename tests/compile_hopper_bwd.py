@@ -117,8 +117,8 @@ def check_one(job) -> tuple[bool, str]:
     info = ptxas(ptx)
     if ptx_dir:
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-        Path(ptx_dir, f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{mask}_g{group}s{split}{'a' if adds else ''}.ptx"
-             ).write_text(ptx)
+        stem = f"fa3_bwd_{name}{'_dq' if fused else ''}_{str(dtype)[6:]}_{mask}_g{group}s{split}{'a' if adds else ''}"
+        Path(ptx_dir, f"{stem}.ptx").write_text(ptx)
     problems = []
     if threads and int(threads.group(1)) != hopper_bwd.launched_threads(cfg):
         problems.append(f"launches {threads.group(1)} threads, hopper_bwd says {hopper_bwd.launched_threads(cfg)}")

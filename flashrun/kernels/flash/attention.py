@@ -490,8 +490,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (float32 (H,) or (B, H); :func:`alibi_slopes` gives the standard ones; no gradient).
     ``deterministic``: True the bitwise-repeatable backward (two kernels, 7 matmuls per tile
     pair); False one kernel with 5 matmuls that sums dQ (and a split GQA group's dK, dV) with
-    float32 atomics in whatever order they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``, the default) the faster per call:
-    the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
+    float32 atomics in whatever order they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``,
+    the default) the faster per call: the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
     (benchmarks/NOTES.md v10)."""
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)

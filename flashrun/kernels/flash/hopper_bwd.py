@@ -216,8 +216,9 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
                 dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
-    partials, or with ``adds`` float32 zeros (B, H_KV, N_K, D) the parts add into; ``dq``: a zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ
-    into (FUSED_DQ), or None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
+    partials, or with ``adds`` float32 zeros (B, H_KV, N_K, D) the parts add into; ``dq``: a
+    zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ into (FUSED_DQ), or
+    None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
     The first PER_CALL positional arguments are the ones that change between calls of a plan.
     Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90 without a GPU)."""
     from flashrun.kernels.flash.hopper_bwd_jit import LOG2E
@@ -233,7 +234,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
             dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=d, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
-                      FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
+                      PRODUCER_REGS=cfg.producer_regs)
     grid = (max(cdiv(n_k, cfg.block_n), 1), h_kv * split, z)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
@@ -250,11 +252,8 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
-    adds = False
-    if split > 1:  # float32 buffers the parts add into (dQ inside: not repeatable anyway), or partials
-        dk_out, dv_out, adds = split_outputs(k, split, repeatable=dq is None)
-    else:
-        dk_out, dv_out = dk, dv
+    # split: float32 buffers the parts add into (dQ inside: not repeatable anyway), or partials
+    dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=dq is None)
     lse, delta = rows_aligned(lse), rows_aligned(delta)
     lean = not compiling()  # compile-only runs take Triton's path
     key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
