@@ -9,11 +9,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 
-# llama and qwen2 at 1b against SDPA, speed only (the implementations timed in turns); $1: a label (the
-# sample), the runs' files under $OUT/model/$1
+# llama and qwen2 (or the families in $2) at 1b against SDPA, speed only (the implementations timed in
+# turns); $1: a label (the sample), the runs' files under $OUT/model/$1
 model_speed() {
   mkdir -p "$OUT/model"
-  for arch in llama qwen2; do
+  for arch in ${2:-llama qwen2}; do
     timeout 120 python3 -m flashrun model --size 1b --arch "$arch" --batch 4 --set "model.checks=[]" \
       --set "model.baselines=['sdpa']" --set model.reps=10 --set "logging.log_dir='$OUT/model'" \
       --set "model.out='$OUT/model/$1'" > "$OUT/model/$arch-speed-$1.txt" 2>&1

@@ -13,8 +13,8 @@ GPU only; from the repo root whose flashrun is to be timed:
     python benchmarks/model_host.py --arch qwen2,llama --out DIR [--cprofile N]
 
 ``--cprofile N`` then runs N more calls of each of flash's phases under cProfile and prints the 25
-functions with the most own time (where the host's time per attention call goes, Triton's
-launcher and torch's calls included).
+functions with the most own time, then flashrun's and Triton's 30 by cumulative time (where the
+host's time per attention call goes, Triton's launcher and torch's calls included).
 """
 
 from __future__ import annotations
@@ -119,7 +119,9 @@ def family(arch: str, args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
                 profiler.disable()
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats("flashrun|triton", 30)
                 print(f"{arch} {impl} {phase}: cProfile of {args.cprofile} calls\n{text.getvalue()}", flush=True)
         rows[impl] = row
     return rows

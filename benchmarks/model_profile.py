@@ -10,8 +10,11 @@ family and writes the JSON. GPU only.
 
 --tune tunes every flash kernel key the shipped table misses (FLASHRUN_TUNE=1) during the
 warm-up; --split-waves sets the portable dK/dV kernel's GQA split threshold (0: never split);
---trace DIR also writes each profiled phase's Chrome trace. Each phase reports the GPU's idle time
-between its kernels (per call) and the kernels those gaps followed: time the host was late.
+--trace DIR also writes each profiled phase's Chrome trace, and splits each gap by when the next
+kernel's launch call returned on the host (the trace's runtime and driver calls): the part after the
+last kernel ended is the host's lateness, the rest the GPU's own (a launch already queued, not yet
+started). Each phase reports the GPU's idle time between its kernels (per call) and the kernels
+those gaps followed.
 """
 
 from __future__ import annotations
@@ -55,6 +58,35 @@ def idle(spans: list[tuple[float, float, str]], top: int = 6) -> dict:
             "after": [(name[:60], len(gaps), round(sum(gaps) / 1e3, 3)) for name, gaps in worst]}
 
 
+def lateness(trace: Path, calls: int, top: int = 6) -> dict:
+    """Each gap between a stream's GPU operations in a Chrome trace, split by the launch call of
+    the operation after it: the part of the gap before that call returned is the host's (late),
+    the rest the GPU's. Per call, in ms; the largest GPU-side parts by (before, after) kernel and
+    host-late parts by the operation waited for."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    launched = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e["args"].get("correlation")) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
+    host: dict[str, float] = {}
+    gpu: dict[str, float] = {}
+    busy_until, last = None, None
+    for start, end, name, correlation in ops:
+        if busy_until is not None and start > busy_until:
+            late = min(max(launched.get(correlation, busy_until) - busy_until, 0.0), start - busy_until)
+            host[name[:50]] = host.get(name[:50], 0.0) + late
+            pair = f"{last[:40]} -> {name[:40]}"
+            gpu[pair] = gpu.get(pair, 0.0) + start - busy_until - late
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+
+    def worst(parts: dict[str, float]) -> list:
+        return [(name, round(us / 1e3 / calls, 3)) for name, us in sorted(parts.items(), key=lambda i: -i[1])[:top]]
+    return {"launch_calls_seen": len(launched), "host_late_ms": round(sum(host.values()) / 1e3 / calls, 3),
+            "gpu_side_ms": round(sum(gpu.values()) / 1e3 / calls, 3), "host_late_before": worst(host),
+            "gpu_side_between": worst(gpu)}
+
+
 def profiled(fn, calls: int = 2, trace: Path | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -63,8 +95,10 @@ def profiled(fn, calls: int = 2, trace: Path | None = None) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    late = None
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+        late = lateness(trace, calls)
     gaps = idle([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type is not None and "CUDA" in str(e.device_type) and e.time_range.end > 0])
     kernels: dict[str, float] = {}
@@ -77,7 +111,7 @@ def profiled(fn, calls: int = 2, trace: Path | None = None) -> dict:
         groups[group(name)] += ms
     top = sorted(kernels.items(), key=lambda item: -item[1])[:14]
     return {"gpu_ms": round(sum(kernels.values()), 3), **{k: round(v, 3) for k, v in groups.items()},
-            "idle_ms": round(gaps["idle_ms"] / calls, 3), "idle_after": gaps["after"],
+            "idle_ms": round(gaps["idle_ms"] / calls, 3), "idle_after": gaps["after"], "idle_split": late,
             "top": [(name[:90], round(ms, 3)) for name, ms in top]}
 
 
@@ -126,6 +160,15 @@ def family(arch: str, args: argparse.Namespace) -> dict:
               f"train {train['idle_ms']:.2f} ms", flush=True)
         for name, count, ms in train["idle_after"][:4]:
             print(f"    train idle {ms:8.3f} ms in {count} gaps after {name}")
+        for phase in ("prefill_profile", "train_profile"):
+            split = row[phase]["idle_split"]
+            if split is not None:
+                print(f"    {phase[:7]} idle: host late {split['host_late_ms']:.3f} ms, GPU side "
+                      f"{split['gpu_side_ms']:.3f} ms ({split['launch_calls_seen']} launch calls seen)")
+                for name, ms in split["gpu_side_between"][:4]:
+                    print(f"      GPU side {ms:7.3f} ms  {name}")
+                for name, ms in split["host_late_before"][:4]:
+                    print(f"      host late {ms:7.3f} ms  before {name}")
         for phase in ("prefill_profile", "train_profile"):
             for name, ms in row[phase]["top"][:8]:
                 print(f"    {phase[:5]} {ms:8.3f} ms  {name}")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# H200 runs of round 16 (results/h200-v16-*, NOTES v16), each within one 10-minute device call; from
+# the repo root, results under $OUT (or ./gpu-session). OLD=<a checkout> for the A/Bs:
+#   bash benchmarks/gpu_round16.sh host          # one flash forward's host time piece by piece (fwd_host.py);
+#                                                # the host per attention call inside qwen2-1b with a cProfile
+#                                                # of flash's phases (model_host.py --cprofile 3)
+#   OLD=... bash benchmarks/gpu_round16.sh ab    # the GPU tests of the forward's paths; fwd_host.py and
+#                                                # model_host.py (qwen2), OLD and this in turns
+#   OLD=... bash benchmarks/gpu_round16.sh prefill # qwen2 at 1b against SDPA, OLD and this in turns, two samples;
+#                                                # then where qwen2's GPU idles, host late or GPU side
+#                                                # (model_profile.py --trace: the traces stay on the device)
+# On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=120
+case "${1:-}" in
+  host)
+    timeout 120 python3 benchmarks/fwd_host.py --out "$OUT/host" > "$OUT/fwd-host.txt" 2>&1
+    echo "fwd host rc $?"; head -16 "$OUT/fwd-host.txt"
+    timeout 240 python3 benchmarks/model_host.py --arch qwen2 --cprofile 3 --out "$OUT/host" > "$OUT/model-host.txt" 2>&1
+    echo "model host rc $?"; grep -E "^(qwen2|llama) " "$OUT/model-host.txt" ;;
+  ab)
+    timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
+      -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or variants_on_gpu" > "$OUT/gpu-tests-ab.log" 2>&1
+    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab.log"
+    cp benchmarks/fwd_host.py benchmarks/model_host.py "$OLD/benchmarks/"
+    for run in old-1 this-1 old-2 this-2; do
+      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
+      (cd "$tree" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") > "$OUT/fwd-host-$run.txt" 2>&1
+      echo "fwd host $run rc $?"; head -12 "$OUT/fwd-host-$run.txt"
+    done
+    for run in old-1 this-1; do
+      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
+      (cd "$tree" && timeout 100 python3 benchmarks/model_host.py --arch qwen2 --out "$OUT/host" --label="-$run") \
+        > "$OUT/model-host-$run.txt" 2>&1
+      echo "model host $run rc $?"; grep -E "^(qwen2|llama) " "$OUT/model-host-$run.txt"
+    done ;;
+  prefill)
+    for i in 1 2; do
+      for tree in "$OLD" "$PWD"; do
+        name=$([ "$tree" = "$PWD" ] && echo this || echo old)
+        (cd "$tree" && model_speed "$name-$i" qwen2)  # python -m puts the tree's flashrun first
+      done
+    done
+    timeout 200 python3 benchmarks/model_profile.py --arch qwen2 --out "$OUT/profile" --trace /tmp/traces \
+      > "$OUT/model-profile.txt" 2>&1
+    echo "profile rc $?"; grep -v "^    \(prefi\|train \)" "$OUT/model-profile.txt" | tail -40 ;;
+  *)
+    echo "usage: bash benchmarks/gpu_round16.sh host|ab|prefill" >&2; exit 2 ;;
+esac
