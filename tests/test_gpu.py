@@ -475,6 +475,30 @@ def test_gluon_forward_plans_launch_lean_and_agree(name):
     assert (second[1] - lse_ref).abs().max().item() <= 1e-2
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
+def test_forward_routes_run_each_path_lean_and_agree():
+    """A forward's first call with a new layout keeps its path's plan as the route (the Gluon
+    kernel, flash-decoding or the portable one); a later call on other tensors of that layout
+    runs the route, gives the same bits and records the same path."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = {"gluon": ((2, 2048, 2048, 128), flash._GluonRoute, "gluon-sm90"),
+             "decode": ((2, 1, 4096, 128), flash._DecodeRoute, "triton"),
+             "portable": ((2, 300, 300, 80), flash._ForwardPlan, "triton")}
+    for name, ((batch, n_q, n_k, d), route, path) in cases.items():
+        q = torch.randn(batch, n_q, 8, d, device="cuda", generator=gen).to(BF16).transpose(1, 2)
+        k, v = (torch.randn(batch, n_k, 2, d, device="cuda", generator=gen).to(BF16).transpose(1, 2) for _ in "kv")
+        flash._forward_plans.clear()
+        first = flash_attention(q, k, v, causal=True)
+        (kept,) = flash._forward_plans.values()
+        assert type(kept) is route, name
+        flash_hopper.LAST_PATH = None
+        second = flash_attention(*(t.clone() for t in (q, k, v)), causal=True)
+        assert flash_hopper.LAST_PATH == path and len(flash._forward_plans) == 1, name
+        assert torch.equal(first, second), name
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["dkdv", "dkdv+dq"])
 def test_gluon_backward_plans_launch_lean_and_agree(fused):
     """The Gluon backward keeps a plan per layout too: its first call goes through Triton and keeps

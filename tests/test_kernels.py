@@ -511,6 +511,28 @@ def test_a_forward_plan_is_reused_for_new_tensors_of_the_same_layout(head_dim):
     assert len(flash._forward_plans) == 2
 
 
+def test_a_forward_route_skips_the_path_checks_until_a_switch_changes(monkeypatch):
+    """The first call of a layout decides the path (flash-decoding, Gluon or portable) and keeps
+    its plan as the route; repeat calls run it without deciding again, until a switch of the Gluon
+    path changes (FLASHRUN_HOPPER, a reset) - then the path is decided anew."""
+    decided = []
+    real = flash.decode.applies
+    monkeypatch.setattr(flash.decode, "applies", lambda *a: decided.append(a[0].shape) or real(*a))
+    dense = _inputs((1, 2, 1, 17, 17, 32), torch.float16, requires_grad=False)[:3]
+    decoding = _inputs((1, 2, 1, 1, 300, 16), torch.float16, requires_grad=False)[:3]
+    first = [flash_attention(*inputs, causal=True) for inputs in (dense, decoding)]
+    assert set(decided) == {dense[0].shape, decoding[0].shape}
+    decided.clear()
+    again = [flash_attention(*(t.clone() for t in inputs), causal=True) for inputs in (dense, decoding)]
+    assert decided == [] and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert [type(route) for route in flash._forward_plans.values()] == [flash._ForwardPlan, flash._DecodeRoute]
+    monkeypatch.setenv("FLASHRUN_HOPPER", "0")
+    flash_attention(*dense, causal=True)
+    flash.hopper.reset()
+    flash_attention(*decoding, causal=True)
+    assert set(decided) == {dense[0].shape, decoding[0].shape} and len(flash._forward_plans) == 4
+
+
 def test_packed_alibi_and_compile_only_calls_make_no_plan():
     q, k, v, _ = _inputs((1, 4, 4, 33, 33, 32), torch.float16, requires_grad=False)
     flash_attention(q, k, v, alibi_slopes=alibi_slopes(4))

@@ -89,6 +89,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from types import EllipsisType
 
 import torch
 
@@ -181,25 +182,32 @@ def forward_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 
 
 def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
-                  launch: Launch = None, try_gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  launch: Launch = None, try_gluon: bool = True,
+                  key: tuple | None | EllipsisType = ...) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)``: lse (B, H, Nq), or (H, total_q) for packed sequences, natural log, float32.
     ``try_gluon``: may take the Gluon sm_90 path (:mod:`.hopper`) where it applies; ``launch`` pins
-    only the portable kernel's config (flash-decoding's is fixed)."""
+    only the portable kernel's config (flash-decoding's is fixed). ``key``: the call's
+    :func:`_route_key`, where the caller has it. A call whose key made a route before runs that
+    route's plan at once (:data:`_forward_plans`)."""
+    if key is ...:
+        key = _route_key(q, k, v, sm_scale, variant, launch, try_gluon)
+    route = _forward_plans.get(key) if key is not None else None
+    if route is not None:
+        return route.run(q, k, v)
     if decode.applies(q, k, variant):  # few queries, many keys: :mod:`.decode`
         hopper.LAST_PATH = hopper.TRITON_PATH
-        return decode.forward(q, k, v, sm_scale, variant)
+        out = decode.forward(q, k, v, sm_scale, variant)
+        if key is not None:
+            keep(_forward_plans, key, _DecodeRoute(decode.plan(q, k, v, sm_scale, variant)))
+        return out
     if try_gluon and _hopper_ok(q, k, v, variant):
         out = hopper.forward(q, k, v, sm_scale, variant.causal)
         hopper.LAST_PATH = hopper.GLUON_PATH
+        plan = hopper.planned(q, k, v, sm_scale, variant.causal) if key is not None else None
+        if plan is not None:
+            keep(_forward_plans, key, _GluonRoute(plan))
         return out
     hopper.LAST_PATH = hopper.TRITON_PATH
-    lean = not variant.varlen and variant.alibi_slopes is None and not compiling()  # a plan's calls
-    if lean:
-        key = (_meta(q), _meta(k), _meta(v), variant.causal, variant.window, variant.softcap, sm_scale,
-               _hashable(launch), tune_on_miss())
-        plan = _forward_plans.get(key)
-        if plan is not None:
-            return plan.run(q, k, v)
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     o = torch.empty_like(q)  # laid out like q: a model's (B, N, H, D) view comes back as one
     lse = torch.empty((H, q.shape[0]) if variant.varlen else (Z, H, N_Q), dtype=torch.float32, device=q.device)
@@ -228,12 +236,31 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
     cfg = choose("fwd", q, k, variant.causal, launch, run, **variant.tuning(N_Q, N_K))
     run(cfg)
-    if lean:
+    if key is not None:
         keep(_forward_plans, key, _ForwardPlan.of(cfg, *arguments(cfg)))
     return o, lse
 
 
-# -- lean launches of the portable forward (:mod:`.launch`) ------------------------------------------
+def _route_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
+               launch: Launch, try_gluon: bool) -> tuple | None:
+    """Everything a forward's route depends on - the inputs' layouts, dtypes and alignment, the
+    variant, the scale, the launch argument and tuning switch, and the Gluon path's switches
+    (:func:`.hopper.switches`) - or None where no route is kept: packed sequences and ALiBi (whose
+    per-call tensors sit among a plan's fixed arguments) and compile-only calls."""
+    if variant.varlen or variant.alibi_slopes is not None or compiling():
+        return None
+    return (_meta(q), _meta(k), _meta(v), variant.causal, variant.window, variant.softcap, sm_scale,
+            _hashable(launch), tune_on_miss(), try_gluon and hopper.switches())
+
+
+# -- lean launches of the forward (:mod:`.launch`): a route per call key --------------------------------
+#
+# A forward's first call with a new key (:func:`_route_key`) decides its path - flash-decoding, the
+# Gluon sm_90 kernel or the portable one - and keeps that path's plan in :data:`_forward_plans` as
+# its route; later calls with the key run the route at once, skipping the path's checks, the
+# tuning lookup and Triton's per-call specialization (inside a model each forward call's host time
+# is spent while the GPU waits on short kernels, NOTES v16). Each route's ``run(q, k, v)`` returns
+# ``(o, lse)`` and records the path taken.
 
 PER_CALL = 8  # _attn_fwd's arguments that change from call to call: Q, K, V, Q1, K1, V1, O, LSE
 
@@ -268,12 +295,31 @@ class _ForwardPlan:
         else:
             (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
         self.launch(_current_stream(q.device), q0, k0, v0, q1, k1, v1, o, lse)
+        hopper.LAST_PATH = hopper.TRITON_PATH
         if self.chosen is not None:
             CHOSEN["fwd"] = self.chosen
         return o, lse
 
 
-_forward_plans: dict[tuple, _ForwardPlan] = {}
+@dataclass(frozen=True)
+class _GluonRoute:
+    plan: hopper._Plan
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hopper.LAST_PATH = hopper.GLUON_PATH
+        return self.plan.run(q, k, v)
+
+
+@dataclass(frozen=True)
+class _DecodeRoute:
+    plan: decode._Plan
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hopper.LAST_PATH = hopper.TRITON_PATH
+        return self.plan.run(q, k, v, k.shape[2])
+
+
+_forward_plans: dict[tuple, _ForwardPlan | _GluonRoute | _DecodeRoute] = {}  # the routes, by _route_key
 
 
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -412,10 +458,12 @@ def _kv_split(programs: int, group: int, device: torch.device, waves: int | None
 # -- first calls: the forward's and backward's kernels compile together --------------------------
 
 _ahead: set[tuple] = set()  # the kinds of call compiled ahead in this process (_compile_ahead)
+_ahead_calls: dict[tuple, bool] = {}  # (route key, deterministic, grad) of calls whose kind is in _ahead
 
 
 def _compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
-                   launch: Launch, deterministic: bool | None, grad: bool) -> tuple[warmup.Batch | None, list]:
+                   launch: Launch, deterministic: bool | None, grad: bool,
+                   key: tuple | None = None) -> tuple[warmup.Batch | None, list]:
     """On the first call of its kind in this process (dtype, head_dim, GQA group, length buckets,
     variants, alignment, backward or not), compile the forward's kernels and, when gradients are
     wanted, the backward's, all at once in the compile pool (:mod:`flashrun.kernels.warmup`),
@@ -423,14 +471,20 @@ def _compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
     the sum of them. Returns the batch and the backward's kernels, which the backward waits for.
     The kind is coarser than Triton's key: a launch whose specialization still differs compiles
     on its own, as it would without this. Nothing happens through the interpreter or while a
-    run's own compile-ahead (:mod:`flashrun.harness.precompile`) is collecting launches."""
+    run's own compile-ahead (:mod:`flashrun.harness.precompile`) is collecting launches. ``key``:
+    the call's :func:`_route_key`, by which a repeat call skips working out its kind."""
     if not warmup.available() or compiling():
+        return None, []
+    call = (key, deterministic, grad) if key is not None else None
+    if call in _ahead_calls:
         return None, []
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
     kind = (q.device, q.dtype, q.dim(), D, H // H_KV, next_power_of_2(N_Q), next_power_of_2(N_K),
             N_Q % 16 == 0, N_K % 16 == 0, variant.causal, variant.tuning(N_Q, N_K)["variants"],
             tuple(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1]) for t in (q, k, v)),
             repr(launch), deterministic, grad)
+    if call is not None:
+        keep(_ahead_calls, call, True)
     if kind in _ahead:
         return None, []
     _ahead.add(kind)
@@ -448,8 +502,10 @@ def _compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, variant, launch, deterministic):
-        ctx.ahead = _compile_ahead(q, k, v, sm_scale, variant, launch, deterministic, any(ctx.needs_input_grad[:3]))
-        o, lse = _attn_forward(q, k, v, sm_scale, variant, launch)
+        key = _route_key(q, k, v, sm_scale, variant, launch, True)
+        ctx.ahead = _compile_ahead(q, k, v, sm_scale, variant, launch, deterministic, any(ctx.needs_input_grad[:3]),
+                                   key)
+        o, lse = _attn_forward(q, k, v, sm_scale, variant, launch, key=key)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic = sm_scale, variant, launch, deterministic
         return o

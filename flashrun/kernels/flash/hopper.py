@@ -220,13 +220,27 @@ def _disabled_by_env() -> bool:
     return os.environ.get("FLASHRUN_HOPPER", "1").strip().lower() in ("0", "false", "off", "no")
 
 
+EPOCH = 0  # counts reset(): a forward's route (attention._route_key) made before one is not reused after
+
+
+def switches() -> tuple:
+    """What turns the path on or off or changes its kernel without the inputs changing: part of
+    the key under which a forward keeps its route (attention._route_key)."""
+    return ENABLED, _disabled_by_env(), OVERRIDE, EPOCH
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant) -> str | None:
     """None when this call may take the Gluon path (before the first-use check), else why not."""
     if not ENABLED or _disabled_by_env():
         return "turned off (FLASHRUN_HOPPER=0 or hopper.ENABLED = False)"
     if INTERPRETED:
         return "Triton's interpreter"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if q.device.type != "cuda" or _capability(q.device.index or 0) != (9, 0):
         return "not an sm_90 GPU"
     return scope(q, k, v, variant) or _api_reason() or _checked.get((q.dtype, q.shape[-1]))
 
@@ -371,11 +385,20 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
 RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 
 
+def planned(q, k, v, sm_scale: float, causal: bool) -> _Plan | None:
+    """The plan :func:`forward` keeps for these inputs (None where it keeps none: before a lean
+    call, or with another :data:`RUN`)."""
+    return _plans.get((_meta(q), _meta(k), _meta(v), sm_scale, causal, _config(q, k, causal)))
+
+
 def forward(q, k, v, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` through the Gluon kernel :data:`GATE` picks (or :data:`OVERRIDE`); call only
     where :func:`eligible` and :func:`ensure_checked` allow it."""
-    cfg = OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1], causal, k.shape[2], query_tiles(q))]
-    return RUN(q, k, v, sm_scale, causal, cfg)
+    return RUN(q, k, v, sm_scale, causal, _config(q, k, causal))
+
+
+def _config(q, k, causal: bool) -> HopperConfig:
+    return OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(q.shape[-1], causal, k.shape[2], query_tiles(q))]
 
 
 # -- first use: check against the portable kernel -------------------------------------------------
@@ -543,6 +566,7 @@ def _remember_pass(verdict: str, device, dtype, head_dim: int) -> None:
 
 def reset() -> None:
     """Forget the first-use checks and the last path (tests)."""
-    global LAST_PATH
+    global LAST_PATH, EPOCH
     _checked.clear()
     LAST_PATH = None
+    EPOCH += 1
