@@ -4,11 +4,12 @@ qwen2-1b the swap's forward call held the H200's host 290-420 us against SDPA's 
 Each piece is called REPS times back to back on tiny inputs in a model's layout ((B, N, H, D)
 projections seen as (B, H, N, D)), so that the GPU never falls behind and no launch waits for a
 queue slot: the host microseconds per call (median of ROUNDS rounds) are the host's own. Pieces,
-outermost first: the Kernel call without and with autograd; ``hopper._run_gluon`` (the plan);
-its six TensorDescriptors; its two outputs; the plan's launch with descriptors made beforehand
-(Triton's launcher: the six descriptors' CUtensorMaps, then the C launch); ``make_tensordesc_arg``
-alone; ``fill_tma_descriptor`` alone; the C launch with every argument expanded beforehand;
-SDPA (cuDNN) on the same inputs. Then a cProfile of the no-grad and autograd calls (the 20
+outermost first: the Kernel call without and with autograd, and with its backward (at 256 rows);
+``hopper._run_gluon`` (the plan); its six TensorDescriptors (made, and rebased where the plan
+keeps templates); its two outputs; the plan's launch with descriptors made beforehand (Triton's
+launcher: the six descriptors' CUtensorMaps, then the C launch); ``make_tensordesc_arg`` alone;
+``fill_tma_descriptor`` alone; the C launch with every argument expanded beforehand; SDPA (cuDNN)
+on the same inputs. Then a cProfile of the no-grad and autograd calls (the 20
 functions with the most own time, then flashrun's, Triton's and torch's by cumulative time). GPU
 only, from the repo root:
 
@@ -60,6 +61,10 @@ def pieces(shape: tuple[int, ...]) -> dict[str, float]:
 
     from flashrun import kernels
     from flashrun.kernels.flash import hopper
+    try:
+        from flashrun.kernels.flash.launch import rebased
+    except ImportError:
+        rebased = None
 
     flash = kernels.get("flash")
     q, k, v = inputs(*shape)
@@ -77,18 +82,28 @@ def pieces(shape: tuple[int, ...]) -> dict[str, float]:
             flash(q, k, v, causal=True)
     times["kernel call, no grad"] = per_call_us(no_grad)
     times["kernel call, autograd"] = per_call_us(lambda: flash(qg, kg, vg, causal=True))
+    # forward + backward at 256 rows (at 2048 the backward's GPU time, ~0.7 ms, would set the pace)
+    qs, ks, vs = inputs(*shape[:3], 256, shape[4], grad=True)
+    do = torch.randn_like(qs)
+    times["forward + backward, N 256"] = per_call_us(lambda: flash(qs, ks, vs, causal=True).backward(do))
+    times["sdpa (cudnn) forward + backward, N 256"] = per_call_us(lambda: F.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, enable_gqa=True).backward(do))
     times["sdpa (cudnn), no grad"] = per_call_us(lambda: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=True))
 
     cfg = hopper.KERNELS[hopper.kernel_for(q.shape[-1], True, k.shape[2], hopper.query_tiles(q))]
     times["hopper._run_gluon"] = per_call_us(lambda: hopper._run_gluon(q, k, v, scale, True, cfg))
     (plan,) = [p for p in hopper._plans.values() if p.launch.compiled is not None][-1:]
-    (q_rows, kv_rows), (d0, d1) = plan.rows, plan.cols
+    from flashrun.kernels.flash.hopper_jit import HALF_M
+    (d0, d1), kv_rows = hopper.split_head_dim(q.shape[-1]), cfg.block_n
 
     def descriptors():
-        return (*hopper._descriptors(q, q_rows, d0, d1), *hopper._descriptors(k, kv_rows, d0, d1),
+        return (*hopper._descriptors(q, HALF_M, d0, d1), *hopper._descriptors(k, kv_rows, d0, d1),
                 *hopper._descriptors(v, kv_rows, d0, d1))
     times["six TensorDescriptors"] = per_call_us(descriptors)
+    if rebased is not None:  # (a checkout before the plans kept templates has neither)
+        times["six descriptors rebased"] = per_call_us(lambda: [rebased(first, t) for t, (first, _) in zip(
+            (q, k, v), plan.descriptors) for _ in "01"])
     times["outputs (two empty)"] = per_call_us(lambda: hopper._outputs(q))
     stream = hopper._current_stream(q.device)
     times["current stream"] = per_call_us(lambda: hopper._current_stream(q.device))
@@ -153,7 +168,7 @@ def main() -> int:
     import triton
     results["triton"] = triton.__version__
     for name, us in results["us_per_call"].items():
-        print(f"{name:34s} {us}", flush=True)
+        print(f"{name:40s} {us}", flush=True)
     for grad in (False, True):
         text = profile(shape, grad)
         results[f"cprofile_grad_{grad}"] = text

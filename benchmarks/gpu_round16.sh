@@ -9,6 +9,11 @@
 #   OLD=... bash benchmarks/gpu_round16.sh prefill # qwen2 at 1b against SDPA, OLD and this in turns, two samples;
 #                                                # then where qwen2's GPU idles, host late or GPU side
 #                                                # (model_profile.py --trace: the traces stay on the device)
+#   OLD=... bash benchmarks/gpu_round16.sh ab2   # the GPU tests of both directions' paths and plans;
+#                                                # fwd_host.py OLD and this; llama and qwen2 at 1b, OLD and this
+#   OLD=... bash benchmarks/gpu_round16.sh final # fwd_host.py and qwen2's GPU idle split, OLD and this (model_profile.py
+#                                                # --trace); qwen2 at 1b, one more sample of OLD and this;
+#                                                # the variants' GPU tests (the portable forward's routes)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -45,6 +50,41 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/model_profile.py --arch qwen2 --out "$OUT/profile" --trace /tmp/traces \
       > "$OUT/model-profile.txt" 2>&1
     echo "profile rc $?"; grep -v "^    \(prefi\|train \)" "$OUT/model-profile.txt" | tail -40 ;;
+  ab2)
+    timeout 240 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
+      -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or backward or deterministic" \
+      > "$OUT/gpu-tests-ab2.log" 2>&1
+    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab2.log"
+    cp benchmarks/fwd_host.py "$OLD/benchmarks/"
+    for run in old-3 this-3; do
+      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
+      (cd "$tree" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") > "$OUT/fwd-host-$run.txt" 2>&1
+      echo "fwd host $run rc $?"; head -16 "$OUT/fwd-host-$run.txt"
+    done
+    for tree in "$OLD" "$PWD"; do
+      name=$([ "$tree" = "$PWD" ] && echo this || echo old)
+      (cd "$tree" && model_speed "$name-3")
+    done ;;
+  final)
+    cp benchmarks/model_profile.py benchmarks/fwd_host.py "$OLD/benchmarks/"
+    for run in old-4 this-4; do
+      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
+      (cd "$tree" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") > "$OUT/fwd-host-$run.txt" 2>&1
+      echo "fwd host $run rc $?"; head -17 "$OUT/fwd-host-$run.txt"
+    done
+    for tree in "$OLD" "$PWD"; do
+      name=$([ "$tree" = "$PWD" ] && echo this || echo old)
+      (cd "$tree" && timeout 120 python3 benchmarks/model_profile.py --arch qwen2 --out "$OUT/profile" \
+        --label="$name-" --trace "/tmp/traces-$name") > "$OUT/model-profile-$name.txt" 2>&1
+      echo "profile $name rc $?"; grep -E "idle|^$name" "$OUT/model-profile-$name.txt"
+    done
+    for tree in "$OLD" "$PWD"; do
+      name=$([ "$tree" = "$PWD" ] && echo this || echo old)
+      (cd "$tree" && model_speed "$name-4" qwen2)
+    done
+    timeout 150 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
+      -k "variants_on_gpu or windows" > "$OUT/gpu-tests-variants.log" 2>&1
+    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-variants.log" ;;
   *)
-    echo "usage: bash benchmarks/gpu_round16.sh host|ab|prefill" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round16.sh host|ab|prefill|ab2|final" >&2; exit 2 ;;
 esac

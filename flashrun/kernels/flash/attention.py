@@ -117,7 +117,7 @@ from flashrun.kernels.flash.bwd import (
     _attn_bwd_preprocess,
 )
 from flashrun.kernels.flash.fwd import _attn_fwd
-from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta, keep
+from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import (
     CHOSEN,
     INTERPRETED,
@@ -275,25 +275,23 @@ class _ForwardPlan:
 
     launch: _Launch
     lse_shape: tuple[int, ...]
-    tma: bool
-    block_m: int
-    block_n: int
+    descriptors: tuple | None  # with TMA: the first call's (Q, K, V, Q1, K1, V1) descriptors as templates
     chosen: tuple[LaunchConfig, str] | None  # what choose() reported for the call that made it
 
     @classmethod
     def of(cls, cfg: LaunchConfig, grid: tuple[int, int, int], args: tuple, kwargs: dict, tma: bool) -> _ForwardPlan:
         ordered = list(args) + [kwargs[name] for name in _attn_fwd.arg_names[len(args):]]
-        return cls(_Launch(_attn_fwd, grid, tuple(ordered[PER_CALL:]), cfg), tuple(args[7].shape), tma,
-                   cfg.block_m, cfg.block_n, CHOSEN.get("fwd"))
+        return cls(_Launch(_attn_fwd, grid, tuple(ordered[PER_CALL:]), cfg), tuple(args[7].shape),
+                   tuple(template(d) for d in args[:6]) if tma else None, CHOSEN.get("fwd"))
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        if self.tma:
-            (q0, q1), (k0, k1), (v0, v1) = (_head_descriptors(q, self.block_m), _head_descriptors(k, self.block_n),
-                                            _head_descriptors(v, self.block_n))
+        if self.descriptors is not None:
+            q0, k0, v0, q1, k1, v1 = (None if d is None else rebased(d, t)
+                                      for d, t in zip(self.descriptors, (q, k, v, q, k, v)))
         else:
-            (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
+            q0, k0, v0, q1, k1, v1 = q, k, v, None, None, None
         self.launch(_current_stream(q.device), q0, k0, v0, q1, k1, v1, o, lse)
         hopper.LAST_PATH = hopper.TRITON_PATH
         if self.chosen is not None:

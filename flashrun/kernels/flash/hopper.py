@@ -60,7 +60,7 @@ import triton
 
 from flashrun.kernels import tuning
 from flashrun.kernels.flash.args import tma_aligned
-from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep
+from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 log = logging.getLogger("flashrun.hopper")
@@ -332,20 +332,22 @@ PER_CALL = 8  # _fa3_fwd's arguments that change from call to call: six descript
 @dataclass(frozen=True)
 class _Plan:
     """One (shapes, strides, dtype, alignment, scale, causal, kernel) of :func:`_run_gluon`:
-    everything but the descriptors and outputs, so that later calls skip Triton's per-call
-    specialization (:class:`~flashrun.kernels.flash.launch._Launch`). On the H200 a call through
+    everything but the descriptors' tensors and the outputs, so that later calls skip Triton's
+    per-call specialization (:class:`~flashrun.kernels.flash.launch._Launch`) and the descriptors'
+    checks (:func:`~flashrun.kernels.flash.launch.rebased`). On the H200 a call through
     Triton's path cost ~160 us of host time, more than the kernel at 4 x 2048 (0.124 ms):
     back-to-back calls ran at the host's pace (NOTES.md v12)."""
 
     launch: _Launch
-    rows: tuple[int, int]  # a Q box's rows and a K/V box's
-    cols: tuple[int, int]  # the head dim's column blocks
+    descriptors: tuple  # the first call's (first, second) column-block descriptors of q, k and v, as templates
 
     def run(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = _outputs(q)
-        (q_rows, kv_rows), (d0, d1) = self.rows, self.cols
-        self.launch(_current_stream(q.device), *_descriptors(q, q_rows, d0, d1), *_descriptors(k, kv_rows, d0, d1),
-                    *_descriptors(v, kv_rows, d0, d1), o, lse)
+        args = []
+        for t, (first, second) in zip((q, k, v), self.descriptors):
+            d0 = rebased(first, t)
+            args += (d0, d0 if second is first else rebased(second, t))  # one column block: the first twice
+        self.launch(_current_stream(q.device), *args, o, lse)
         return o, lse
 
 
@@ -361,7 +363,7 @@ def _outputs(q) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
                programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from flashrun.kernels.flash.hopper_jit import HALF_M, _fa3_fwd
+    from flashrun.kernels.flash.hopper_jit import _fa3_fwd
 
     lean = programs is None and not compiling()  # a capped grid (the check) and compile-only runs: Triton's path
     key = (_meta(q), _meta(k), _meta(v), sm_scale, causal, cfg)
@@ -375,8 +377,9 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
         launch(_fa3_fwd, grid, *args, **constexprs, **options)
         return o, lse
     ordered = list(args) + [constexprs[name] for name in _fa3_fwd.arg_names[len(args):]]
-    plan = _Plan(_Launch(_fa3_fwd, grid, tuple(ordered[PER_CALL:]), options), (HALF_M, cfg.block_n),
-                 split_head_dim(q.shape[-1]))
+    kept = {id(d): template(d) for d in args[:6]}  # (a descriptor given twice stays one template)
+    plan = _Plan(_Launch(_fa3_fwd, grid, tuple(ordered[PER_CALL:]), options),
+                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)))
     plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
     keep(_plans, key, plan)
     return o, lse

@@ -46,7 +46,7 @@ import torch
 
 from flashrun.kernels.flash import hopper
 from flashrun.kernels.flash.args import split_outputs, split_result, tma_aligned
-from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep
+from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 
@@ -144,7 +144,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         return f"turned off ({ENV}=0 or FLASHRUN_HOPPER=0)" if DEFAULT_ON else f"off unless {ENV}=1"
     if INTERPRETED:
         return "Triton's interpreter"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if q.device.type != "cuda" or hopper._capability(q.device.index or 0) != (9, 0):
         return "not an sm_90 GPU"
     return (scope(q, k, v, do, variant) or hopper._api_reason()
             or _checked.get((q.dtype, q.shape[-1], fused, variant.window is not None)))
@@ -240,10 +240,21 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
-# one launch per (layouts of q, k, v, dO, LSE, delta and dQ, scale, mask, kernel, split): everything
-# but the per-call arguments, so that later calls skip Triton's per-call specialization
-# (launch._Launch) and the descriptors' layouts are not made again (NOTES.md v14)
-_plans: dict[tuple, _Launch] = {}
+@dataclass(frozen=True)
+class _Plan:
+    """One launch per (layouts of q, k, v, dO, LSE, delta and dQ, scale, mask, kernel, split):
+    everything but the per-call arguments, so that later calls skip Triton's per-call
+    specialization (launch._Launch, NOTES.md v14) and the descriptors' checks (launch.rebased)."""
+
+    launch: _Launch
+    descriptors: tuple  # the first call's descriptors of q, k, v, dO, LSE, delta and dQ, as templates
+
+    def __call__(self, stream, q, k, v, do, lse, delta, dq, dk, dv) -> None:
+        self.launch(stream, *(None if d is None else rebased(d, t)
+                              for d, t in zip(self.descriptors, (q, k, v, do, lse, delta, dq))), dk, dv)
+
+
+_plans: dict[tuple, _Plan] = {}
 
 
 def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
@@ -259,14 +270,15 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
     key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
     plan = _plans.get(key) if lean else None
     if plan is not None:
-        plan(_current_stream(q.device), *_per_call(q, k, v, do, lse, delta, dk_out, dv_out, dq, cfg))
+        plan(_current_stream(q.device), q, k, v, do, lse, delta, dq, dk_out, dv_out)
     else:
         grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk_out, dv_out, sm_scale, causal,
                                                       cfg, split, dq, window, adds)
         if lean:
             ordered = list(args) + [constexprs[name] for name in _fa3_bwd_dkdv.arg_names[len(args):]]
-            plan = keep(_plans, key, _Launch(_fa3_bwd_dkdv, grid, tuple(ordered[PER_CALL:]), options))
-            plan(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
+            plan = keep(_plans, key, _Plan(_Launch(_fa3_bwd_dkdv, grid, tuple(ordered[PER_CALL:]), options),
+                                           tuple(template(d) for d in args[:PER_CALL - 2])))
+            plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
         else:
             launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
     if split > 1:
