@@ -11,32 +11,45 @@
 #                                                # (model_profile.py --trace: the traces stay on the device)
 #   OLD=... bash benchmarks/gpu_round16.sh ab2   # the GPU tests of both directions' paths and plans;
 #                                                # fwd_host.py OLD and this; llama and qwen2 at 1b, OLD and this
-#   OLD=... bash benchmarks/gpu_round16.sh final # fwd_host.py and qwen2's GPU idle split, OLD and this (model_profile.py
-#                                                # --trace); qwen2 at 1b, one more sample of OLD and this;
+#   OLD=... bash benchmarks/gpu_round16.sh final # fwd_host.py and qwen2's GPU idle split, OLD and this
+#                                                # (model_profile.py --trace); qwen2 at 1b, one more sample of OLD and this;
 #                                                # the variants' GPU tests (the portable forward's routes)
+#   OLD=... bash benchmarks/gpu_round16.sh decode # decode_probe.py --quick, OLD and this in turns, twice
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
+
+tree_of() {  # the checkout a run label names: old-N is $OLD, this-N this one
+  [ "${1%-*}" = this ] && echo "$PWD" || echo "$OLD"
+}
+
+fwd_host() {  # fwd_host.py in the checkout of each run label given (OLD gets this script's copy)
+  cp benchmarks/fwd_host.py "$OLD/benchmarks/"
+  for run in "$@"; do
+    (cd "$(tree_of "$run")" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") \
+      > "$OUT/fwd-host-$run.txt" 2>&1
+    echo "fwd host $run rc $?"; head -17 "$OUT/fwd-host-$run.txt"
+  done
+}
+
 case "${1:-}" in
   host)
     timeout 120 python3 benchmarks/fwd_host.py --out "$OUT/host" > "$OUT/fwd-host.txt" 2>&1
     echo "fwd host rc $?"; head -16 "$OUT/fwd-host.txt"
-    timeout 240 python3 benchmarks/model_host.py --arch qwen2 --cprofile 3 --out "$OUT/host" > "$OUT/model-host.txt" 2>&1
+    timeout 240 python3 benchmarks/model_host.py --arch qwen2 --cprofile 3 --out "$OUT/host" \
+      > "$OUT/model-host.txt" 2>&1
     echo "model host rc $?"; grep -E "^(qwen2|llama) " "$OUT/model-host.txt" ;;
   ab)
     timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
-      -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or variants_on_gpu" > "$OUT/gpu-tests-ab.log" 2>&1
+      -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or variants_on_gpu" \
+      > "$OUT/gpu-tests-ab.log" 2>&1
     echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab.log"
-    cp benchmarks/fwd_host.py benchmarks/model_host.py "$OLD/benchmarks/"
-    for run in old-1 this-1 old-2 this-2; do
-      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
-      (cd "$tree" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") > "$OUT/fwd-host-$run.txt" 2>&1
-      echo "fwd host $run rc $?"; head -12 "$OUT/fwd-host-$run.txt"
-    done
+    fwd_host old-1 this-1 old-2 this-2
+    cp benchmarks/model_host.py "$OLD/benchmarks/"
     for run in old-1 this-1; do
-      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
-      (cd "$tree" && timeout 100 python3 benchmarks/model_host.py --arch qwen2 --out "$OUT/host" --label="-$run") \
+      (cd "$(tree_of "$run")" && timeout 100 python3 benchmarks/model_host.py --arch qwen2 --out "$OUT/host" \
+        --label="-$run") \
         > "$OUT/model-host-$run.txt" 2>&1
       echo "model host $run rc $?"; grep -E "^(qwen2|llama) " "$OUT/model-host-$run.txt"
     done ;;
@@ -55,23 +68,14 @@ case "${1:-}" in
       -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or backward or deterministic" \
       > "$OUT/gpu-tests-ab2.log" 2>&1
     echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab2.log"
-    cp benchmarks/fwd_host.py "$OLD/benchmarks/"
-    for run in old-3 this-3; do
-      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
-      (cd "$tree" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") > "$OUT/fwd-host-$run.txt" 2>&1
-      echo "fwd host $run rc $?"; head -16 "$OUT/fwd-host-$run.txt"
-    done
+    fwd_host old-3 this-3
     for tree in "$OLD" "$PWD"; do
       name=$([ "$tree" = "$PWD" ] && echo this || echo old)
       (cd "$tree" && model_speed "$name-3")
     done ;;
   final)
-    cp benchmarks/model_profile.py benchmarks/fwd_host.py "$OLD/benchmarks/"
-    for run in old-4 this-4; do
-      tree=$([ "${run%-*}" = this ] && echo "$PWD" || echo "$OLD")
-      (cd "$tree" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") > "$OUT/fwd-host-$run.txt" 2>&1
-      echo "fwd host $run rc $?"; head -17 "$OUT/fwd-host-$run.txt"
-    done
+    fwd_host old-4 this-4
+    cp benchmarks/model_profile.py "$OLD/benchmarks/"
     for tree in "$OLD" "$PWD"; do
       name=$([ "$tree" = "$PWD" ] && echo this || echo old)
       (cd "$tree" && timeout 120 python3 benchmarks/model_profile.py --arch qwen2 --out "$OUT/profile" \
@@ -85,6 +89,12 @@ case "${1:-}" in
     timeout 150 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
       -k "variants_on_gpu or windows" > "$OUT/gpu-tests-variants.log" 2>&1
     echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-variants.log" ;;
+  decode)
+    for run in old-1 this-1 old-2 this-2; do
+      d="$OUT/decode-$run"; mkdir -p "$d"
+      OUT="$d" timeout 100 python3 "$(tree_of "$run")/benchmarks/decode_probe.py" --quick --budget-s 80 > "$d/log" 2>&1
+      echo "decode $run rc $?"; tail -12 "$d/log"
+    done ;;
   *)
-    echo "usage: bash benchmarks/gpu_round16.sh host|ab|prefill|ab2|final" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round16.sh host|ab|prefill|ab2|final|decode" >&2; exit 2 ;;
 esac
