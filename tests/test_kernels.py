@@ -33,6 +33,7 @@ from flashrun.kernels import (
 from flashrun.kernels.flash import attention as flash
 from flashrun.kernels.flash.bwd import _attn_bwd_preprocess
 from flashrun.kernels.flash.fwd import _attn_fwd
+from flashrun.kernels.flash.launch import rebased, template
 from flashrun.kernels import tuning
 from flashrun.kernels.tuning import candidates
 from flashrun.limits import DETERMINISTIC_BACKWARD, MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -509,6 +510,21 @@ def test_a_forward_plan_is_reused_for_new_tensors_of_the_same_layout(head_dim):
     _judge(planned, None, *fresh, torch.zeros_like(q), True)
     flash_attention(q, k, v)  # another variant (not causal): another plan
     assert len(flash._forward_plans) == 2
+
+
+def test_a_descriptor_template_holds_no_tensor_and_rebases_to_what_the_constructor_makes():
+    """A plan keeps its first call's TMA descriptors without their tensors (a model's activations
+    must not stay alive) and copies them over each call's tensors: the copy is the descriptor the
+    constructor would make for those tensors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def made(t):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 32])
+
+    first, later = torch.randn(2, 3, 64, 32), torch.randn(2, 3, 64, 32)
+    kept = template(made(first))
+    assert kept.base is None
+    assert rebased(kept, later) == made(later) and rebased(kept, later).base is later
 
 
 def test_a_forward_route_skips_the_path_checks_until_a_switch_changes(monkeypatch):
