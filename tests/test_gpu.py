@@ -499,6 +499,56 @@ def test_forward_routes_run_each_path_lean_and_agree():
         assert torch.equal(first, second), name
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernels are sm_90 only")
+def test_c_launches_expand_each_pointer_once_and_match_tritons_launcher(monkeypatch):
+    """Under Triton 3.6 the plans' launches call the C launch under Triton's launcher with each TMA
+    descriptor expanded once per base pointer (launch._CLaunch): forward and backward on tensors
+    at new pointers, with the kept expansions evicted (one kept per argument), give the bits that
+    Triton's own launcher gives."""
+    import triton
+
+    from flashrun.kernels.flash import launch as flash_launch
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    monkeypatch.setattr(flash_launch._CLaunch, "POINTERS", 1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def inputs():
+        q, do = (torch.randn(2, 2048, 8, 128, device="cuda", generator=gen).to(BF16).transpose(1, 2) for _ in "qo")
+        k, v = (torch.randn(2, 2048, 8, 128, device="cuda", generator=gen).to(BF16).transpose(1, 2) for _ in "kv")
+        return q, k, v, do
+
+    def forward_backward(q, k, v, do):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        o = flash_attention(q, k, v, causal=True)
+        o.backward(do)
+        return o, k.grad, v.grad  # (dQ's reduce-adds, and a split GQA group's, land in any order: not bitwise)
+
+    forward_backward(*inputs())  # (the first-use checks, with plans of their own)
+    flash._forward_plans.clear()
+    hopper_bwd._plans.clear()
+    forward_backward(*inputs())  # the first calls: through Triton, plans kept
+    launches = [route.plan.launch for route in flash._forward_plans.values()] + \
+        [plan.launch for plan in hopper_bwd._plans.values()]
+    assert len(launches) == 2 and all(launch.compiled is not None for launch in launches)
+    if not triton.__version__.startswith("3.6"):
+        assert all(launch.c_launch is None for launch in launches)  # another launcher: Triton's own path
+        return
+    assert all(launch.c_launch is not None and launch.c_launch.expanders for launch in launches)
+    for _ in range(3):
+        case = inputs()
+        direct = forward_backward(*case)
+        kept = [launch.c_launch for launch in launches]
+        for launch in launches:
+            launch.c_launch = None
+        try:
+            through_triton = forward_backward(*case)
+        finally:
+            for launch, c_launch in zip(launches, kept):
+                launch.c_launch = c_launch
+        assert all(torch.equal(a, b) for a, b in zip(direct, through_triton))
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["dkdv", "dkdv+dq"])
 def test_gluon_backward_plans_launch_lean_and_agree(fused):
     """The Gluon backward keeps a plan per layout too: its first call goes through Triton and keeps
