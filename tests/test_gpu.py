@@ -549,6 +549,30 @@ def test_c_launches_expand_each_pointer_once_and_match_tritons_launcher(monkeypa
         assert all(torch.equal(a, b) for a, b in zip(direct, through_triton))
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon backward is sm_90 only")
+@pytest.mark.parametrize("heads", [(8, 8), (12, 2)], ids=["mha", "gqa-split"])
+def test_the_default_backward_lays_gradients_out_like_a_models_inputs(heads):
+    """The default backward (the Gluon kernel with dQ inside) on a model's (B, N, H, D)
+    projections: dQ, dK, dV come back in that layout and agree with the deterministic portable
+    backward; with GQA split, dK and dV come from the float32 buffer beside dQ's."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    h, h_kv = heads
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, do = (torch.randn(4, 1000, h, 128, device="cuda", generator=gen).to(BF16).transpose(1, 2) for _ in "qo")
+    k, v = (torch.randn(4, 1000, h_kv, 128, device="cuda", generator=gen).to(BF16).transpose(1, 2) for _ in "kv")
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    flash_attention(qg, kg, vg, causal=True).backward(do)
+    assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH
+    assert (qg.grad.stride(), kg.grad.stride(), vg.grad.stride()) == (q.stride(), k.stride(), k.stride())
+    variant = flash.Variant(causal=True)
+    o, lse = flash._attn_forward(q, k, v, 128 ** -0.5, variant, "default", try_gluon=False)
+    refs = flash._attn_backward(do, q, k, v, o, lse, 128 ** -0.5, variant, "default", deterministic=True,
+                                try_gluon=False)
+    for got, ref in zip((qg.grad, kg.grad, vg.grad), refs):
+        assert (got.float() - ref.float()).abs().max().item() <= hopper_bwd.CHECK_ATOL[BF16]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["dkdv", "dkdv+dq"])
 def test_gluon_backward_plans_launch_lean_and_agree(fused):
     """The Gluon backward keeps a plan per layout too: its first call goes through Triton and keeps

@@ -44,29 +44,35 @@ def _reference_dkdv(q, k, v, do, sm_scale, causal, window=None):
 def _reference(q, k, v, do, sm_scale, causal, window=None):
     """dQ, dK, dV by float64 autograd; ``window`` (left, right): query i sees keys
     [i + shift - left, i + shift + right], shift = N_K - N_Q."""
-    group = q.shape[1] // k.shape[1]
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
-    n_q, n_k = q.shape[2], k.shape[2]
-    offset = torch.arange(n_k)[None, :] - (torch.arange(n_q)[:, None] + n_k - n_q)  # key j - query i's diagonal
-    if causal:
-        s = s.masked_fill(offset > 0, -math.inf)
-    if window is not None:
-        s = s.masked_fill((offset < -window[0]) | (offset > window[1]), -math.inf)
-    p = torch.nan_to_num(torch.softmax(s, -1))  # a row that sees no key: 0
-    (p @ v64.repeat_interleave(group, 1)).backward(do.double())
+    with torch.enable_grad():  # (also where a stand-in kernel runs: inside autograd's backward)
+        group = q.shape[1] // k.shape[1]
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
+        n_q, n_k = q.shape[2], k.shape[2]
+        offset = torch.arange(n_k)[None, :] - (torch.arange(n_q)[:, None] + n_k - n_q)  # key j - query i's diagonal
+        if causal:
+            s = s.masked_fill(offset > 0, -math.inf)
+        if window is not None:
+            s = s.masked_fill((offset < -window[0]) | (offset > window[1]), -math.inf)
+        p = torch.nan_to_num(torch.softmax(s, -1))  # a row that sees no key: 0
+        (p @ v64.repeat_interleave(group, 1)).backward(do.double())
     return q64.grad.to(q.dtype), k64.grad.to(k.dtype), v64.grad.to(v.dtype)
 
 
 def _reference_kernel(calls):
     """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature): with ``dq``, the fused
-    kernel, which adds dQ into that zeroed float32 buffer."""
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):
+    kernel, which adds dQ into that zeroed float32 buffer; with ``kv_out``, a split group's parts,
+    which add dK and dV into those zeroed float32 buffers."""
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
         calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window))
         ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal, window)
         if dq is not None:
             dq += ref_dq.float()
-        return dk, dv
+        if kv_out is None:
+            return dk, dv
+        for out, grad in zip(kv_out, (dk, dv)):
+            out += grad.float()
+        return kv_out
     return run
 
 
@@ -217,8 +223,8 @@ def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, 
     _pretend_hopper(monkeypatch)
     right = _reference_kernel([])
 
-    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):  # adds nothing into dq
-        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, window=window)
+    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
+        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, window=window, kv_out=kv_out)  # no dq
 
     monkeypatch.setattr(hopper_bwd, "RUN", no_dq)
     q, k, v, do = _inputs()
@@ -231,6 +237,69 @@ def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, 
     assert len(warnings) == 1 and "max |ddQ|" in warnings[0], warnings
     _backward(q, k, v, do, causal=True)
     assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
+
+
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa-split-adds"])
+def test_the_fused_backward_lays_its_gradients_out_as_a_model_passes_its_inputs(monkeypatch, h_kv):
+    """q, k, v as a model passes them ((B, N, H, D) projections seen as (B, H, N, D)): dQ, dK, dV
+    come back in that layout (the model's backward then reshapes them without a copy), right,
+    whether dK and dV come from the kernel (one part per group) or from the float32 buffer that a
+    split group's parts add into beside dQ's (one fill, one cast for all three)."""
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(2, 30, 4, 64, generator=g).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(2, 20, h_kv, 64, generator=g).transpose(1, 2) for _ in range(2))
+    dq, dk, dv = _backward(q, k, v, do, causal=True, deterministic=False)
+    assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH and calls[-1][3] == (1 if h_kv == 4 else 2)
+    assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), k.stride())
+    for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 64 ** -0.5, True)):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got, ref)
+
+
+def test_carved_views_are_zeroed_disjoint_aligned_and_laid_out_like_their_tensors():
+    like = (torch.empty(2, 7, 3, 5).transpose(1, 2), torch.empty(2, 1, 7, 5), torch.empty(3, 4)[:, :3])
+    buffer, views = hopper_bwd._carved(like, torch.float32)
+    assert not buffer.any()
+    for view, t in zip(views, like):
+        assert view.shape == t.shape and view.storage_offset() % 32 == 0
+        assert view.stride() == torch.empty_like(t).stride()
+    for mark, view in enumerate(views, 1):
+        view.fill_(mark)
+    for mark, view in enumerate(views, 1):  # no view overlaps another
+        assert bool((view == mark).all())
+
+
+def test_a_backward_route_decides_the_path_once_until_a_switch_changes(monkeypatch):
+    """Through autograd the backward keeps, per forward route key and dO's layout, whether the
+    Gluon kernel with dQ inside runs it: repeat calls skip the gate; turning the path off (the
+    variable, or a reset) decides again."""
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    gated = []
+    applies = hopper_bwd.applies
+    monkeypatch.setattr(hopper_bwd, "applies", lambda *args, **kwargs: gated.append(1) or applies(*args, **kwargs))
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel([]))
+    q, k, v, do = _inputs(n=30, n_k=20)
+
+    def call():
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        flash.flash_attention(qg, kg, vg, causal=True, deterministic=False).backward(do)
+        return qg.grad
+    ref = _reference(q, k, v, do, 64 ** -0.5, True)[0]
+    for expected in (1, 1):
+        torch.testing.assert_close(call(), ref)
+        assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH and len(gated) == expected
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "0")
+    torch.testing.assert_close(call(), ref, atol=1e-4, rtol=1e-4)
+    assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH and len(gated) == 2
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    hopper_bwd.reset()
+    call()
+    assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH and len(gated) == 3
 
 
 @pytest.mark.parametrize("broken", ["raises", "wrong"])

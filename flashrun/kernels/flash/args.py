@@ -160,10 +160,15 @@ def split_outputs(k: torch.Tensor, split: int, repeatable: bool) -> tuple[torch.
     :func:`split_result` (NOTES v15: the partials and their sum cost qwen2-1b's backward ~50 us a
     layer of DRAM traffic)."""
     z, h_kv, n_k, d = k.shape
-    adds = ADD_SPLIT and (not repeatable or split == 2)
+    adds = split_adds(split, repeatable)
     shape = (z, h_kv if adds else h_kv * split, n_k, d)
     make = torch.zeros if adds else torch.empty
     return make(shape, dtype=torch.float32, device=k.device), make(shape, dtype=torch.float32, device=k.device), adds
+
+
+def split_adds(split: int, repeatable: bool) -> bool:
+    """Whether :func:`split_outputs` gives ``split`` parts one float32 head to add into."""
+    return split > 1 and ADD_SPLIT and (not repeatable or split == 2)
 
 
 def split_result(buf: torch.Tensor, out: torch.Tensor, split: int, adds: bool) -> torch.Tensor:

@@ -323,27 +323,33 @@ _forward_plans: dict[tuple, _ForwardPlan | _GluonRoute | _DecodeRoute] = {}  # t
 def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, sm_scale: float, variant: Variant, launch: Launch = None,
                    deterministic: bool | None = DETERMINISTIC_BACKWARD,
-                   try_gluon: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   try_gluon: bool = True, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: one dK/dV kernel that also adds dQ into a float32 buffer with atomics
     (5 matmuls per tile pair), or with ``deterministic`` that kernel without the atomics and a
     dQ kernel (7 matmuls, bitwise repeatable); None: the first where the Gluon one applies, else
     the second. ``try_gluon``: the dK/dV kernel may be the Gluon sm_90 one where
-    :mod:`.hopper_bwd` allows it (with dQ inside for the atomic backward, TMA reduce-adds)."""
+    :mod:`.hopper_bwd` allows it (with dQ inside for the atomic backward, TMA reduce-adds).
+    ``key``: the forward's :func:`_route_key`; a call whose key (with dO's layout and the
+    switches) was seen skips deciding whether the Gluon kernel with dQ inside runs it."""
     Z, H, H_KV, N_Q, N_K, D = _dims(q, k, variant)
-    gluon_fused = (deterministic is not True and N_K and try_gluon
-                   and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, fused=True))
+    route = None if key is None else (key, _meta(do), deterministic, hopper_bwd.switches())
+    gluon_fused = _backward_routes.get(route) if route is not None else None
+    if gluon_fused is None:
+        gluon_fused = bool(deterministic is not True and N_K and try_gluon
+                           and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, fused=True))
+        if route is not None:
+            keep(_backward_routes, route, gluon_fused)
+    if gluon_fused:  # (before the portable path's arguments: this is the default backward on sm_90)
+        delta = _delta(o, do, lse, H, variant.varlen)
+        hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
+        return hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window)
     if deterministic is None:
-        deterministic = not gluon_fused
+        deterministic = True
     # atomic: every query row's partials land in a zeroed float32 buffer, so rows that no key
     # block visits (no key to see) come out as zeros too
     dq = (torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic
           else torch.zeros(q.shape, dtype=torch.float32, device=q.device))
     delta = _delta(o, do, lse, H, variant.varlen)
-    if gluon_fused:  # (before the portable path's arguments: this is the default backward on sm_90)
-        dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, dq=dq,
-                                 window=variant.window)
-        hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
-        return dq.to(q.dtype), dk, dv
     group = H // H_KV
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
@@ -393,6 +399,10 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
 
+
+# whether the Gluon kernel with dQ inside runs a backward, per (forward route key, dO's layout,
+# deterministic argument, the Gluon backward's switches): _attn_backward's ``key``
+_backward_routes: dict[tuple, bool] = {}
 
 # one launch of _attn_bwd_preprocess per (layouts of O, dO and delta, packed or not): later calls
 # skip Triton's per-call specialization (launch._Launch), as the forward's plans do
@@ -505,7 +515,7 @@ class FlashAttention(torch.autograd.Function):
                                    key)
         o, lse = _attn_forward(q, k, v, sm_scale, variant, launch, key=key)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic = sm_scale, variant, launch, deterministic
+        ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic, ctx.key = sm_scale, variant, launch, deterministic, key
         return o
 
     @staticmethod
@@ -514,7 +524,8 @@ class FlashAttention(torch.autograd.Function):
         batch, kernels = ctx.ahead
         if batch is not None:
             batch.wait(kernels)
-        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic)
+        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, ctx.sm_scale, ctx.variant, ctx.launch, ctx.deterministic,
+                                    key=ctx.key)
         return dq, dk, dv, None, None, None, None  # no gradient for ALiBi slopes (FlashAttention-2 has none either)
 
 

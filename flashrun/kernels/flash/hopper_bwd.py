@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrun.kernels.flash import hopper
-from flashrun.kernels.flash.args import split_outputs, split_result, tma_aligned
+from flashrun.kernels.flash.args import split_adds, split_outputs, split_result, tma_aligned
 from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
@@ -258,13 +258,21 @@ _plans: dict[tuple, _Plan] = {}
 
 
 def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
-               dq: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               dq: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv), laid out like k (a model's layout: its backward reshapes them without a copy).
+    ``kv_out``: float32 (dK, dV) buffers laid out like k and zeroed, that a split group's parts
+    add into, returned as they are (:func:`fused` casts them with dQ); else made here."""
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty_like(dk)
-    # split: float32 buffers the parts add into (dQ inside: not repeatable anyway), or partials
-    dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=dq is None)
+    if kv_out is not None:
+        dk = dv = None
+        dk_out, dv_out, adds = *kv_out, True
+    else:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(dk)
+        # split: float32 buffers the parts add into (dQ inside: not repeatable anyway), or partials
+        dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=dq is None)
     lse, delta = rows_aligned(lse), rows_aligned(delta)
     lean = not compiling()  # compile-only runs take Triton's path
     key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
@@ -281,6 +289,8 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
             plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
         else:
             launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
+    if kv_out is not None:
+        return kv_out
     if split > 1:
         split_result(dk_out, dk, split, adds)
         split_result(dv_out, dv, split, adds)
@@ -309,10 +319,51 @@ def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
     (partials 0.635), 0.623 split 4. Deterministic: qwen2 0.463 split 2 (adds), 0.461 split 3,
     0.477 split 6; llama 0.613 unsplit, 0.620 split 2 (adds)."""
     cfg = _config(q.shape[-1], dq is not None)
-    group = q.shape[1] // k.shape[1]
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split, dq is not None), dq, window)
+
+
+def _split(q, k, cfg: BwdConfig, kv_split, fused: bool) -> int:
+    if kv_split is None:
+        return 1
     programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
-    split = kv_split(programs, group, q.device, SPLIT_WAVES[dq is not None]) if kv_split is not None else 1
-    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq, window)
+    return kv_split(programs, q.shape[1] // k.shape[1], q.device, SPLIT_WAVES[fused])
+
+
+def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
+          window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's dtype through the :data:`FUSED` kernel (dQ inside), laid out like q and
+    k. One zeroed float32 buffer holds dQ and, where the GQA group is split and its parts add
+    (``args.split_outputs``), dK and dV; one cast turns it into the three gradients: two launches
+    where separate buffers took six (three zero fills, three casts)."""
+    cfg = _config(q.shape[-1], True)
+    split = _split(q, k, cfg, kv_split, True)
+    adds = split_adds(split, repeatable=False)  # (else one part, or float32 partials that RUN sums)
+    like = (q, k, k) if adds else (q,)
+    buffer, views = _carved(like, torch.float32)
+    dk, dv = RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, views[0], window,
+                 views[1:] if adds else None)
+    if not adds:
+        return views[0].to(q.dtype), dk, dv
+    grads = torch.empty_like(buffer, dtype=q.dtype).copy_(buffer)
+    return tuple(grads.as_strided(view.shape, view.stride(), view.storage_offset()) for view in views)
+
+
+def _carved(like: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One zeroed ``dtype`` buffer and a view of it per tensor of ``like``, laid out as that tensor
+    (its dense layout: :func:`dense_strides`), each starting on a 128-byte boundary."""
+    layouts, total = [], 0
+    for t in like:
+        layouts.append((t.shape, dense_strides(t.shape, t.stride()), total))
+        total += -(-t.numel() // 32) * 32
+    buffer = torch.zeros(total, dtype=dtype, device=like[0].device)
+    return buffer, [buffer.as_strided(*layout) for layout in layouts]
+
+
+@functools.lru_cache(maxsize=256)
+def dense_strides(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of ``torch.empty_like`` of a tensor of this shape and stride: its own where it
+    is dense, else dense with the dimensions in its memory order."""
+    return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()
 
 
 # -- first use: check against the portable kernel -------------------------------------------------
@@ -387,8 +438,18 @@ def applies(q, k, v, do, variant, portable, fused: bool = False) -> bool:
             and ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused, variant.window is not None))
 
 
+EPOCH = 0  # counts reset(): a backward's route made before one is not reused after
+
+
+def switches() -> tuple:
+    """What turns the path on or off between calls: :func:`enabled` and :func:`reset` (part of a
+    backward's route key, ``attention._attn_backward``)."""
+    return enabled(), EPOCH
+
+
 def reset() -> None:
     """Forget the first-use checks and the last path (tests)."""
-    global LAST_PATH
+    global LAST_PATH, EPOCH
     _checked.clear()
     LAST_PATH = None
+    EPOCH += 1
