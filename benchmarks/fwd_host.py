@@ -9,8 +9,9 @@ outermost first: the Kernel call without and with autograd, and with its backwar
 keeps templates); its two outputs; the plan's launch with descriptors made beforehand (Triton's
 launcher: the six descriptors' CUtensorMaps, then the C launch); ``make_tensordesc_arg`` alone;
 ``fill_tma_descriptor`` alone; the C launch with every argument expanded beforehand; SDPA (cuDNN)
-on the same inputs. Then a cProfile of the no-grad and autograd calls (the 20
-functions with the most own time, then flashrun's, Triton's and torch's by cumulative time). GPU
+on the same inputs. Then a cProfile of the no-grad and autograd calls and of forward + backward
+at 256 rows (the 20 functions with the most own time, then flashrun's, Triton's and torch's by
+cumulative time), the last with its GPU time per call. GPU
 only, from the repo root:
 
     python benchmarks/fwd_host.py --out DIR
@@ -136,25 +137,45 @@ def pieces(shape: tuple[int, ...]) -> dict[str, float]:
     return times
 
 
-def profile(shape: tuple[int, ...], grad: bool) -> str:
+def profile(shape: tuple[int, ...], grad: bool, backward: bool = False) -> str:
+    """cProfile of REPS calls: the no-grad or autograd forward at ``shape``, or (``backward``)
+    forward + backward at 256 rows, followed by its GPU time per call (torch.profiler's device
+    time of every kernel, memset and copy: is the GPU or the host setting the pace?)."""
     from flashrun import kernels
 
     flash = kernels.get("flash")
+    if backward:
+        shape = (*shape[:3], 256, shape[4])
     q, k, v = inputs(*shape, grad=grad)
+    do = torch.randn_like(q)
+
+    def call():
+        o = flash(q, k, v, causal=True)
+        if backward:
+            o.backward(do)
     profiler = cProfile.Profile()
     with torch.set_grad_enabled(grad):
-        flash(q, k, v, causal=True)
+        call()
         torch.cuda.synchronize()
         profiler.enable()
         for _ in range(REPS):
-            flash(q, k, v, causal=True)
+            call()
         profiler.disable()
     torch.cuda.synchronize()
+    gpu = ""
+    if backward:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+        gpu = "\nGPU time per call (20 calls):\n" + "\n".join(
+            f"  {e.key[:70]:70s} {e.device_time_total / 20:8.1f} us x{e.count / 20:g}"
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total) if e.device_time_total > 0)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(20)
-    stats.sort_stats("cumulative").print_stats("flashrun|triton|torch", 30)
-    return text.getvalue()
+    stats.sort_stats("cumulative").print_stats("flashrun|triton|torch", 40 if backward else 30)
+    return text.getvalue() + gpu
 
 
 def main() -> int:
@@ -169,10 +190,11 @@ def main() -> int:
     results["triton"] = triton.__version__
     for name, us in results["us_per_call"].items():
         print(f"{name:40s} {us}", flush=True)
-    for grad in (False, True):
-        text = profile(shape, grad)
-        results[f"cprofile_grad_{grad}"] = text
-        print(f"cProfile, {REPS} calls, grad={grad}\n{text}", flush=True)
+    for name, grad, backward in (("grad_False", False, False), ("grad_True", True, False),
+                                 ("backward_n256", True, True)):
+        text = profile(shape, grad, backward)
+        results[f"cprofile_{name}"] = text
+        print(f"cProfile, {REPS} calls, {name}\n{text}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"fwd-host{args.label}.json").write_text(json.dumps(results, indent=1))
     return 0
