@@ -11,6 +11,9 @@
 #                                                # OLD and this in turns, two samples; model_host.py (qwen2)
 #   OLD=... bash benchmarks/gpu_round17.sh final # qwen2's GPU time, kernel by kernel, and its idle split, OLD and
 #                                                # this (model_profile.py --trace); decode_probe.py --quick, OLD and this
+#   bash benchmarks/gpu_round17.sh traces        # qwen2's kernels, flash against SDPA (model_profile.py: where their
+#                                                # GPU time differs), and its prefill traces, gzipped, to read offline
+#   bash benchmarks/gpu_round17.sh order         # the turn order's bias in flashrun model's timing (turn_order.py)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -66,6 +69,18 @@ case "${1:-}" in
       OUT="$d" timeout 100 python3 "$(tree_of "$run")/benchmarks/decode_probe.py" --quick --budget-s 80 > "$d/log" 2>&1
       echo "decode $run rc $?"; tail -12 "$d/log"
     done ;;
+  traces)
+    timeout 200 python3 benchmarks/model_profile.py --arch qwen2 --out "$OUT/profile" --label=diff- \
+      --trace /tmp/traces > "$OUT/model-profile-diff.txt" 2>&1
+    echo "profile rc $?"; grep -E "idle:|^diff|largest" "$OUT/model-profile-diff.txt"
+    for f in /tmp/traces/*prefill.json; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
+    ls -la "$OUT" ;;
+  order)
+    for run in qwen2-1 llama-1 qwen2-2 llama-2; do
+      timeout 120 python3 benchmarks/turn_order.py --arch "${run%-*}" --out "$OUT/order" --label="-${run#*-}" \
+        > "$OUT/turn-order-$run.txt" 2>&1
+      echo "turn order $run rc $?"; grep -E "^(prefill|train) " "$OUT/turn-order-$run.txt"
+    done ;;
   *)
-    echo "usage: bash benchmarks/gpu_round17.sh host|ab|models|final" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round17.sh host|ab|models|final|traces|order" >&2; exit 2 ;;
 esac

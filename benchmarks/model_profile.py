@@ -64,7 +64,9 @@ def lateness(trace: Path, calls: int, top: int = 6) -> dict:
     """Each gap between a stream's GPU operations in a Chrome trace, split by the launch call of
     the operation after it: the part of the gap before that call returned is the host's (late),
     the rest the GPU's. Per call, in ms; the largest GPU-side parts by (before, after) kernel and
-    host-late parts by the operation waited for."""
+    host-late parts by the operation waited for; and the host's lateness before the first
+    attention kernel of each call and after it (a host that falls behind layer after layer, or only
+    while it starts the model: NOTES v17)."""
     events = json.loads(trace.read_text())["traceEvents"]
     launched = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
@@ -72,13 +74,20 @@ def lateness(trace: Path, calls: int, top: int = 6) -> dict:
                  if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
     host: dict[str, float] = {}
     gpu: dict[str, float] = {}
-    busy_until, last = None, None
+    per_call = sum(group(name) == "attention" for _, _, name, _ in ops) // calls  # attention kernels a call
+    late_first, late_rest = 0.0, 0.0  # the host's lateness before each call's first attention kernel, after it
+    busy_until, last, seen = None, None, 0  # seen: attention kernels so far, all calls
     for start, end, name, correlation in ops:
         if busy_until is not None and start > busy_until:
             late = min(max(launched.get(correlation, busy_until) - busy_until, 0.0), start - busy_until)
             host[name[:50]] = host.get(name[:50], 0.0) + late
+            if per_call and seen % per_call == 0:
+                late_first += late
+            else:
+                late_rest += late
             pair = f"{last[:40]} -> {name[:40]}"
             gpu[pair] = gpu.get(pair, 0.0) + start - busy_until - late
+        seen += group(name) == "attention"
         if busy_until is None or end >= busy_until:
             busy_until, last = end, name
 
@@ -86,7 +95,8 @@ def lateness(trace: Path, calls: int, top: int = 6) -> dict:
         return [(name, round(us / 1e3 / calls, 3)) for name, us in sorted(parts.items(), key=lambda i: -i[1])[:top]]
     return {"launch_calls_seen": len(launched), "host_late_ms": round(sum(host.values()) / 1e3 / calls, 3),
             "gpu_side_ms": round(sum(gpu.values()) / 1e3 / calls, 3), "host_late_before": worst(host),
-            "gpu_side_between": worst(gpu)}
+            "gpu_side_between": worst(gpu), "host_late_before_first_attention_ms": round(late_first / 1e3 / calls, 3),
+            "host_late_after_it_ms": round(late_rest / 1e3 / calls, 3)}
 
 
 def profiled(fn, calls: int = 2, trace: Path | None = None) -> dict:
@@ -172,8 +182,10 @@ def family(arch: str, args: argparse.Namespace) -> dict:
         for phase in ("prefill_profile", "train_profile"):
             split = row[phase]["idle_split"]
             if split is not None:
-                print(f"    {phase[:7]} idle: host late {split['host_late_ms']:.3f} ms, GPU side "
-                      f"{split['gpu_side_ms']:.3f} ms ({split['launch_calls_seen']} launch calls seen)")
+                print(f"    {phase[:7]} idle: host late {split['host_late_ms']:.3f} ms (before the first attention "
+                      f"kernel {split['host_late_before_first_attention_ms']:.3f}, after it "
+                      f"{split['host_late_after_it_ms']:.3f}), GPU side {split['gpu_side_ms']:.3f} ms "
+                      f"({split['launch_calls_seen']} launch calls seen)")
                 for name, ms in split["gpu_side_between"][:4]:
                     print(f"      GPU side {ms:7.3f} ms  {name}")
                 for name, ms in split["host_late_before"][:4]:
