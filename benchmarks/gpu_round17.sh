@@ -76,7 +76,7 @@ case "${1:-}" in
     for f in /tmp/traces/*prefill.json; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
     ls -la "$OUT" ;;
   order)
-    for run in qwen2-1 llama-1 qwen2-2 llama-2; do
+    for run in qwen2-1 llama-1; do
       timeout 120 python3 benchmarks/turn_order.py --arch "${run%-*}" --out "$OUT/order" --label="-${run#*-}" \
         > "$OUT/turn-order-$run.txt" 2>&1
       echo "turn order $run rc $?"; grep -E "^(prefill|train) " "$OUT/turn-order-$run.txt"
