@@ -1,6 +1,7 @@
 # Sourced by the device scripts, from the repo root: $OUT (default ./gpu-session) made, pydantic's
 # wheels from .whl/ installed where the image lacks them (see the device tool's README), the repo
-# on PYTHONPATH, Python's output unbuffered, and model_speed (below) defined. Each script sets its own COLUMNS.
+# on PYTHONPATH, Python's output unbuffered, and model_speed, gpu_tests, tree_of and fwd_host (below) defined. Each script
+# sets its own COLUMNS.
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -19,4 +20,23 @@ model_speed() {
       --set "model.out='$OUT/model/$1'" > "$OUT/model/$arch-speed-$1.txt" 2>&1
     echo "$arch speed $1 rc $?"; grep -A5 "speed, batch" "$OUT/model/$arch-speed-$1.txt"
   done
+}
+
+tree_of() {  # the checkout a run label names: old-N is $OLD, this-N this one
+  [ "${1%-*}" = this ] && echo "$PWD" || echo "$OLD"
+}
+
+fwd_host() {  # fwd_host.py in the checkout of each run label given (OLD gets this script's copy)
+  cp benchmarks/fwd_host.py "$OLD/benchmarks/"
+  for run in "$@"; do
+    (cd "$(tree_of "$run")" && timeout 90 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") \
+      > "$OUT/fwd-host-$run.txt" 2>&1
+    echo "fwd host $run rc $?"; head -15 "$OUT/fwd-host-$run.txt"
+  done
+}
+
+gpu_tests() {  # $1: the log's name under $OUT, $2: seconds allowed, $3: pytest's -k expression over tests/test_gpu.py
+  timeout "$2" env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE -k "$3" \
+    > "$OUT/$1.log" 2>&1
+  echo "GPU tests rc $?"; tail -1 "$OUT/$1.log"
 }

@@ -20,19 +20,6 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
 
-tree_of() {  # the checkout a run label names: old-N is $OLD, this-N this one
-  [ "${1%-*}" = this ] && echo "$PWD" || echo "$OLD"
-}
-
-fwd_host() {  # fwd_host.py in the checkout of each run label given (OLD gets this script's copy)
-  cp benchmarks/fwd_host.py "$OLD/benchmarks/"
-  for run in "$@"; do
-    (cd "$(tree_of "$run")" && timeout 60 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") \
-      > "$OUT/fwd-host-$run.txt" 2>&1
-    echo "fwd host $run rc $?"; head -17 "$OUT/fwd-host-$run.txt"
-  done
-}
-
 case "${1:-}" in
   host)
     timeout 120 python3 benchmarks/fwd_host.py --out "$OUT/host" > "$OUT/fwd-host.txt" 2>&1
@@ -41,10 +28,7 @@ case "${1:-}" in
       > "$OUT/model-host.txt" 2>&1
     echo "model host rc $?"; grep -E "^(qwen2|llama) " "$OUT/model-host.txt" ;;
   ab)
-    timeout 200 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
-      -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or variants_on_gpu" \
-      > "$OUT/gpu-tests-ab.log" 2>&1
-    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab.log"
+    gpu_tests gpu-tests-ab 200 "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or variants_on_gpu"
     fwd_host old-1 this-1 old-2 this-2
     cp benchmarks/model_host.py "$OLD/benchmarks/"
     for run in old-1 this-1; do
@@ -64,10 +48,7 @@ case "${1:-}" in
       > "$OUT/model-profile.txt" 2>&1
     echo "profile rc $?"; grep -v "^    \(prefi\|train \)" "$OUT/model-profile.txt" | tail -40 ;;
   ab2)
-    timeout 240 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
-      -k "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or backward or deterministic" \
-      > "$OUT/gpu-tests-ab2.log" 2>&1
-    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab2.log"
+    gpu_tests gpu-tests-ab2 240 "routes or plans or flash_on_gpu or gluon_kernels or decode or kvcache or backward or deterministic"
     fwd_host old-3 this-3
     for tree in "$OLD" "$PWD"; do
       name=$([ "$tree" = "$PWD" ] && echo this || echo old)
@@ -86,9 +67,7 @@ case "${1:-}" in
       name=$([ "$tree" = "$PWD" ] && echo this || echo old)
       (cd "$tree" && model_speed "$name-4" qwen2)
     done
-    timeout 150 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
-      -k "variants_on_gpu or windows" > "$OUT/gpu-tests-variants.log" 2>&1
-    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-variants.log" ;;
+    gpu_tests gpu-tests-variants 150 "variants_on_gpu or windows" ;;
   decode)
     for run in old-1 this-1 old-2 this-2; do
       d="$OUT/decode-$run"; mkdir -p "$d"

@@ -19,19 +19,6 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
 
-tree_of() {  # the checkout a run label names: old-N is $OLD, this-N this one
-  [ "${1%-*}" = this ] && echo "$PWD" || echo "$OLD"
-}
-
-fwd_host() {  # fwd_host.py in the checkout of each run label given (OLD gets this script's copy)
-  cp benchmarks/fwd_host.py "$OLD/benchmarks/"
-  for run in "$@"; do
-    (cd "$(tree_of "$run")" && timeout 90 python3 benchmarks/fwd_host.py --out "$OUT/host" --label="-$run") \
-      > "$OUT/fwd-host-$run.txt" 2>&1
-    echo "fwd host $run rc $?"; head -15 "$OUT/fwd-host-$run.txt"
-  done
-}
-
 case "${1:-}" in
   host)
     timeout 150 python3 benchmarks/fwd_host.py --out "$OUT/host" > "$OUT/fwd-host.txt" 2>&1
@@ -40,15 +27,10 @@ case "${1:-}" in
       > "$OUT/model-host.txt" 2>&1
     echo "model host rc $?"; grep -E "^(qwen2|llama) " "$OUT/model-host.txt" ;;
   ab)
-    timeout 330 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE \
-      -k "routes or plans or c_launches or lays or flash_on_gpu or gluon or backward or deterministic or decode or kvcache or variants_on_gpu or windows or varlen or heads" \
-      > "$OUT/gpu-tests-ab.log" 2>&1
-    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-ab.log"
+    gpu_tests gpu-tests-ab 330 "routes or plans or c_launches or lays or flash_on_gpu or gluon or backward or deterministic or decode or kvcache or variants_on_gpu or windows or varlen or heads"
     fwd_host old-1 this-1 old-2 this-2 ;;
   models)
-    timeout 90 env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE \
-      -k "c_launches" > "$OUT/gpu-tests-c-launches.log" 2>&1
-    echo "GPU tests rc $?"; tail -1 "$OUT/gpu-tests-c-launches.log"
+    gpu_tests gpu-tests-c-launches 90 "c_launches"
     for i in 1 2; do
       for run in "old-$i" "this-$i"; do
         (cd "$(tree_of "$run")" && model_speed "$run")  # python -m puts the tree's flashrun first
