@@ -14,9 +14,10 @@ warm-up; --split-waves sets the portable dK/dV kernel's GQA split threshold (0: 
 kernel's launch call returned on the host (the trace's runtime and driver calls): the part after the
 last kernel ended is the host's lateness, the rest the GPU's own (a launch already queued, not yet
 started). Each phase reports the GPU's idle time between its kernels (per call) and the kernels
-those gaps followed. The JSON keeps every kernel's GPU time and every operator's (the GPU time of
-the kernels it launched itself, with its calls); the table ends with the largest differences
-between the first implementation and the others, by operator and by kernel.
+those gaps followed. The JSON keeps every kernel's GPU time; the table ends with the largest
+differences between the first implementation's kernels and the others', after how much longer the
+kernels both ran took in the first (the same work: a difference there is the GPU's pace between
+the two profiled runs, NOTES v17, not the attention).
 """
 
 from __future__ import annotations
@@ -122,16 +123,10 @@ def profiled(fn, calls: int = 2, trace: Path | None = None) -> dict:
     for name, ms in kernels.items():
         groups[group(name)] += ms
     top = sorted(kernels.items(), key=lambda item: -item[1])[:14]
-    ops = {}  # the GPU time each operator launched (its kernels' own), and its calls, per call of fn
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", 0)
-        if us and (getattr(event, "device_type", None) is None or "CPU" in str(event.device_type)):
-            ops[event.key] = (round(us / 1e3 / calls, 3), event.count // calls)
     return {"gpu_ms": round(sum(kernels.values()), 3), **{k: round(v, 3) for k, v in groups.items()},
             "idle_ms": round(gaps["idle_ms"] / calls, 3), "idle_after": gaps["after"], "idle_split": late,
             "top": [(name[:90], round(ms, 3)) for name, ms in top],
-            "kernels": {name: round(ms, 4) for name, ms in sorted(kernels.items(), key=lambda item: -item[1])},
-            "ops": dict(sorted(ops.items(), key=lambda item: -item[1][0]))}
+            "kernels": {name: round(ms, 4) for name, ms in sorted(kernels.items(), key=lambda item: -item[1])}}
 
 
 def family(arch: str, args: argparse.Namespace) -> dict:
@@ -195,26 +190,25 @@ def family(arch: str, args: argparse.Namespace) -> dict:
                 print(f"    {phase[:5]} {ms:8.3f} ms  {name}")
         if row["configs"]:
             print("    configs", row["configs"])
-    if len(rows) > 1:  # where the first implementation's GPU time differs from the others'
-        first, *others = rows
-        for phase in ("prefill_profile", "train_profile"):
-            for table in ("ops", "kernels"):
-                ours = rows[first][phase][table]
-                for other in others:
-                    theirs = rows[other][phase][table]
-                    diff = {name: _ms(ours.get(name)) - _ms(theirs.get(name)) for name in {*ours, *theirs}}
-                    print(f"  {phase[:5]} {table}: {first} - {other}, ms per call (calls), largest differences")
-                    for name in sorted(diff, key=lambda n: -abs(diff[n]))[:12]:
-                        print(f"    {diff[name]:+8.3f}  {_calls(ours.get(name))}/{_calls(theirs.get(name))}  {name[:110]}")
+    differences(rows)
     return rows
 
 
-def _ms(entry) -> float:
-    return 0.0 if entry is None else entry[0] if isinstance(entry, (tuple, list)) else entry
-
-
-def _calls(entry) -> str:
-    return str(entry[1]) if isinstance(entry, (tuple, list)) else "-" 
+def differences(rows: dict) -> None:
+    """Where the first implementation's kernels' GPU time differs from the others', after how much
+    longer the kernels both ran took in the first."""
+    first, *others = rows
+    for phase in ("prefill_profile", "train_profile"):
+        ours = rows[first][phase]["kernels"]
+        for other in others:
+            theirs = rows[other][phase]["kernels"]
+            diff = {name: ours.get(name, 0.0) - theirs.get(name, 0.0) for name in {*ours, *theirs}}
+            shared = [name for name in ours if name in theirs]
+            pace = sum(ours[n] for n in shared) / max(sum(theirs[n] for n in shared), 1e-9) - 1
+            print(f"  {phase[:5]} kernels, {first} - {other}, ms per call: the kernels both ran {pace:+.2%} (the "
+                  f"GPU's pace in each run: the same work); the largest differences")
+            for name in sorted(diff, key=lambda n: -abs(diff[n]))[:12]:
+                print(f"    {diff[name]:+8.3f}  {name[:110]}")
 
 
 def main() -> int:
