@@ -307,10 +307,9 @@ SPLIT_WAVES = {True: 4, False: 2}  # with dQ inside or not
 
 
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
-         dq: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dk, dv) through the Gluon kernel; call only where :func:`eligible` and :func:`ensure_checked`
-    allow it. ``dq``: a zeroed float32 (B, H, N_Q, D) contiguous buffer that the kernel adds dQ
-    (scaled) into, the :data:`FUSED` kernels (non-deterministic: the adds land in any order).
+         window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) through the Gluon kernel without dQ (the deterministic backward's; :func:`fused`
+    has dQ inside); call only where :func:`eligible` and :func:`ensure_checked` allow it.
     ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA group
     (``attention._kv_split``, here with :data:`SPLIT_WAVES`); None: one. On the H200 at 4 x 2048
     tokens, bf16 causal (NOTES v15, GPU time of the whole backward), with dQ inside: qwen2-1b's
@@ -318,8 +317,8 @@ def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
     (partials: 0.493, 0.457, 0.458); llama-1b's 4 over 8 heads 0.617 unsplit, 0.604 split 2
     (partials 0.635), 0.623 split 4. Deterministic: qwen2 0.463 split 2 (adds), 0.461 split 3,
     0.477 split 6; llama 0.613 unsplit, 0.620 split 2 (adds)."""
-    cfg = _config(q.shape[-1], dq is not None)
-    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split, dq is not None), dq, window)
+    cfg = _config(q.shape[-1], False)
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split, False), None, window)
 
 
 def _split(q, k, cfg: BwdConfig, kv_split, fused: bool) -> int:
@@ -350,7 +349,8 @@ def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
 
 def _carved(like: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One zeroed ``dtype`` buffer and a view of it per tensor of ``like``, laid out as that tensor
-    (its dense layout: :func:`dense_strides`), each starting on a 128-byte boundary."""
+    (its dense layout: :func:`dense_strides`), each starting on a multiple of 32 elements (128
+    bytes of float32: TMA wants 16)."""
     layouts, total = [], 0
     for t in like:
         layouts.append((t.shape, dense_strides(t.shape, t.stride()), total))
