@@ -431,15 +431,18 @@ def test_every_fused_kernel_fits_an_sm(name):
     ((2, 8, 1000, 128), 1, (8, 2, 2)),  # q (B, H, N, D), k/v heads 2: GQA 4:1
     ((2, 8, 1000, 128), 2, (8, 4, 2)),
     ((1, 2, 17, 64), 1, (1, 2, 1))])
-def test_launch_grid_and_descriptors(shape, split, grid):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_launch_grid_and_descriptors(shape, split, grid, causal):
+    # (key blocks, k/v heads x split, batch); causal: the key blocks last, so that the programs
+    # start every head's first (heaviest) blocks first
     z, h, n, d = shape
     cfg = hopper_bwd.KERNELS[hopper_bwd.kernel_for(d)]
     q = torch.empty(shape, dtype=torch.bfloat16)
     k = torch.empty(z, 2 if h == 8 else h, n, d, dtype=torch.bfloat16)
     lse = torch.empty(z, h, n)
     dk = torch.empty(z, k.shape[1] * split, n, d, dtype=torch.float32 if split > 1 else k.dtype)
-    got, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, cfg, split)
-    assert got == grid
+    got, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, causal, cfg, split)
+    assert got == ((*grid[1:], grid[0]) if causal else grid)
     assert constexprs["GROUP"] == h // k.shape[1] // split and constexprs["KV_SPLIT"] == split
     assert [list(a.block_shape) for a in args[:6]] == [[1, 1, 64, d], [1, 1, 64, d], [1, 1, 64, d],
                                                        [1, 1, 64, d], [1, 1, 64], [1, 1, 64]]

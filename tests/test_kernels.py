@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,7 @@ from flashrun.kernels import (
 )
 from flashrun.kernels.flash import attention as flash
 from flashrun.kernels.flash.bwd import _attn_bwd_preprocess
+from flashrun.kernels.flash import args as flash_args, jit as flash_jit
 from flashrun.kernels.flash.fwd import _attn_fwd
 from flashrun.kernels.flash.launch import rebased, template
 from flashrun.kernels import tuning
@@ -186,6 +188,49 @@ def test_a_gqa_group_split_over_programs_gives_the_gradients(waves, split, deter
     _check_fwd_bwd(q, k, v, do, True, deterministic=deterministic)
     adds = split > 1 and (not deterministic or split == 2)
     assert launches == [(split, adds, 1 if adds or split == 1 else split)]  # (split, adds, heads of DK)
+
+
+@triton.jit
+def _order_probe(OUT, ACROSS):
+    """OUT[t] = (head, rank) of program t, t in the order programs start (x fastest)."""
+    t = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    head, rank = flash_jit.tile_of(t, tl.num_programs(1), tl.num_programs(0), ACROSS)
+    tl.store(OUT + 2 * t, head)
+    tl.store(OUT + 2 * t + 1, rank)
+
+
+@pytest.mark.parametrize("across", [0, 1], ids=["head-by-head", "across-heads"])
+@pytest.mark.parametrize("heads, blocks", [(5, 4), (1, 3), (3, 1), (1, 1)])
+def test_tile_order_visits_every_tile_once_heaviest_first(heads, blocks, across):
+    out = torch.full((heads * blocks, 2), -1, dtype=torch.int32)
+    _order_probe[(blocks, heads)](out, across)
+    order = [tuple(pair) for pair in out.tolist()]
+    if across:  # rank r of every head before rank r + 1 of any
+        assert order == [(h, r) for r in range(blocks) for h in range(heads)]
+    else:
+        assert order == [(h, r) for h in range(heads) for r in range(blocks)]
+
+
+@pytest.mark.parametrize("heads, rows, head_dim, group, operand, across", [
+    (4 * 12, 2048, 128, 6, "kv", 1),  # qwen2-1b's prefill forward: K/V 8 MB
+    (32 * 16, 1024, 128, 1, "kv", 0),  # 32 x 16 heads x 1024 keys: 256 MB
+    (4 * 8 * 2, 2048, 64, 4 // 2, "qdo", 1),  # llama-1b's dK/dV, the group split in 2: Q and dO 64 MB
+    (8 * 32, 4096, 64, 1, "qdo", 0)])  # 256 MB
+def test_a_grid_goes_across_heads_where_their_operand_fits(heads, rows, head_dim, group, operand, across):
+    share = 1 / group if operand == "kv" else group
+    assert flash_args.across_heads(heads, rows, head_dim, torch.bfloat16, share, operand) == across
+
+
+@pytest.mark.parametrize("across", [True, False], ids=["across-heads", "head-by-head"])
+@pytest.mark.parametrize("variant", [{"causal": True}, {"window": (20, 3)}], ids=["causal", "window"])
+@pytest.mark.parametrize("shape", [(1, 5, 5, 97, 97, 16), (2, 3, 1, 70, 97, 16)], ids=lambda s: "x".join(map(str, s)))
+def test_causal_tiles_in_either_order_give_the_attention(shape, variant, across, monkeypatch):
+    monkeypatch.setattr(flash_args, "ACROSS_OVERRIDE", across)
+    q, k, v, do = _inputs(shape, torch.float16)
+    variants = dict(variant)  # (the parameter itself is shared by every test of it)
+    causal = variants.pop("causal", False)
+    _check_fwd_bwd(q, k, v, do, causal, **variants)
+    _check_fwd_bwd(q, k, v, do, causal, deterministic=False, **variants)
 
 
 DETERMINISTIC_KERNELS = [("_attn_bwd_dkdv", False), ("_attn_bwd_dq", None)]

@@ -176,6 +176,28 @@ def split_result(buf: torch.Tensor, out: torch.Tensor, split: int, adds: bool) -
     return out.copy_(buf if adds else buf.view(*out.shape[:2], split, *out.shape[2:]).sum(2))
 
 
+# A causal or windowed grid starts every head's heaviest tiles first (jit.tile_of's ACROSS) where
+# the operand its programs re-read - K/V in the forward and dQ kernels, Q and dO in dK/dV's - fits
+# in these many bytes over all heads; else head by head, so that a head's tiles share it in L2
+# while they run. Measured on the H200 (50 MB of L2; NOTES v18, benchmarks/tile_order_ab.py),
+# across all heads against head by head: the forward 4 % faster at llama-1b's prefill (K/V 16 MB),
+# 55 % slower at 32 x 16 heads x 1024 keys (256 MB), and in sections of 24 MB still 4 % slower
+# there; the Gluon dK/dV 3-5 % faster at qwen2's and llama's prefill (Q/dO 48 and 64 MB), 23 % at
+# 16 heads x 2048 keys, 2 % at 16 x 8192 (64 MB), 18-29 % slower at 256 MB.
+ACROSS_BYTES = {"kv": 24 << 20, "qdo": 64 << 20}
+ACROSS_OVERRIDE: bool | None = None  # benchmarks/tile_order_ab.py forces an order (then drops the plans)
+
+
+def across_heads(heads: int, rows: int, head_dim: int, dtype: torch.dtype, share: float, operand: str) -> int:
+    """1 where a grid over ``heads`` should start every head's heaviest tiles first (else 0): its
+    programs of one head re-read ``rows`` rows of two (B, heads, N, head_dim) tensors, ``share``
+    of a head's each (a GQA group of g query heads shares its K/V: 1/g; a dK/dV program of a k/v
+    head reads Q and dO of g query heads: g), and all of it fits in ACROSS_BYTES[operand]."""
+    if ACROSS_OVERRIDE is not None:
+        return int(ACROSS_OVERRIDE)
+    return int(heads * 2 * rows * head_dim * dtype.itemsize * share <= ACROSS_BYTES[operand])
+
+
 def dot_options(dtype: torch.dtype) -> dict:
     """Constexprs for ``_dot``: bf16 upcast only in the interpreter; IEEE fp32 dots for float32."""
     return {

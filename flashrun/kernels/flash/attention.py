@@ -108,6 +108,7 @@ from flashrun.kernels.flash.args import (
     _variant,
     check_inputs,
     dot_options,
+    across_heads,
     split_outputs,
     split_result,
 )
@@ -225,7 +226,7 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         else:
             (q0, q1), (k0, k1), (v0, v1) = (q, None), (k, None), (v, None)
         args = (q0, k0, v0, q1, k1, v1, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                *_lse_strides(lse), H, N_Q, N_K)
+                *_lse_strides(lse), H, N_Q, N_K, across_heads(Z * H, N_K, D, q.dtype, H_KV / H, "kv"))
         kwargs = dict(var, GROUP=H // H_KV, HEAD_DIM=D, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, TMA=tma, WS=tma and bool(cfg.ws), **dot_options(q.dtype))
         return (cdiv(N_Q, cfg.block_m), Z * H, 1), args, kwargs, tma
@@ -366,7 +367,9 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         launch_kernel(_attn_bwd_dkdv, (cdiv(N_K, cfg.block_n), Z * H_KV * split),
             q, k, v, do, lse, delta, dk_out, dv_out, dq_arg, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk_out), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
-            H, H_KV * split, N_Q, N_K, sm_scale, GROUP=group // split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            H, H_KV * split, N_Q, N_K, across_heads(Z * H_KV * split, N_Q, D, q.dtype, group // split, "qdo"),
+            sm_scale,
+            GROUP=group // split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and dq_tma, KV_SPLIT=split, ADD_KV=adds, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **common)
         if split > 1:
@@ -380,7 +383,9 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     def run_dq(cfg: LaunchConfig) -> None:
         launch_kernel(_attn_bwd_dq, (cdiv(N_Q, cfg.block_m), Z * H),
             q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, sm_scale, GROUP=group,
+            *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, across_heads(Z * H, N_K, D, q.dtype, H_KV / H, "kv"),
+            sm_scale,
+            GROUP=group,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     tuning = variant.tuning(N_Q, N_K)

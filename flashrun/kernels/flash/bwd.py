@@ -24,6 +24,7 @@ from flashrun.kernels.flash.jit import (
     _scores,
     _sequence,
     _store_tile,
+    tile_of,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def _attn_bwd_dkdv_inner(dk0, dk1, dv0, dv1, k0, k1, v0, v1, Q, DO, LSE, Delta, 
     return dk0, dk1, dv0, dv1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ACROSS"])  # (as _attn_fwd's)
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    stride_qz, stride_qh, stride_qm, stride_qk,
                    stride_kz, stride_kh, stride_kn, stride_kk,
@@ -149,7 +150,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
                    stride_dkz, stride_dkh, stride_dkn, stride_dkk,
                    stride_dqz, stride_dqh, stride_dqm, stride_dqk,
                    stride_lz, stride_lh,
-                   H, H_KV, N_Q, N_K, sm_scale,
+                   H, H_KV, N_Q, N_K, ACROSS, sm_scale,
                    qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                    CU_SEQLENS_Q, CU_SEQLENS_K,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
@@ -168,8 +169,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ,
     partial dK/dV as head p of DK/DV (float32), which the launcher sums - or with ADD_KV adds it
     into head p // KV_SPLIT of DK/DV (float32, zeroed), in whatever order the parts land."""
     tl.static_assert(not (CAUSAL and WINDOW))
-    start_n = tl.program_id(0) * BLOCK_N
+    pid_n = tl.program_id(0)
     off_zh = tl.program_id(1)
+    if CAUSAL or WINDOW:  # the first key blocks are seen by the most queries (tile_of)
+        off_zh, pid_n = tile_of(pid_n + off_zh * tl.num_programs(0), tl.num_programs(1), tl.num_programs(0),
+                                ACROSS)
+    start_n = pid_n * BLOCK_N
     off_z = (off_zh // H_KV).to(tl.int64)
     off_hkv = off_zh % H_KV
     off_zq, off_zk, N_Q, N_K, win_right = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, off_z, N_Q, N_K, win_right,
@@ -262,7 +267,7 @@ def _attn_bwd_dq_inner(dq0, dq1, q0, q1, do0, do1, lse2, delta, k_base, v_base,
     return dq0, dq1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ACROSS"])  # (as _attn_fwd's)
 def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  stride_qz, stride_qh, stride_qm, stride_qk,
                  stride_kz, stride_kh, stride_kn, stride_kk,
@@ -270,7 +275,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  stride_doz, stride_doh, stride_dom, stride_dok,
                  stride_dqz, stride_dqh, stride_dqm, stride_dqk,
                  stride_lz, stride_lh,
-                 H, N_Q, N_K, sm_scale,
+                 H, N_Q, N_K, ACROSS, sm_scale,
                  qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right,
                  CU_SEQLENS_Q, CU_SEQLENS_K,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
@@ -279,10 +284,12 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     tl.static_assert(not (CAUSAL and WINDOW))
     pid_m = tl.program_id(0)
-    if CAUSAL or WINDOW:  # heaviest query tiles first, as in the forward
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
     off_hz = tl.program_id(1)
+    if CAUSAL or WINDOW:  # heaviest query tiles first, as in the forward
+        off_hz, rank = tile_of(pid_m + off_hz * tl.num_programs(0), tl.num_programs(1), tl.num_programs(0),
+                               ACROSS)
+        pid_m = tl.num_programs(0) - 1 - rank
+    start_m = pid_m * BLOCK_M
     off_z = (off_hz // H).to(tl.int64)
     off_h = off_hz % H
     off_hkv = off_h // GROUP

@@ -15,20 +15,22 @@ from flashrun.kernels.flash.jit import (
     _load_tile,
     _sequence,
     _store_tile,
+    tile_of,
 )
 
 # ---------------------------------------------------------------------------------------------
 # Forward kernel
 
 
-@triton.jit
+# ACROSS (jit.tile_of's order, 0 or 1) is not specialized: the two would compile apart
+@triton.jit(do_not_specialize=["ACROSS"])
 def _attn_fwd(Q, K, V, Q1, K1, V1, O, LSE,
               stride_qz, stride_qh, stride_qm, stride_qk,
               stride_kz, stride_kh, stride_kn, stride_kk,
               stride_vz, stride_vh, stride_vn, stride_vk,
               stride_oz, stride_oh, stride_om, stride_ok,
               stride_lz, stride_lh,
-              H, N_Q, N_K,
+              H, N_Q, N_K, ACROSS,
               qk_scale, softcap2, ALIBI_SLOPES, stride_az, stride_ah, win_left, win_right, CU_SEQLENS_Q, CU_SEQLENS_K,
               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -45,10 +47,12 @@ def _attn_fwd(Q, K, V, Q1, K1, V1, O, LSE,
     tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
     tl.static_assert(not (TMA and VARLEN))  # a packed head's rows are not one block of rows
     pid_m = tl.program_id(0)
-    if CAUSAL or WINDOW:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
     off_hz = tl.program_id(1)
+    if CAUSAL or WINDOW:  # the last query tiles see the most keys: start them first, so no straggler ends the grid
+        off_hz, rank = tile_of(pid_m + off_hz * tl.num_programs(0), tl.num_programs(1), tl.num_programs(0),
+                               ACROSS)
+        pid_m = tl.num_programs(0) - 1 - rank
+    start_m = pid_m * BLOCK_M
     off_z = (off_hz // H).to(tl.int64)  # int64: batch offsets can pass 2**31 elements
     off_h = off_hz % H
     off_hkv = off_h // GROUP  # GQA: GROUP query heads share one k/v head

@@ -32,7 +32,9 @@ of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO
   head_dim  64: 32 KB + 2 x 16 KB + 1 KB = 65 KB
   head_dim 128: 64 KB + 2 x 32 KB + 1 KB = 129 KB (3 stages: 161.5 KB)
 One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
-(x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
+(causal or windowed where all heads' Q and dO are few enough, ``args.across_heads``, H_KV x B x
+cdiv(N_K, 128):
+every head's first key blocks, the heaviest, start first) (x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
 backward need not be repeatable, ``args.split_outputs``).
 """
 
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from flashrun.kernels.flash import hopper
-from flashrun.kernels.flash.args import split_adds, split_outputs, split_result, tma_aligned
+from flashrun.kernels.flash.args import across_heads, split_adds, split_outputs, split_result, tma_aligned
 from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
@@ -236,7 +238,13 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
                       FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs)
-    grid = (max(cdiv(n_k, cfg.block_n), 1), h_kv * split, z)
+    blocks = max(cdiv(n_k, cfg.block_n), 1)
+    # causal or windowed, where all heads' Q and dO are few enough (args.across_heads): every
+    # head's first key blocks (the heaviest) start first (_key_tile)
+    last = bool((causal or window is not None) and blocks <= 65535  # (the grid's z)
+                and across_heads(z * h_kv * split, n_q, d, q.dtype, h // h_kv // split, "qdo"))
+    constexprs["BLOCKS_LAST"] = last
+    grid = (h_kv * split, z, blocks) if last else (blocks, h_kv * split, z)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 

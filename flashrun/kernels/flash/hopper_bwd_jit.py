@@ -109,6 +109,25 @@ def _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
+def _key_tile(CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+    """This program's (first key, k/v head or GQA part, batch entry). BLOCKS_LAST: the launcher put
+    the key blocks on the grid's last axis (``hopper_bwd.launch_args``, causal or windowed where
+    the heads' Q and dO fit in L2): programs start x fastest, so the first key blocks of every
+    head, seen by the most queries, start first and the grid ends on light programs. (Indices from
+    the grid, not computed: the head_dim 128 kernel spilled 4-16 B on Triton 3.6 with them kept
+    in registers.)"""
+    if BLOCKS_LAST:
+        block = gl.program_id(2)
+        off_hkv = gl.program_id(0)
+        off_z = gl.program_id(1)
+    else:
+        block = gl.program_id(0)
+        off_hkv = gl.program_id(1)
+        off_z = gl.program_id(2)
+    return block * (CONSUMERS * HALF_N_C), off_hkv, off_z
+
+
+@gluon.jit
 def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
     """The loop step after (query head off_h, first row start_m): the next query block, or at
     end_m the next query head of the GQA group from its first block (head-major)."""
@@ -121,10 +140,9 @@ def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                   lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    start_n = gl.program_id(0) * (CONSUMERS * HALF_N_C)
-    off_hkv = gl.program_id(1)
-    off_z = gl.program_id(2)
+                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  BLOCKS_LAST: gl.constexpr):
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
     # each consumer's K and V rows, once: they stay in shared memory for the whole loop
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -206,7 +224,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
                   do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
                   sm_scale, qk_scale, left, right, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr):
+                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D); Pᵀ, dSᵀ as their A operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -217,9 +235,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
     query_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    start_n = gl.program_id(0) * (CONSUMERS * HALF_N_C)
-    off_hkv = gl.program_id(1)
-    off_z = gl.program_id(2)
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
     key0 = start_n + C * HALF_N_C  # this consumer's first key
     keys = key0 + gl.arange(0, HALF_N_C, layout=key_s)
     offs_m = gl.arange(0, BLOCK_M, layout=query_s)
@@ -326,18 +342,18 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr):
+                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
-    H_KV, B). q_desc, do_desc: 4-D descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M,
-    HEAD_D]; k_desc, v_desc over k, v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D];
-    lse_desc, delta_desc: 3-D over LSE (natural log) and Delta = rowsum(dO ∘ O), float32
-    (B, H, N_Q), box [1, 1, BLOCK_M], unswizzled. DK, DV: (B, H_KV, N_K, HEAD_D), one layout, last
-    dim contiguous, written in their dtype. qk_scale = sm_scale · log2 e. CAUSAL or WINDOW (or
-    neither): WINDOW, query i sees keys [i + shift − win_left, i + shift + win_right] (shift =
-    N_K − N_Q; an unbounded side comes as a value wider than any sequence), and only the query
-    blocks that see some key of the program's are visited. Launch with num_warps=4
-    (the default partition, consumer 0) and maxnreg so that setmaxnreg can hand the consumers
-    CONSUMER_REGS and the producer PRODUCER_REGS.
+    H_KV, B), or with BLOCKS_LAST (H_KV, B, cdiv(N_K, 64 CONSUMERS)). q_desc, do_desc: 4-D
+    descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M, HEAD_D]; k_desc, v_desc over k,
+    v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D]; lse_desc, delta_desc: 3-D over LSE
+    (natural log) and Delta = rowsum(dO ∘ O), float32 (B, H, N_Q), box [1, 1, BLOCK_M], unswizzled.
+    DK, DV: (B, H_KV, N_K, HEAD_D), one layout, last dim contiguous, written in their dtype.
+    qk_scale = sm_scale · log2 e. CAUSAL or WINDOW (or neither): WINDOW, query i sees keys [i +
+    shift − win_left, i + shift + win_right] (shift = N_K − N_Q; an unbounded side comes as a value
+    wider than any sequence), and only the query blocks that see some key of the program's are
+    visited. Launch with num_warps=4 (the default partition, consumer 0) and maxnreg so that
+    setmaxnreg can hand the consumers CONSUMER_REGS and the producer PRODUCER_REGS.
 
     FUSED_DQ (two consumers): dQ too, 5 matmuls per tile pair instead of 7 with the dQ kernel.
     Each step's dSᵀ halves go through shared memory, and the consumers take the steps' dQ = dS K ·
@@ -392,22 +408,22 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
                              stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
                              stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)),
+                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
                              q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
                              stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                              v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)),
+                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST)),
         ], [1], [PRODUCER_REGS])

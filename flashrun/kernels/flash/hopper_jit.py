@@ -7,8 +7,9 @@ A tile is ``CONSUMERS`` x 64 query rows of one (batch, head). Each program runs 
 fewer programs (one or two per SM) it is persistent, and the producer loads the next tile's Q and
 first K/V blocks while the consumers still finish this one (FA3's cross-tile prefetch, the piece a
 plain persistent Triton loop lacked: benchmarks/NOTES.md v3, change 4). Tiles go head by head (the
-programs running at once share K/V in L2), causal ones heaviest first within a head. Three kinds
-of partition (``gl.warp_specialize``):
+programs running at once share K/V in L2), causal ones heaviest first within a head, or where all
+heads' K/V fit in L2 heaviest first across the heads (:func:`~flashrun.kernels.flash.jit.tile_of`).
+Three kinds of partition (``gl.warp_specialize``):
   * producer (worker, 1 warp, few registers): TMA loads of Q (one 64-row half per consumer, once
     the consumer has released the previous tile's) and of K/V blocks into a ring of ``STAGES``
     shared-memory stages that runs on across tiles; per stage a K-ready and a V-ready mbarrier
@@ -48,6 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashrun.kernels.flash.jit import tile_of
+
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -58,18 +61,19 @@ HALF_M_C = gl.constexpr(HALF_M)
 
 
 @gluon.jit
-def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Tile t's (batch, head, first query row, key blocks to visit)."""
+def _tile(t, Z, H, N_Q, N_K, ACROSS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tile t's (batch, head, first query row, key blocks to visit); ACROSS: tile_of's order."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
-    # a head's tiles side by side: the programs running at once share a few heads' K/V in L2 (in
-    # the order of all heads' last tiles first they would each stream their own head's, and at
-    # 4096 keys and 128 heads need about the HBM's whole bandwidth)
-    off_hz = t // n_m
-    start_m = (t % n_m) * BLOCK_M
-    if CAUSAL:  # within a head the last query tiles see the most keys: start them first
-        start_m = (n_m - 1 - t % n_m) * BLOCK_M
+    if CAUSAL:  # the last query tiles see the most keys: start them first (tile_of)
+        off_hz, rank = tile_of(t, Z * H, n_m, ACROSS)
+        start_m = (n_m - 1 - rank) * BLOCK_M
         hi = gl.minimum(gl.maximum(start_m + BLOCK_M + N_K - N_Q, 0), N_K)
     else:
+        # a head's tiles side by side: the programs running at once share a few heads' K/V in L2
+        # (in the order of all heads' last tiles first they would each stream their own head's,
+        # and at 4096 keys and 128 heads need about the HBM's whole bandwidth)
+        off_hz = t // n_m
+        start_m = (t % n_m) * BLOCK_M
         hi = N_K
     return off_hz // H, off_hz % H, start_m, gl.cdiv(hi, BLOCK_N)
 
@@ -89,14 +93,14 @@ def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SP
 
 @gluon.jit
 def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem,
-              q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+              q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K, ACROSS,
               GROUP: gl.constexpr, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
     it = 0  # K/V blocks loaded so far: the ring's position runs on across tiles
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
+        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, ACROSS, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
         # Q: each consumer's 64 rows on its own barrier, loaded once that consumer is done with the
         # previous tile's (a fresh mbarrier counts as having completed the phase before 0)
         for c in gl.static_range(CONSUMERS):
@@ -197,7 +201,7 @@ def _store_rows(O, base, rows, n_q, stride_om, acc, COL0: gl.constexpr, WIDTH: g
 
 @gluon.jit
 def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, O, LSE,
-              stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+              stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
               C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
@@ -226,7 +230,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     it = 0  # K/V blocks consumed so far (the producer's ring position)
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
+        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, ACROSS, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
         first_row = start_m + C * HALF_M_C
         rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
         shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
@@ -316,10 +320,10 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
 
 # lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
-@gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "stride_lz", "stride_lh"])
+@gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "ACROSS", "stride_lz", "stride_lh"])
 def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-             Z, H, N_Q, N_K, qk_scale,
+             Z, H, N_Q, N_K, ACROSS, qk_scale,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -363,21 +367,21 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
                          0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
                          1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K, ACROSS,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
                          0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K, ACROSS,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
         ], [1], [PRODUCER_REGS])
