@@ -27,7 +27,7 @@ from flashrun.kernels import (  # noqa: E402
     flash_attention,
     flash_attention_varlen,
 )
-from flashrun.kernels.flash import attention as flash  # noqa: E402
+from flashrun.kernels.flash import args as flash_args, attention as flash  # noqa: E402
 from flashrun.kernels.flash import hopper_bwd  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
@@ -293,6 +293,30 @@ def test_windows_on_the_gluon_backward(name, shape, dtype, variants, determinist
     _check(q, k, v, do, False, launch=_defaults(shape[-1], dtype), deterministic=deterministic, **variants)
     if torch.cuda.get_device_capability() == (9, 0) and hopper_bwd.enabled():
         assert hopper_bwd.LAST_PATH == (flash_hopper.GLUON_PATH if deterministic else hopper_bwd.FUSED_PATH)
+
+
+# (Z, H, H_kv, N_q, N_k, D, dtype, variants): causal unless a window is given. On sm_90: the Gluon
+# forward (head_dim 128 from 2048 causal keys, 64 from 8192) and dK/dV kernels; the portable ones
+# at head_dim 80 and for a window's forward
+ORDER_CASES = [
+    (2, 4, 2, 2048, 2048, 128, BF16, {}),
+    (1, 4, 1, 8192, 8192, 64, FP16, {}),
+    (3, 4, 2, 700, 777, 80, BF16, {}),
+    (2, 4, 4, 1000, 1000, 128, BF16, {"window": (200, 0)}),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+@pytest.mark.parametrize("across", [True, False], ids=["across-heads", "head-by-head"])
+@pytest.mark.parametrize("case", ORDER_CASES, ids=_case_id)
+def test_causal_tiles_in_either_order_on_gpu(case, across, deterministic, monkeypatch):
+    # both orders of a causal grid's tiles (args.across_heads picks one per call); plans keep the
+    # order they were made with
+    monkeypatch.setattr(flash_args, "ACROSS_OVERRIDE", across)
+    monkeypatch.setattr(flash_hopper, "_plans", {})
+    monkeypatch.setattr(hopper_bwd, "_plans", {})
+    *shape, dtype, variants = case
+    _check(*_inputs(*shape, dtype), not variants, deterministic=deterministic, **variants)
 
 
 @pytest.mark.parametrize("variants", [{"window": (4096, 0), "alibi_slopes": "H"}, {"softcap": 30.0}],
