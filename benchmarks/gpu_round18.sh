@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# H200 runs of round 18 (results/h200-v18-*, NOTES v18), each within one 10-minute device call; from
+# the repo root, results under $OUT (or ./gpu-session). OLD=<a checkout> for the A/Bs:
+#   bash benchmarks/gpu_round18.sh ab             # tile_order_ab.py (the tile orders in one process), twice;
+#                                                 # the GPU tests of the kernels whose tile order changed
+#   OLD=... bash benchmarks/gpu_round18.sh models [SAMPLES] # llama and qwen2 at 1b against SDPA, OLD and
+#                                                 # this in turns, a sample each of SAMPLES (default "1 2")
+#   bash benchmarks/gpu_round18.sh probe [LABELS] # tile_order_ab.py once per label (default 3)
+#   bash benchmarks/gpu_round18.sh bench          # the committed default sweep (fp16 + bf16, fwd and bwd)
+#                                                 # against cuDNN and FlexAttention; the remaining GPU tests
+# On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=120
+
+case "${1:-}" in
+  ab)
+    for run in 1 2; do
+      OUT="$OUT/order" timeout 150 python3 benchmarks/tile_order_ab.py --label="-$run" > "$OUT/tile-order-$run.txt" 2>&1
+      echo "tile order $run rc $?"; grep -E "prefill|Error" "$OUT/tile-order-$run.txt"
+    done
+    gpu_tests gpu-tests-ab 200 "flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable"
+    ;;
+  models)  # $2: the samples, e.g. "1 2"
+    for i in ${2:-1 2}; do
+      for run in "old-$i" "this-$i"; do
+        (cd "$(tree_of "$run")" && model_speed "$run")  # python -m puts the tree's flashrun first
+      done
+    done ;;
+  probe)  # $2: the probe's samples
+    for run in ${2:-3}; do
+      OUT="$OUT/order" timeout 150 python3 benchmarks/tile_order_ab.py --label="-$run" > "$OUT/tile-order-$run.txt" 2>&1
+      echo "tile order $run rc $?"; grep -E "prefill|Error" "$OUT/tile-order-$run.txt"
+    done ;;
+  bench)
+    timeout 420 python3 -m flashrun bench --config configs/sweep.toml --mode fwd --mode bwd \
+      --dtype float16 --dtype bfloat16 -p flash,sdpa-cudnn,flex --out "$OUT/sweep" > "$OUT/bench-sweep.txt" 2>&1
+    echo "bench rc $?"; tail -30 "$OUT/bench-sweep.txt"
+    gpu_tests gpu-tests-rest 150 "not (flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable)" ;;
+  *)
+    echo "usage: bash benchmarks/gpu_round18.sh ab|models|bench" >&2; exit 2 ;;
+esac
