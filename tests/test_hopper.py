@@ -102,7 +102,8 @@ def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
 def _portable_as_gluon(used):
     def good_kernel(q, k, v, sm_scale, causal, cfg, programs=None):  # the portable kernel standing in for a correct one
         used.append((q.shape, causal, cfg, programs))
-        return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", try_gluon=False)
+        return flash._attn_forward(q, k, v, sm_scale, flash.Variant(causal=causal), "default", try_gluon=False,
+                                   key=None)  # (a kernel keeps no forward route)
     return good_kernel
 
 
@@ -120,6 +121,7 @@ def test_passed_check_takes_the_path(monkeypatch, caplog):
     assert flash_hopper.LAST_PATH == "gluon-sm90"
     assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
     assert len(used) == 2 + 1  # the check's two cases (causal and not), then the call
+    assert flash._forward_plans == {}  # the check's portable runs keep no route (a stand-in RUN keeps none)
     assert {u[2] for u in used} == {flash_hopper.KERNELS["d64"]}
     torch.testing.assert_close(o, flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(), try_gluon=False)[0])
 

@@ -166,8 +166,9 @@ def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varia
 
 
 def _portable_check(q, k, v, sm_scale, causal):
-    """The portable forward on the first-use check's small inputs (fixed config, no tuning)."""
-    return _attn_forward(q, k, v, sm_scale, Variant(causal=causal), "default", try_gluon=False)
+    """The portable forward on the first-use check's small inputs (fixed config, no tuning; no
+    route kept for them, which would take a model's place among the plans)."""
+    return _attn_forward(q, k, v, sm_scale, Variant(causal=causal), "default", try_gluon=False, key=None)
 
 
 def forward_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, *,
@@ -444,9 +445,9 @@ def _delta(o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, H: int, varlen:
 
 def _portable_backward_check(q, k, v, do, sm_scale, causal, window=None):
     """The portable forward and deterministic backward on the Gluon backward's first-use check's
-    small inputs (fixed configs, no tuning): (dk, dv, lse, delta, dq)."""
+    small inputs (fixed configs, no tuning, no route kept): (dk, dv, lse, delta, dq)."""
     variant = Variant(causal=causal, window=window)
-    o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False)
+    o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False, key=None)
     dq, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
     return dk, dv, lse, (o.float() * do.float()).sum(-1), dq
 
