@@ -6,8 +6,9 @@
 #   OLD=... bash benchmarks/gpu_round18.sh models [SAMPLES] # llama and qwen2 at 1b against SDPA, OLD and
 #                                                 # this in turns, a sample each of SAMPLES (default "1 2")
 #   bash benchmarks/gpu_round18.sh probe [LABELS] # tile_order_ab.py once per label (default 3)
-#   bash benchmarks/gpu_round18.sh bench          # the committed default sweep (fp16 + bf16, fwd and bwd)
-#                                                 # against cuDNN and FlexAttention; the remaining GPU tests
+#   OLD=... bash benchmarks/gpu_round18.sh final  # the GPU tests of the changed kernels, both tile orders;
+#                                                 # models samples 2 and 3
+#   bash benchmarks/gpu_round18.sh plans          # the GPU tests of the plans, routes and launches; both orders
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -32,11 +33,15 @@ case "${1:-}" in
       OUT="$OUT/order" timeout 150 python3 benchmarks/tile_order_ab.py --label="-$run" > "$OUT/tile-order-$run.txt" 2>&1
       echo "tile order $run rc $?"; grep -E "prefill|Error" "$OUT/tile-order-$run.txt"
     done ;;
-  bench)
-    timeout 420 python3 -m flashrun bench --config configs/sweep.toml --mode fwd --mode bwd \
-      --dtype float16 --dtype bfloat16 -p flash,sdpa-cudnn,flex --out "$OUT/sweep" > "$OUT/bench-sweep.txt" 2>&1
-    echo "bench rc $?"; tail -30 "$OUT/bench-sweep.txt"
-    gpu_tests gpu-tests-rest 150 "not (flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable)" ;;
+  final)  # the GPU tests of the kernels whose tile order changed, both orders; two more model samples
+    gpu_tests gpu-tests-final 200 "either_order or flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable"
+    for i in 2 3; do
+      for run in "old-$i" "this-$i"; do
+        (cd "$(tree_of "$run")" && model_speed "$run")
+      done
+    done ;;
+  plans)  # the GPU tests of the plans, routes and launches, and of both tile orders
+    gpu_tests gpu-tests-plans 200 "plans or routes or c_launches or lays or kvcache or decode or probe or metrics or either_order" ;;
   *)
-    echo "usage: bash benchmarks/gpu_round18.sh ab|models|bench" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round18.sh ab|models|probe|final|plans" >&2; exit 2 ;;
 esac
