@@ -316,11 +316,12 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     d0, d1 = split_head_dim(d)
     args = (*_descriptors(q, HALF_M, d0, d1), *_descriptors(k, cfg.block_n, d0, d1),
             *_descriptors(v, cfg.block_n, d0, d1), o, lse, o.stride(0), o.stride(1), o.stride(2),
-            lse.stride(0), lse.stride(1), z, h, n_q, n_k, across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv"),
-            sm_scale * LOG2E)
+            lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
-                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                      # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
+                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")))
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))

@@ -61,7 +61,8 @@ HALF_M_C = gl.constexpr(HALF_M)
 
 
 @gluon.jit
-def _tile(t, Z, H, N_Q, N_K, ACROSS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+          ACROSS: gl.constexpr):
     """Tile t's (batch, head, first query row, key blocks to visit); ACROSS: tile_of's order."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
     if CAUSAL:  # the last query tiles see the most keys: start them first (tile_of)
@@ -93,14 +94,14 @@ def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SP
 
 @gluon.jit
 def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem,
-              q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K, ACROSS,
+              q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
               GROUP: gl.constexpr, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ACROSS: gl.constexpr):
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
     it = 0  # K/V blocks loaded so far: the ring's position runs on across tiles
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, ACROSS, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
+        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL, ACROSS)
         # Q: each consumer's 64 rows on its own barrier, loaded once that consumer is done with the
         # previous tile's (a fresh mbarrier counts as having completed the phase before 0)
         for c in gl.static_range(CONSUMERS):
@@ -201,9 +202,10 @@ def _store_rows(O, base, rows, n_q, stride_om, acc, COL0: gl.constexpr, WIDTH: g
 
 @gluon.jit
 def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, O, LSE,
-              stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
+              stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
               C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+              ACROSS: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -230,7 +232,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     it = 0  # K/V blocks consumed so far (the producer's ring position)
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, ACROSS, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL)
+        off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL, ACROSS)
         first_row = start_m + C * HALF_M_C
         rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
         shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
@@ -320,19 +322,20 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
 
 # lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
-@gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "ACROSS", "stride_lz", "stride_lh"])
+@gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "stride_lz", "stride_lh"])
 def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-             Z, H, N_Q, N_K, ACROSS, qk_scale,
+             Z, H, N_Q, N_K, qk_scale,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
     dim contiguous; LSE (B, H, N_Q) float32. Grid: (programs,), each looping over tiles
-    pid, pid + programs, ... of the cdiv(N_Q, 64 CONSUMERS) x B x H tiles. Launch with
-    num_warps=4 (the default partition, consumer 0)."""
+    pid, pid + programs, ... of the cdiv(N_Q, 64 CONSUMERS) x B x H tiles; CAUSAL with ACROSS,
+    every head's heaviest tiles first (``jit.tile_of``). Launch with num_warps=4 (the default
+    partition, consumer 0)."""
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     SPLIT: gl.constexpr = HEAD_D1 > 0
@@ -367,21 +370,21 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
-                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K, ACROSS,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, ACROSS, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP)),
+                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K, ACROSS,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+                         v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
         ], [1], [PRODUCER_REGS])
