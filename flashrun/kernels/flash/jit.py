@@ -329,10 +329,11 @@ def tile_of(t, heads, blocks, ACROSS):
     """The t-th program of a grid over ``heads`` x ``blocks`` tiles (``t`` in the order programs
     start) as (head, rank), rank 0 being a head's heaviest block (causal: most keys or queries to
     visit). Head by head, or with ACROSS (1) rank r of every head before rank r + 1 of any: the
-    grid then ends on light tiles instead of the last heads' heavy ones, which left the SMs about
-    16 % idle at qwen2-1b's prefill (4 x 12 heads x 16 query tiles on 132 SMs) in a model of the
-    dispatch - but a head's tiles no longer run together, so the K/V (or Q/dO) they share is read
-    again from HBM once the grid's exceeds L2 (``args.across_heads`` decides, NOTES v18)."""
+    grid then ends on light tiles instead of the last heads' heavy ones (at qwen2-1b's prefill,
+    4 x 12 heads x 16 query tiles on 132 SMs, 1.18x an even load head by head and 1.01x across, in
+    benchmarks/dispatch_model.py) - but a head's tiles no longer run together, so the K/V (or Q/dO)
+    they share is read again from HBM once the grid's exceeds L2 (``args.across_heads`` decides,
+    NOTES v18)."""
     head = t // blocks
     rank = t % blocks
     if ACROSS:
