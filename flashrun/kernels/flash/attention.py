@@ -106,9 +106,9 @@ from flashrun.kernels.flash.args import (
     _split_head_dim,
     _tma_ok,
     _variant,
+    across_heads,
     check_inputs,
     dot_options,
-    across_heads,
     split_outputs,
     split_result,
 )
@@ -369,8 +369,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             q, k, v, do, lse, delta, dk_out, dv_out, dq_arg, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk_out), *(_strides(dq) if atomic_dq else (0, 0, 0, 0)), *_lse_strides(lse),
             H, H_KV * split, N_Q, N_K, across_heads(Z * H_KV * split, N_Q, D, q.dtype, group // split, "qdo"),
-            sm_scale,
-            GROUP=group // split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            sm_scale, GROUP=group // split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and dq_tma, KV_SPLIT=split, ADD_KV=adds, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **common)
         if split > 1:
@@ -385,9 +384,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         launch_kernel(_attn_bwd_dq, (cdiv(N_Q, cfg.block_m), Z * H),
             q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
             *_strides(dq), *_lse_strides(lse), H, N_Q, N_K, across_heads(Z * H, N_K, D, q.dtype, H_KV / H, "kv"),
-            sm_scale,
-            GROUP=group,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            sm_scale, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
 
     tuning = variant.tuning(N_Q, N_K)
     if not deterministic:

@@ -32,10 +32,10 @@ of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO
   head_dim  64: 32 KB + 2 x 16 KB + 1 KB = 65 KB
   head_dim 128: 64 KB + 2 x 32 KB + 1 KB = 129 KB (3 stages: 161.5 KB)
 One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
-(causal or windowed where all heads' Q and dO are few enough, ``args.across_heads``, H_KV x B x
-cdiv(N_K, 128):
-every head's first key blocks, the heaviest, start first) (x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
-backward need not be repeatable, ``args.split_outputs``).
+(x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
+backward need not be repeatable, ``args.split_outputs``). Causal or windowed, where all heads' Q
+and dO are few enough (``args.across_heads``), the key blocks go on the grid's last axis, H_KV x B
+x cdiv(N_K, 128), so that every head's first key blocks, the heaviest, start first.
 """
 
 from __future__ import annotations
