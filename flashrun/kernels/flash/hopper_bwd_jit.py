@@ -112,7 +112,7 @@ def _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M: gl.constexpr, BLOCK_N
 def _key_tile(CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     """This program's (first key, k/v head or GQA part, batch entry). BLOCKS_LAST: the launcher put
     the key blocks on the grid's last axis (``hopper_bwd.launch_args``, causal or windowed where
-    the heads' Q and dO fit in L2): programs start x fastest, so the first key blocks of every
+    the heads' Q and dO are few enough, ``args.across_heads``): programs start x fastest, so the first key blocks of every
     head, seen by the most queries, start first and the grid ends on light programs. (Indices from
     the grid, not computed: the head_dim 128 kernel spilled 4-16 B on Triton 3.6 with them kept
     in registers.)"""
