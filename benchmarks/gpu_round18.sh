@@ -14,32 +14,34 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
 
+probe() {  # tile_order_ab.py once per label given
+  for run in "$@"; do
+    OUT="$OUT/order" timeout 150 python3 benchmarks/tile_order_ab.py --label="-$run" > "$OUT/tile-order-$run.txt" 2>&1
+    echo "tile order $run rc $?"; grep -E "prefill|Error" "$OUT/tile-order-$run.txt"
+  done
+}
+
+models() {  # llama and qwen2 at 1b, OLD and this in turns, one sample per number given
+  for i in "$@"; do
+    for run in "old-$i" "this-$i"; do
+      (cd "$(tree_of "$run")" && model_speed "$run")  # python -m puts the tree's flashrun first
+    done
+  done
+}
+
+CHANGED="flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable"
+
 case "${1:-}" in
   ab)
-    for run in 1 2; do
-      OUT="$OUT/order" timeout 150 python3 benchmarks/tile_order_ab.py --label="-$run" > "$OUT/tile-order-$run.txt" 2>&1
-      echo "tile order $run rc $?"; grep -E "prefill|Error" "$OUT/tile-order-$run.txt"
-    done
-    gpu_tests gpu-tests-ab 200 "flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable"
-    ;;
+    probe 1 2
+    gpu_tests gpu-tests-ab 200 "$CHANGED" ;;
   models)  # $2: the samples, e.g. "1 2"
-    for i in ${2:-1 2}; do
-      for run in "old-$i" "this-$i"; do
-        (cd "$(tree_of "$run")" && model_speed "$run")  # python -m puts the tree's flashrun first
-      done
-    done ;;
-  probe)  # $2: the probe's samples
-    for run in ${2:-3}; do
-      OUT="$OUT/order" timeout 150 python3 benchmarks/tile_order_ab.py --label="-$run" > "$OUT/tile-order-$run.txt" 2>&1
-      echo "tile order $run rc $?"; grep -E "prefill|Error" "$OUT/tile-order-$run.txt"
-    done ;;
+    models ${2:-1 2} ;;
+  probe)  # $2: the probe's labels
+    probe ${2:-3} ;;
   final)  # the GPU tests of the kernels whose tile order changed, both orders; two more model samples
-    gpu_tests gpu-tests-final 200 "either_order or flash_on_gpu or deterministic_on_gpu or gluon_kernels or windows or heads or varlen or repeatable"
-    for i in 2 3; do
-      for run in "old-$i" "this-$i"; do
-        (cd "$(tree_of "$run")" && model_speed "$run")
-      done
-    done ;;
+    gpu_tests gpu-tests-final 200 "either_order or $CHANGED"
+    models 2 3 ;;
   plans)  # the GPU tests of the plans, routes and launches, and of both tile orders
     gpu_tests gpu-tests-plans 200 "plans or routes or c_launches or lays or kvcache or decode or probe or metrics or either_order" ;;
   *)
