@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# H200 runs of round 19 (results/h200-v19-*, NOTES v19), each within one 10-minute device call; from
+# the repo root, results under $OUT (or ./gpu-session):
+#   bash benchmarks/gpu_round19.sh checks   # the GPU tests of the Gluon forward (its tile order a constexpr
+#                                           # since 26c6cca), both tile orders, plans and routes; every
+#                                           # family's checks at 1b (batch 1)
+# On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=120
+
+checks() {  # every family's six checks at 1b, batch 1 (64 greedy tokens in float32 among them)
+  mkdir -p "$OUT/model"
+  for arch in llama mistral qwen2 gemma2; do
+    start=$(date +%s)
+    timeout 110 python3 -m flashrun model --size 1b --arch "$arch" --batch 1 --no-speed --json \
+      --set "logging.log_dir='$OUT/model'" --set "model.out='$OUT/model'" \
+      > "$OUT/model/$arch-checks.json" 2> "$OUT/model/$arch-checks.log"
+    echo "$arch checks: exit $? in $(( $(date +%s) - start )) s"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(' ', r['verdict']); [print('  ', 'pass' if c['passed'] else 'FAIL', c['name'], c['summary'][:140]) for c in r['checks']]" "$OUT/model/$arch-checks.json"
+  done
+}
+
+case "${1:-}" in
+  checks)
+    gpu_tests gpu-tests-forward 200 "gluon or either_order or plans or routes or c_launches or flash_on_gpu"
+    checks ;;
+  *)
+    echo "usage: bash benchmarks/gpu_round19.sh checks" >&2; exit 2 ;;
+esac
