@@ -359,7 +359,8 @@ def timed_shapes() -> list[tuple]:
             ("llama-1b D64 causal N2048 B4xH32 gqa32/8", 4, 32, 8, 2048, 64, True),
             ("qwen2-1b D128 causal N2048 B4xH12 gqa12/2", 4, 12, 2, 2048, 128, True),
             plain(128, False, 8192), plain(64, False, 8192), plain(128, True, 2048), plain(64, True, 2048),
-            plain(128, False, 2048), plain(64, False, 2048)]
+            plain(128, False, 2048), plain(64, False, 2048),
+            plain(96, True, 4096), plain(96, False, 4096), plain(80, True, 4096)]
 
 
 def timed_split(b, h, h_kv, n, d) -> int:

@@ -61,6 +61,10 @@ CASES = [
     (1, 4, 4, 777, 777, 160, FP16, False),
     (2, 4, 2, 1, 8191, 192, FP16, True),  # flash-decoding
     (1, 4, 4, 777, 777, 48, BF16, True),
+    # the Gluon backward's two column blocks (64 + 32, 64 + 16): GQA causal, ragged, N = 1
+    (2, 8, 2, 1025, 1025, 96, BF16, True),
+    (1, 6, 1, 97, 130, 80, FP16, True),
+    (1, 2, 2, 1, 1, 96, BF16, False),
 ]
 
 
@@ -275,7 +279,7 @@ def test_variants_on_gpu(name, shape, dtype, causal, variants, q_scale):
     _check(q, k, v, do, causal, launch=_defaults(shape[-1], dtype), **variants)
 
 
-# Windows alone take the Gluon backward on sm_90 (fp16/bf16, head_dim 64/128): both backwards,
+# Windows alone take the Gluon backward on sm_90 (fp16/bf16, head_dim 64/80/96/128): both backwards,
 # sliding and two-sided, Nq != Nk both ways (rows that see no key, whole query blocks skipped on
 # either side of a key block), GQA, a window wider than one side
 GLUON_WINDOW_CASES = [
@@ -283,6 +287,7 @@ GLUON_WINDOW_CASES = [
     ("window500x100-nq<nk-d128", (2, 8, 2, 1000, 3000, 128), BF16, {"window": (500, 100)}),
     ("window0x0-d128", (1, 4, 4, 777, 777, 128), FP16, {"window": (0, 0)}),
     ("window3000x5-gqa6-d64", (2, 12, 2, 2048, 2048, 64), BF16, {"window": (3000, 5)}),
+    ("sliding300-gqa4-d96", (2, 8, 2, 1500, 1500, 96), BF16, {"window": (300, 0)}),
 ]
 
 

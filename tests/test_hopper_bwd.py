@@ -127,7 +127,8 @@ def test_on_still_needs_an_sm90_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("change,why", [
-    (dict(dtype=torch.float32), "dtype"), (dict(d=96), "head_dim 96"), (dict(d=256), "head_dim 256"),
+    (dict(dtype=torch.float32), "dtype"), (dict(d=96), None), (dict(d=80, causal=True), None),
+    (dict(d=112), "head_dim 112"), (dict(d=192), "head_dim 192"), (dict(d=256), "head_dim 256"),
     (dict(window=(8, 0)), None), (dict(window=(3, 5), causal=False), None),
     (dict(softcap=5.0), "softcap"), (dict(alibi=True), "ALiBi"),
     (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
@@ -423,14 +424,19 @@ def test_every_kernel_fits_an_sm(name):
 def test_every_fused_kernel_fits_an_sm(name):
     cfg = hopper_bwd.KERNELS[name]
     assert hopper_bwd.fusable(cfg)
-    assert cfg.consumers == 2 and cfg.dq_cols in (cfg.head_dim, cfg.head_dim // 2)
+    assert cfg.consumers == 2
+    # whole steps in turns, half the columns each, or (a head dim of two blocks) a block each
+    assert cfg.dq_cols in ((cfg.head_dim,), (cfg.head_dim // 2,) * 2, cfg.blocks)
+    assert cfg.blocks[1] == 0 or cfg.dq_cols == cfg.blocks
 
 
 @pytest.mark.skipif(flash_hopper.gluon_api() is not None, reason="this Triton lacks the Gluon Hopper API")
 @pytest.mark.parametrize("shape,split,grid", [
     ((2, 8, 1000, 128), 1, (8, 2, 2)),  # q (B, H, N, D), k/v heads 2: GQA 4:1
     ((2, 8, 1000, 128), 2, (8, 4, 2)),
-    ((1, 2, 17, 64), 1, (1, 2, 1))])
+    ((1, 2, 17, 64), 1, (1, 2, 1)),
+    ((2, 8, 1000, 96), 2, (8, 4, 2)),  # two column blocks, 64 + 32
+    ((1, 2, 300, 80), 1, (3, 2, 1))])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_launch_grid_and_descriptors(shape, split, grid, causal):
     # (key blocks, k/v heads x split, batch); causal: the key blocks last, so that the programs
@@ -444,8 +450,16 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     got, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, causal, cfg, split)
     assert got == ((*grid[1:], grid[0]) if causal else grid)
     assert constexprs["GROUP"] == h // k.shape[1] // split and constexprs["KV_SPLIT"] == split
-    assert [list(a.block_shape) for a in args[:6]] == [[1, 1, 64, d], [1, 1, 64, d], [1, 1, 64, d],
-                                                       [1, 1, 64, d], [1, 1, 64], [1, 1, 64]]
+    d0, d1 = cfg.blocks
+    assert (d0, d1) == {64: (64, 0), 128: (128, 0), 96: (64, 32), 80: (64, 16)}[d]
+    assert [list(a.block_shape) for a in args[:6]] == [[1, 1, 64, d0], [1, 1, 64, d0], [1, 1, 64, d0],
+                                                       [1, 1, 64, d0], [1, 1, 64], [1, 1, 64]]
+    # the second column block's q, k, v, dO (loaded from column HEAD_D), and no dQ
+    assert [a if a is None else list(a.block_shape) for a in args[7:12]] == (
+        [[1, 1, 64, d1]] * 4 + [None] if d1 else [None] * 5)
+    assert all(a.base is t for a, t in zip(args[7:11], (q, k, k, q)) if d1)
+    assert (constexprs["HEAD_D"], constexprs["HEAD_D1"]) == (d0, d1)
+    assert args[12] is dk and args[13] is dk and len(args) - 9 == hopper_bwd.PER_CALL
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
     assert args[6] is None and constexprs["FUSED_DQ"] is False and constexprs["KV_ADD"] == 0
@@ -459,8 +473,10 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     fused = hopper_bwd.KERNELS[hopper_bwd.kernel_for(d, fused=True)]
     dq = torch.zeros(shape)
     _, args, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, fused, split, dq)
-    assert constexprs["FUSED_DQ"] is True and list(args[6].block_shape) == [1, 1, 64, fused.dq_cols]
+    assert constexprs["FUSED_DQ"] is True and list(args[6].block_shape) == [1, 1, 64, fused.dq_cols[0]]
     assert list(args[6].shape) == list(shape)
+    # a head dim of two blocks: consumer 1 adds dQ's second block through its own descriptor
+    assert (list(args[11].block_shape) == [1, 1, 64, d1] and args[11].base is dq) if d1 else args[11] is None
 
 
 def test_compiles_for_hopper(python):

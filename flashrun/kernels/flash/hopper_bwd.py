@@ -13,7 +13,8 @@ where :data:`DEFAULT_ON` is False.
 
 When it runs (:func:`eligible`): turned on, compiling (not the interpreter), a CUDA device of
 capability (9, 0), Triton's Gluon Hopper API (the forward's feature check,
-:func:`flashrun.kernels.flash.hopper.gluon_api`), float16/bfloat16, head_dim 64 or 128, dense
+:func:`flashrun.kernels.flash.hopper.gluon_api`), float16/bfloat16, head_dim 64 or 128 (or 80 and 96
+as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192), dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
 aligned (TMA descriptors), plain, causal or a window (bottom-right aligned when Nq != Nk), any GQA
 group; no softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
@@ -31,6 +32,9 @@ of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO
 2-byte elements + STAGES x (LSE + delta) (64 float32):
   head_dim  64: 32 KB + 2 x 16 KB + 1 KB = 65 KB
   head_dim 128: 64 KB + 2 x 32 KB + 1 KB = 129 KB (3 stages: 161.5 KB)
+  head_dim  96: 48 KB + 2 x 24 KB + 1 KB = 97 KB (each tile as a 64- and a 32-column box)
+With dQ inside add 32 KB of dSᵀ stages and one float32 dQ tile per consumer (64 rows; at head_dim
+96 consumer 0 adds dQ's first 64 columns, consumer 1 its last 32).
 One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
 (x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
 backward need not be repeatable, ``args.split_outputs``). Causal or windowed, where all heads' Q
@@ -53,7 +57,7 @@ from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 
 DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 80, 96, 128)  # 80 and 96 as two column blocks, 64 + 16 and 64 + 32 (:func:`BwdConfig.blocks`)
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
@@ -70,11 +74,22 @@ class BwdConfig:
     producer_regs: int = 24
     maxnreg: int = 168  # launch cap: 12 warps x 32 x 168 <= 65536 (see the module docstring)
     dq_split: bool = False  # dQ inside (non-deterministic): each consumer half its columns every
-    # step, else the consumers take whole steps in turns
+    # step (a head dim of two column blocks: consumer c block c), else the consumers take whole
+    # steps in turns
 
     @property
-    def dq_cols(self) -> int:
-        return self.head_dim // 2 if self.dq_split else self.head_dim
+    def blocks(self) -> tuple[int, int]:
+        """(HEAD_D, HEAD_D1): the head dim's column blocks, a power of two and the rest (0: one
+        block), as the Gluon forward splits 192 (``hopper.split_head_dim``): 96 = 64 + 32."""
+        return hopper.split_head_dim(self.head_dim)
+
+    @property
+    def dq_cols(self) -> tuple[int, ...]:
+        """The widths of the dQ tiles the consumers add (one per consumer, or one both take in turns)."""
+        d0, d1 = self.blocks
+        if not self.dq_split:
+            return (self.head_dim,)
+        return (d0, d1) if d1 else (d0 // 2, d0 // 2)
 
     @property
     def block_n(self) -> int:
@@ -89,12 +104,16 @@ KERNELS = {
     "d128-s3": BwdConfig(128, stages=3),
     "d64-dqs": BwdConfig(64, dq_split=True),
     "d128-dqs": BwdConfig(128, dq_split=True),
+    "d80": BwdConfig(80),
+    "d96": BwdConfig(96),
+    "d80-dqs": BwdConfig(80, dq_split=True),
+    "d96-dqs": BwdConfig(96, dq_split=True),
 }
-DEFAULT = {64: "d64", 128: "d128"}  # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
+DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}  # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
 # with dQ inside (the non-deterministic backward's), NOTES v10: at head_dim 64 the consumers take
 # whole steps' dQ in turns (d64 399 TFLOP/s against d64-dqs 359, causal N8192), at 128 each takes
 # half the columns every step (whole-width tiles spill)
-FUSED = {64: "d64", 128: "d128-dqs"}
+FUSED = {64: "d64", 80: "d80-dqs", 96: "d96-dqs", 128: "d128-dqs"}
 OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
 
 
@@ -109,8 +128,9 @@ def _config(head_dim: int, fused: bool) -> BwdConfig:
 def smem_bytes(cfg: BwdConfig, fused: bool = False) -> int:
     """K and V (block_n rows), STAGES x (Q + dO) (block_m rows) of 2-byte elements, and STAGES x
     (LSE + delta) (block_m float32 each); ``fused`` (dQ inside): 2 x 2 dSᵀ tiles (64 x block_m,
-    2-byte) and one float32 dQ tile per consumer (block_m x dq_cols); the barriers aside."""
-    dq = 4 * 64 * cfg.block_m * 2 + cfg.consumers * cfg.block_m * cfg.dq_cols * 4 if fused else 0
+    2-byte) and the float32 dQ tiles (block_m x dq_cols); the barriers aside."""
+    cols = cfg.dq_cols if len(cfg.dq_cols) == cfg.consumers else cfg.dq_cols * cfg.consumers
+    dq = 4 * 64 * cfg.block_m * 2 + cfg.block_m * sum(cols) * 4 if fused else 0
     return (2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
             + dq)
 
@@ -118,8 +138,10 @@ def smem_bytes(cfg: BwdConfig, fused: bool = False) -> int:
 def fusable(cfg: BwdConfig) -> bool:
     """Whether the kernel can take dQ inside: two consumers (dQ's steps are shared between them),
     dQ tiles of at most 64 columns (a 64 x 128 float32 accumulator, 64 registers a thread beside
-    dK and dV, spilled 68-132 B: tests/compile_hopper_bwd.py), and shared memory for them."""
-    return cfg.consumers == 2 and cfg.dq_cols <= 64 and smem_bytes(cfg, fused=True) <= SMEM_LIMIT - 2048
+    dK and dV, spilled 68-132 B: tests/compile_hopper_bwd.py), each consumer its own column block
+    where the head dim has two, and shared memory for them."""
+    return (cfg.consumers == 2 and max(cfg.dq_cols) <= 64 and (cfg.dq_split or not cfg.blocks[1])
+            and smem_bytes(cfg, fused=True) <= SMEM_LIMIT - 2048)
 
 
 def launched_threads(cfg: BwdConfig) -> int:
@@ -192,26 +214,34 @@ def _row_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
-PER_CALL = 9  # _fa3_bwd_dkdv's arguments that change from call to call: seven descriptors (dQ's or None), dK, dV
+# _fa3_bwd_dkdv's arguments that change from call to call: twelve descriptors (dQ's, and the second
+# column block's, or None), dK, dV
+PER_CALL = 14
 
 
 def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
     """The launch's first PER_CALL arguments: descriptors over q, k, v, dO (boxes of BLOCK_M query
-    rows or HALF_N keys), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`), dQ's float32
-    buffer (or None), and the dK, dV outputs."""
+    rows or HALF_N keys, HEAD_D columns), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`),
+    dQ's float32 buffer (or None), the same over q, k, v, dO and dQ with the second column block's
+    HEAD_D1 columns (the kernel loads them from column HEAD_D; None with one block), and the dK,
+    dV outputs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashrun.kernels.flash.hopper_bwd_jit import HALF_N
 
-    def desc(t, rows, cols=cfg.head_dim):
+    def desc(t, rows, cols):
+        if t is None or not cols:
+            return None
         block = [1, 1, rows, cols]
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, hopper._smem_layout(rows, cols, t.dtype))
 
     def row_desc(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_m], _row_layout())
 
-    return (desc(q, cfg.block_m), desc(k, HALF_N), desc(v, HALF_N), desc(do, cfg.block_m), row_desc(lse),
-            row_desc(delta), None if dq is None else desc(dq, cfg.block_m, cfg.dq_cols), dk, dv)
+    m, (d0, d1), dq_cols = cfg.block_m, cfg.blocks, cfg.dq_cols
+    return (desc(q, m, d0), desc(k, HALF_N, d0), desc(v, HALF_N, d0), desc(do, m, d0), row_desc(lse),
+            row_desc(delta), desc(dq, m, dq_cols[0]), desc(q, m, d1), desc(k, HALF_N, d1), desc(v, HALF_N, d1),
+            desc(do, m, d1), desc(dq, m, d1 and dq_cols[-1]), dk, dv)
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
@@ -234,7 +264,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
     left, right = window if window is not None else (0, 0)  # read only under WINDOW
     args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg),
             dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
-    constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=d, BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+    constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=cfg.blocks[0], HEAD_D1=cfg.blocks[1],
+                      BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
                       FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs)
@@ -255,11 +286,12 @@ class _Plan:
     specialization (launch._Launch, NOTES.md v14) and the descriptors' checks (launch.rebased)."""
 
     launch: _Launch
-    descriptors: tuple  # the first call's descriptors of q, k, v, dO, LSE, delta and dQ, as templates
+    descriptors: tuple  # the first call's descriptors of q, k, v, dO, LSE, delta, dQ and the second
+    # column block's of q, k, v, dO and dQ, as templates
 
     def __call__(self, stream, q, k, v, do, lse, delta, dq, dk, dv) -> None:
-        self.launch(stream, *(None if d is None else rebased(d, t)
-                              for d, t in zip(self.descriptors, (q, k, v, do, lse, delta, dq))), dk, dv)
+        self.launch(stream, *(None if d is None else rebased(d, t) for d, t in
+                              zip(self.descriptors, (q, k, v, do, lse, delta, dq, q, k, v, do, dq))), dk, dv)
 
 
 _plans: dict[tuple, _Plan] = {}

@@ -37,6 +37,12 @@ thread holds 16 of its 64 columns), which is why LSE comes from shared memory ri
 use and delta rides in dPᵀ's accumulator (both measured: with the vectors in registers ptxas
 spilled 12-228 bytes at head_dim 128).
 
+Head dims that are not a power of two run as two column blocks, ``HEAD_D`` + ``HEAD_D1`` (96 = 64 +
+32, 80 = 64 + 16; register tensors and TMA boxes are powers of two), as the Gluon forward runs
+192: each tile of Q, dO, K and V comes as two boxes on one barrier, Sᵀ and dPᵀ sum two wgmmas
+(one per block), dK_c and dV_c are two accumulators each, and with dQ inside consumer 0 adds dQ's
+first block and consumer 1 its second. At 96: dK_c + dV_c 96 registers a thread (no spill).
+
 Edges. Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, HEAD_D] (and
 3-D over LSE/delta's (batch, heads, seq)), so the copy engine zero-fills rows past a head's
 sequence: a neighbouring head's rows, NaN included, never reach a tile. Query rows past N_Q load
@@ -137,17 +143,25 @@ def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
+                  q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
                   lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
-                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  BLOCKS_LAST: gl.constexpr):
+                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
     # each consumer's K and V rows, once: they stay in shared memory for the whole loop
     for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [off_z, off_hkv // KV_SPLIT, start_n + c * HALF_N_C, 0], kv_bars.index(c), k_smem.index(c))
-        _tma_load(v_desc, [off_z, off_hkv // KV_SPLIT, start_n + c * HALF_N_C, 0], kv_bars.index(c), v_smem.index(c))
+        key = start_n + c * HALF_N_C
+        if HEAD_D1 > 0:  # the second column block from column HEAD_D, on the same barrier
+            mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                            + k1_desc.block_type.nbytes + v1_desc.block_type.nbytes)
+            _tma_load(k1_desc, [off_z, off_hkv // KV_SPLIT, key, HEAD_D], kv_bars.index(c), k1_smem.index(c))
+            _tma_load(v1_desc, [off_z, off_hkv // KV_SPLIT, key, HEAD_D], kv_bars.index(c), v1_smem.index(c))
+        else:
+            mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [off_z, off_hkv // KV_SPLIT, key, 0], kv_bars.index(c), k_smem.index(c))
+        _tma_load(v_desc, [off_z, off_hkv // KV_SPLIT, key, 0], kv_bars.index(c), v_smem.index(c))
     first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * HALF_N_C, CAUSAL, WINDOW)
     off_h = off_hkv * GROUP
     start_m = first * BLOCK_M
@@ -156,10 +170,20 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem,
         # a fresh mbarrier counts as having completed the phase before 0: the first lap passes
         mbarrier.wait(empty_bars.index(s), ((i // STAGES) & 1) ^ 1)
         # Q with its rows' LSE, dO with their delta: rows past N_Q (and past the head) land as zeros
-        mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        if HEAD_D1 > 0:
+            mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes + q1_desc.block_type.nbytes
+                            + lse_desc.block_type.nbytes)
+            _tma_load(q1_desc, [off_z, off_h, start_m, HEAD_D], q_bars.index(s), q1_smem.index(s))
+        else:
+            mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         _tma_load(q_desc, [off_z, off_h, start_m, 0], q_bars.index(s), q_smem.index(s))
         _tma_load(lse_desc, [off_z, off_h, start_m], q_bars.index(s), lse_smem.index(s))
-        mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        if HEAD_D1 > 0:
+            mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes + do1_desc.block_type.nbytes
+                            + delta_desc.block_type.nbytes)
+            _tma_load(do1_desc, [off_z, off_h, start_m, HEAD_D], do_bars.index(s), do1_smem.index(s))
+        else:
+            mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
@@ -181,11 +205,11 @@ def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.
 
 
 @gluon.jit
-def _store_rows(DST, base, rows, n_rows, stride_m, acc, WIDTH: gl.constexpr, layout: gl.constexpr,
-                ADD: gl.constexpr):
-    """Store acc (64 rows x WIDTH columns) to DST's rows below n_rows, in DST's dtype (ADD: add
-    it into DST, float32, in whatever order the programs land)."""
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+def _store_rows(DST, base, rows, n_rows, stride_m, acc, COL0: gl.constexpr, WIDTH: gl.constexpr,
+                layout: gl.constexpr, ADD: gl.constexpr):
+    """Store acc (64 rows x WIDTH columns from COL0) to DST's rows below n_rows, in DST's dtype
+    (ADD: add it into DST, float32, in whatever order the programs land)."""
+    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
     ptrs = DST + base + gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
     if ADD:
         gl.atomic_add(ptrs, acc, mask=gl.expand_dims(rows < n_rows, 1), sem="relaxed")
@@ -194,43 +218,49 @@ def _store_rows(DST, base, rows, n_rows, stride_m, acc, WIDTH: gl.constexpr, lay
 
 
 @gluon.jit
-def _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, par, phase, sm_scale,
-             C: gl.constexpr, COL0: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Columns [COL0, COL0 + DQ_COLS) of dQ (DQ_COLS: dq_desc's box) of one query block against
-    this program's 128 keys, added into the float32 dQ buffer: wait until both consumers' dSᵀ
-    halves of the step are in dS stage ``par``, dQ = dS K = Σ_c dS_c K_c (dS_c read transposed
-    from shared memory), scaled by sm_scale, through ``dq_smem[C]`` by one TMA reduce-add (rows
-    past N_Q are clipped)."""
+def _dq_step(ds_smem, k_smem, dq_tile, ds_bars, dq_desc, off_z, off_h, start_m, par, phase, sm_scale,
+             K_COL: gl.constexpr, K_WIDTH: gl.constexpr, OUT_COL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Columns [OUT_COL, OUT_COL + DQ_COLS) of dQ (DQ_COLS: dq_desc's box) of one query block
+    against this program's 128 keys, added into the float32 dQ buffer: wait until both consumers'
+    dSᵀ halves of the step are in dS stage ``par``, dQ = dS K = Σ_c dS_c K_c (dS_c read transposed
+    from shared memory; K_c's columns [K_COL, K_COL + DQ_COLS) of the K_WIDTH that ``k_smem``
+    holds), scaled by sm_scale, through ``dq_tile`` by one TMA reduce-add (rows past N_Q are clipped)."""
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     mbarrier.wait(ds_bars.index(par), phase)
     dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dq = warpgroup_mma(ds_smem.index(2 * par).permute((1, 0)),
-                       k_smem.index(0).reshape([HALF_N_C, HEAD_D]).slice(COL0, DQ_COLS, dim=1), dq,
+                       k_smem.index(0).reshape([HALF_N_C, K_WIDTH]).slice(K_COL, DQ_COLS, dim=1), dq,
                        use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_smem.index(2 * par + 1).permute((1, 0)),
-                       k_smem.index(1).reshape([HALF_N_C, HEAD_D]).slice(COL0, DQ_COLS, dim=1), dq,
+                       k_smem.index(1).reshape([HALF_N_C, K_WIDTH]).slice(K_COL, DQ_COLS, dim=1), dq,
                        is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
-    tma.store_wait(0)  # the previous reduce-add has read dq_smem[C]
-    dq_smem.index(C).reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
+    tma.store_wait(0)  # the previous reduce-add has read dq_tile
+    dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
     fence_async_shared()
-    _tma_add(dq_desc, [off_z, off_h, start_m, COL0], dq_smem.index(C))
+    _tma_add(dq_desc, [off_z, off_h, start_m, OUT_COL], dq_tile)
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars, q_bars,
-                  do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
-                  sm_scale, qk_scale, left, right, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
+                  ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc,
+                  dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
+                  C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D); Pᵀ, dSᵀ as their A operands
+    # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D) and, with a second column
+    # block, (64 keys, HEAD_D1); Pᵀ, dSᵀ as their A operands
+    D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
+    acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, D1, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    op1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1_layout, k_width=2)
     key_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
@@ -251,9 +281,17 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
 
     k = k_smem.index(C).reshape([HALF_N_C, HEAD_D])
     v = v_smem.index(C).reshape([HALF_N_C, HEAD_D])
+    if HEAD_D1 > 0:
+        k1 = k1_smem.index(C).reshape([HALF_N_C, HEAD_D1])
+        v1 = v1_smem.index(C).reshape([HALF_N_C, HEAD_D1])
+    else:  # never read: the first blocks stand in
+        k1 = k
+        v1 = v
     s_zero = gl.zeros([HALF_N_C, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N_C, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N_C, HEAD_D], gl.float32, layout=acc_layout)
+    dk1 = gl.zeros([HALF_N_C, D1], gl.float32, layout=acc1_layout)  # (unused without a second block)
+    dv1 = gl.zeros([HALF_N_C, D1], gl.float32, layout=acc1_layout)
     # LSE and delta come with Q and dO through the ring and are read right before their use (a
     # per-query vector costs 16 registers a thread here, see the module docstring); −delta goes into
     # dPᵀ's accumulator. That wgmma is issued first: ptxas waits for every wgmma in flight before
@@ -267,12 +305,22 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
     for i in range(GROUP * n_m):  # head-major over the GQA group: one flat loop (see the Triton kernel)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])
         do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        if HEAD_D1 > 0:
+            q1 = q1_smem.index(s).reshape([BLOCK_M, HEAD_D1])
+            do1 = do1_smem.index(s).reshape([BLOCK_M, HEAD_D1])
+        else:
+            q1 = q
+            do1 = do
         mbarrier.wait(do_bars.index(s), phase)
         delta = delta_smem.index(s).reshape([BLOCK_M]).load(query_s)
         dp_init = s_zero - gl.expand_dims(delta, 0)
         dpT_tok = warpgroup_mma(v, do.permute((1, 0)), dp_init, is_async=True)  # dPᵀ − delta = V_c dOᵀ − delta
+        if HEAD_D1 > 0:  # summed over the column blocks
+            dpT_tok = warpgroup_mma(v1, do1.permute((1, 0)), dpT_tok, is_async=True)
         mbarrier.wait(q_bars.index(s), phase)
         sT_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # Sᵀ = K_c Qᵀ
+        if HEAD_D1 > 0:
+            sT_tok = warpgroup_mma(k1, q1.permute((1, 0)), sT_tok, is_async=True)
         # rows past N_Q have LSE = delta = 0 and q = dO = 0: they add nothing; a row that saw no
         # key (LSE = -inf) gets +inf, so that P = exp2(s − inf) = 0, not NaN
         lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
@@ -293,10 +341,16 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
             pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pT_op, do, dv, is_async=True)  # dV_c += Pᵀ dO
+        if HEAD_D1 > 0:
+            pT_op1 = gl.convert_layout(pT_op, op1_layout)  # the same registers (layouts equal but for N)
+            dv1_tok = warpgroup_mma(pT_op1, do1, dv1, is_async=True)
         dsT = pT * dpT  # dSᵀ = Pᵀ ∘ (dPᵀ − delta), while dV's wgmma runs
         ds16 = dsT.to(dtype)
         dsT_op = gl.convert_layout(ds16, op_layout)
         dk_tok = warpgroup_mma(dsT_op, q, dk, is_async=True)  # dK_c += dSᵀ Q (scaled at the end)
+        if HEAD_D1 > 0:
+            dsT_op1 = gl.convert_layout(dsT_op, op1_layout)
+            dk1_tok = warpgroup_mma(dsT_op1, q1, dk1, is_async=True)
         if FUSED_DQ:
             # this consumer's dSᵀ rows into dS stage i % 2: past N_K a key's P may be inf against a
             # very negative LSE (K = 0 there, and inf · 0 is NaN), so those rows go in as zeros
@@ -308,16 +362,27 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
             fence_async_shared()
             mbarrier.arrive(ds_bars.index(i % 2), count=1)
         # the operands in registers stay alive until their wgmmas are done
-        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
+        if HEAD_D1 > 0:
+            dv, dk, dv1, dk1, pT_op, dsT_op, pT_op1, dsT_op1 = warpgroup_mma_wait(
+                0, deps=(dv_tok, dk_tok, dv1_tok, dk1_tok, pT_op, dsT_op, pT_op1, dsT_op1))
+        else:
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
         mbarrier.arrive(empty_bars.index(s), count=1)  # this consumer is done with stage s
         if FUSED_DQ:  # (K stays put: the stage is released already)
-            if dq_desc.block_type.shape[3] == HEAD_D:  # the consumers take the steps' dQ in turns
+            if HEAD_D1 > 0:  # each consumer its column block of dQ, every step
+                if C == 0:
+                    _dq_step(ds_smem, k_smem, dq_smem.index(0), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
+                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
+                else:
+                    _dq_step(ds_smem, k1_smem, dq1_smem.index(0), ds_bars, dq1_desc, off_z, off_h, start_m, i % 2,
+                             (i // 2) & 1, sm_scale, 0, HEAD_D1, HEAD_D, BLOCK_M)
+            elif dq_desc.block_type.shape[3] == HEAD_D:  # the consumers take the steps' dQ in turns
                 if i % 2 == C:
-                    _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, C, (i // 2) & 1,
-                             sm_scale, C, 0, HEAD_D, BLOCK_M)
+                    _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, C,
+                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
             else:  # each consumer its half of dQ's columns, every step
-                _dq_step(ds_smem, k_smem, dq_smem, ds_bars, dq_desc, off_z, off_h, start_m, i % 2, (i // 2) & 1,
-                         sm_scale, C, C * (HEAD_D // 2), HEAD_D, BLOCK_M)
+                _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
+                         (i // 2) & 1, sm_scale, C * (HEAD_D // 2), HEAD_D, C * (HEAD_D // 2), BLOCK_M)
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
         s += 1
         phase = gl.where(s == STAGES, phase ^ 1, phase)
@@ -330,16 +395,22 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem
     # DV shares DK's (contiguous) strides; KV_ADD parts of a split group add into one head
     off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
     base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
-    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, HEAD_D, acc_layout, KV_ADD > 0)
-    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, HEAD_D, acc_layout, KV_ADD > 0)
+    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, 0, HEAD_D, acc_layout, KV_ADD > 0)
+    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, 0, HEAD_D, acc_layout, KV_ADD > 0)
+    if HEAD_D1 > 0:
+        rows_kv1 = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc1_layout))
+        _store_rows(DK, base, rows_kv1, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, D1, acc1_layout, KV_ADD > 0)
+        _store_rows(DV, base, rows_kv1, N_K, stride_dkn, dv1, HEAD_D, D1, acc1_layout, KV_ADD > 0)
 
 
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
 @gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
-def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV,
+def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
+                  do1_desc, dq1_desc, DK, DV,
                   stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
-                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
+                  BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
@@ -348,7 +419,10 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M, HEAD_D]; k_desc, v_desc over k,
     v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D]; lse_desc, delta_desc: 3-D over LSE
     (natural log) and Delta = rowsum(dO ∘ O), float32 (B, H, N_Q), box [1, 1, BLOCK_M], unswizzled.
-    DK, DV: (B, H_KV, N_K, HEAD_D), one layout, last dim contiguous, written in their dtype.
+    HEAD_D1 > 0: the head dim is HEAD_D + HEAD_D1, and q1_desc, k1_desc, v1_desc, do1_desc (and
+    dq1_desc) are the same tensors' descriptors with HEAD_D1-column boxes, read from column HEAD_D;
+    otherwise they are None. DK, DV: (B, H_KV, N_K, head dim), one layout, last dim contiguous,
+    written in their dtype.
     qk_scale = sm_scale · log2 e. CAUSAL or WINDOW (or neither): WINDOW, query i sees keys [i +
     shift − win_left, i + shift + win_right] (shift = N_K − N_Q; an unbounded side comes as a value
     wider than any sequence), and only the query blocks that see some key of the program's are
@@ -370,11 +444,23 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     gl.static_assert(not FUSED_DQ or CONSUMERS == 2)  # dQ's steps alternate between two consumers
     gl.static_assert(STAGES >= 2)  # a stage is reloaded only once both consumers released it
     gl.static_assert(HEAD_D == 64 or HEAD_D == 128)
+    gl.static_assert(HEAD_D1 == 0 or (HEAD_D1 >= 16 and HEAD_D1 < HEAD_D))
+    gl.static_assert(HEAD_D1 == 0 or not FUSED_DQ or CONSUMERS == 2)  # dQ's column blocks, one per consumer
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    if HEAD_D1 > 0:  # the second column block's tiles
+        q1_smem = gl.allocate_shared_memory(dtype, [STAGES] + q1_desc.block_type.shape, q1_desc.layout)
+        do1_smem = gl.allocate_shared_memory(dtype, [STAGES] + do1_desc.block_type.shape, do1_desc.layout)
+        k1_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k1_desc.block_type.shape, k1_desc.layout)
+        v1_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v1_desc.block_type.shape, v1_desc.layout)
+    else:  # never read: the first blocks stand in
+        q1_smem = q_smem
+        do1_smem = do_smem
+        k1_smem = k_smem
+        v1_smem = v_smem
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -385,13 +471,19 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         # dSᵀ: [parity][consumer] 64 keys x BLOCK_M; one dQ tile per consumer for its reduce-adds
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N_C, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N_C, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+        if HEAD_D1 > 0:  # consumer 0 adds dQ's first column block, consumer 1 its second
+            dq_smem = gl.allocate_shared_memory(gl.float32, [1] + dq_desc.block_type.shape, dq_desc.layout)
+            dq1_smem = gl.allocate_shared_memory(gl.float32, [1] + dq1_desc.block_type.shape, dq1_desc.layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+            dq1_smem = dq_smem
         ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for p in gl.static_range(2):
             mbarrier.init(ds_bars.index(p), count=CONSUMERS)  # both consumers' halves are in
     else:
         ds_smem = q_smem
         dq_smem = q_smem
+        dq1_smem = q_smem
         ds_bars = q_bars
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(kv_bars.index(c), count=1)
@@ -405,25 +497,32 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     # turn its constexprs (C, HEAD_D, ...) into tensors
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
-                             q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
-                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
-                             q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
-                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
-            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                             v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
+                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
+                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
+                             do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
+                             lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
+                             win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
+                             WINDOW, BLOCKS_LAST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bars,
-                             q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, stride_dkz, stride_dkh,
-                             stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
-            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                             v_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             win_left, win_right, GROUP, KV_SPLIT, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST)),
+            (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
+                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
+                             do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
+                             lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
+                             win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
+                             WINDOW, BLOCKS_LAST)),
         ], [1], [PRODUCER_REGS])
