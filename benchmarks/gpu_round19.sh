@@ -4,6 +4,11 @@
 #   bash benchmarks/gpu_round19.sh checks   # the GPU tests of the Gluon forward (its tile order a constexpr
 #                                           # since 26c6cca), both tile orders, plans and routes; every
 #                                           # family's checks at 1b (batch 1)
+#   bash benchmarks/gpu_round19.sh split    # the Gluon backward at head_dim 96 and 80 (two column blocks):
+#                                           # gluon_bwd_probe.py (checked against float64, then timed against
+#                                           # the portable backward and cuDNN); the GPU tests of the backward
+#   bash benchmarks/gpu_round19.sh bench    # flashrun bench, the backward at head_dim 96 and 192 against Flex
+#                                           # and cuDNN (round 10's command)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -21,10 +26,20 @@ checks() {  # every family's six checks at 1b, batch 1 (64 greedy tokens in floa
   done
 }
 
+bwd() { python3 -m flashrun bench -k flash -p flex,sdpa-cudnn --mode bwd --set bench.rep_ms=30 "$@"; }
+
 case "${1:-}" in
+  split)
+    OUT="$OUT/probe" timeout 330 python3 benchmarks/gluon_bwd_probe.py --kernels d96,d96-dqs+dq,d80,d80-dqs+dq \
+      --only D96,D80 --budget-s 280 --breakdown 1 > /dev/null 2>&1
+    echo "gluon_bwd_probe rc $?"; grep -E "^FAIL|correctness:|TFLOP/s|^  D|^D" "$OUT/probe/gluon_bwd_probe.log" | cut -c1-220
+    gpu_tests gpu-tests-backward 200 "flash_on_gpu or deterministic_on_gpu or windows_on_the_gluon or backward_plans" ;;
+  bench)
+    bwd --dtype bf16 --seq-lens 4096 --head-dims 96,192 --causal both --out "$OUT/odd" > "$OUT/bwd-odd.txt" 2>&1
+    echo "bench rc $?"; grep -E "^(B|flash|flex|sdpa-cudnn) " "$OUT/bwd-odd.txt" ;;
   checks)
     gpu_tests gpu-tests-forward 200 "gluon or either_order or plans or routes or c_launches or flash_on_gpu"
     checks ;;
   *)
-    echo "usage: bash benchmarks/gpu_round19.sh checks" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round19.sh checks|split|bench" >&2; exit 2 ;;
 esac
