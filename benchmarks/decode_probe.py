@@ -18,8 +18,7 @@ bench` times, so comparable with it) in microseconds, and `wall`: back-to-back c
 clearing, host overhead included (the number an inference loop without graphs sees). Then a
 small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
 
-    OUT=/tmp/out python benchmarks/decode_probe.py [--quick | --no-sweep] [--budget-s 170] [--waves W]
-                                                   [--merge-rows R]
+    OUT=/tmp/out python benchmarks/decode_probe.py [--quick] [--budget-s 170] [--waves W]
 
 ``--smoke`` runs the same code on the CPU through Triton's interpreter with tiny shapes, SDPA's
 math backend for cuDNN and no graphs: a check that the script itself runs, timings meaningless.
@@ -272,23 +271,18 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): does the script run?")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip grid shapes that would start after this")
     ap.add_argument("--waves", type=int, help="decode.WAVES for the whole run (the split target; default: decode's)")
-    ap.add_argument("--merge-rows", type=int, help="decode.MERGE_ROWS for the whole run (0: every split shape "
-                    "launches the combine kernel; default: decode's)")
-    ap.add_argument("--no-sweep", action="store_true", help="the whole grid, without the config sweep")
     ns = ap.parse_args()
     global BUDGET_S
     BUDGET_S = ns.budget_s
     if ns.waves:
         decode.WAVES = ns.waves
-    if ns.merge_rows is not None:
-        decode.MERGE_ROWS = ns.merge_rows
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     env = {"gpu": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__,
            "sms": None if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count,
-           "waves": decode.WAVES, "merge_rows": decode.MERGE_ROWS}
+           "waves": decode.WAVES}
     print(f"{env}", flush=True)
     rows: list[dict] = []
     for row in SMOKE_GRID if SMOKE else QUICK if ns.quick else GRID:
@@ -298,7 +292,7 @@ def main() -> int:
         run_shape(row, started, rows, ns.quick)
         if not SMOKE:
             torch.cuda.empty_cache()
-    configs = [] if ns.quick or ns.no_sweep else config_sweep(started)
+    configs = [] if ns.quick else config_sweep(started)
     ratios = [r["flash_vs_cudnn"] for r in rows if r.get("flash_vs_cudnn")]
     paged_ratios = [r[key] for r in rows for key in ("kv-p16_vs_contiguous", "kv-p256_vs_contiguous") if r.get(key)]
     summary = {

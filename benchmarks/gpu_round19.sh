@@ -9,10 +9,6 @@
 #                                           # the portable backward and cuDNN); the GPU tests of the backward
 #   bash benchmarks/gpu_round19.sh bench    # flashrun bench, the backward at head_dim 96 and 192 against Flex
 #                                           # and cuDNN (round 10's command)
-#   bash benchmarks/gpu_round19.sh decode   # the GPU tests of decode and the KV cache; decode_probe.py over the
-#                                           # whole grid with the splits merged by their last program (the
-#                                           # default), by the combine kernel (--merge-rows 0, as before), and
-#                                           # merged up to 2048 partial rows, in turns
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -41,17 +37,9 @@ case "${1:-}" in
   bench)
     bwd --dtype bf16 --seq-lens 4096 --head-dims 96,192 --causal both --out "$OUT/odd" > "$OUT/bwd-odd.txt" 2>&1
     echo "bench rc $?"; grep -E "^(B|flash|flex|sdpa-cudnn) " "$OUT/bwd-odd.txt" ;;
-  decode)
-    gpu_tests gpu-tests-decode 150 "decode or kvcache or flash_on_gpu"
-    for run in merge-1 combine-1 wide-1; do
-      rows=$(case $run in merge*) echo 512 ;; combine*) echo 0 ;; wide*) echo 2048 ;; esac)
-      OUT="$OUT/decode-$run" timeout 140 python3 benchmarks/decode_probe.py --no-sweep --budget-s 110 \
-        --merge-rows "$rows" > "$OUT/decode-$run.txt" 2>&1
-      echo "decode probe $run rc $?"; grep -E '"(min|median|max)"|failed|^B' "$OUT/decode-$run.txt" | head -40
-    done ;;
   checks)
     gpu_tests gpu-tests-forward 200 "gluon or either_order or plans or routes or c_launches or flash_on_gpu"
     checks ;;
   *)
-    echo "usage: bash benchmarks/gpu_round19.sh checks|split|bench|decode" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round19.sh checks|split|bench" >&2; exit 2 ;;
 esac

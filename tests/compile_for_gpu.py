@@ -62,7 +62,7 @@ class CompileOnly:
             PTX.append((self.fn.__name__, constants, compiled.asm["ptx"]))
             RESOURCES.append((self.fn.__name__, constants, resources(compiled)))
             flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ",
-                                         "DQ_TMA", "PAGE_SIZE", "SEQLENS", "APPEND", "SPLIT", "MERGE") if constants.get(f))
+                                         "DQ_TMA", "PAGE_SIZE", "SEQLENS", "APPEND", "SPLIT") if constants.get(f))
             used = RESOURCES[-1][2]
             print(f"  {self.fn.__name__} {flags}: {time.perf_counter() - start:.1f}s"
                   + (f"  {used[0]} registers, {used[1]} B stack" if used else ""), flush=True)

@@ -109,27 +109,6 @@ def test_kvcache_split_path_and_one_split():
     _check(shape, inputs)
 
 
-@pytest.mark.parametrize("merge_rows", [decode.MERGE_ROWS, 0], ids=["merge", "combine"])
-@pytest.mark.parametrize("case", [((0, 700), 4, 1, 1, 64, 0, 0), CASES[2], CASES[5], ((600,), 8, 2, 2, 80, 48, 3)],
-                         ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
-def test_splits_merge_in_their_last_program_or_a_combine(monkeypatch, case, merge_rows):
-    """A row tile's splits merged by whichever of its programs ends last (its ticket), or by the
-    combine kernel: both match the reference over ragged lengths (an empty sequence's splits are
-    all empty), and every ticket is back at zero for the next launch."""
-    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
-    monkeypatch.setattr(decode, "_workspaces", {})
-    decode._plans.clear()
-    lengths, heads, kv_heads, n_q, head_dim, page_size, new_keys = case
-    shape, inputs = _cache_inputs(lengths, heads, kv_heads, n_q, head_dim, page_size=page_size, new_keys=new_keys)
-    first, *_ = _check(shape, inputs)
-    (plan,) = decode._plans.values()
-    assert plan.splits > 1 and (plan.combine is None) == bool(merge_rows)
-    (tickets,) = [held[2] for held in decode._workspaces.values()]
-    assert tickets.numel() == (plan.partials[2] if merge_rows else 0) and not tickets.any()
-    again, *_ = _check(shape, inputs)  # the tickets serve the next launch
-    assert torch.equal(first, again)
-
-
 def test_kvcache_argument_errors():
     q = torch.randn(2, 1, 4, 16, dtype=FP16)
     cache = torch.randn(2, 32, 2, 16, dtype=FP16)
@@ -158,7 +137,7 @@ def test_kvcache_argument_errors():
     assert error.hint and isinstance(error, ValueError)  # a ValueError for Python callers
 
 
-def test_plans_are_cached_and_launch_every_parameter(monkeypatch):
+def test_plans_are_cached_and_launch_every_parameter():
     q, k, v = (torch.randn(1, 4, 1, 16, dtype=FP16) if i == 0 else torch.randn(1, 2, 600, 16, dtype=FP16)
                for i in range(3))
     flash_attention(q, k, v)
@@ -168,21 +147,17 @@ def test_plans_are_cached_and_launch_every_parameter(monkeypatch):
     assert len(decode._plans) == count
     plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
     # the lean launch passes the per-call arguments, then the tail, in the kernel's parameter order
-    assert plan.splits > 1 and plan.combine is None  # few partial rows: the tiles' last programs merge them
-    assert 14 + len(plan.decode.tail) == len(_attn_decode.arg_names)
-    decode._plans.clear()
-    monkeypatch.setattr(decode, "MERGE_ROWS", 0)
-    plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
+    assert plan.splits > 1 and plan.combine is not None
+    assert 13 + len(plan.decode.tail) == len(_attn_decode.arg_names)
     assert 4 + len(plan.combine.tail) == len(_attn_decode_combine.arg_names)
     # the combine: a program per (row, batch and kv head, column block of the head dim)
     assert plan.combine.grid == (2, 2, 1)  # a group of 2 rows, 1 x 2 (batch, kv head) pairs, all 16 columns
 
 
-def test_the_combine_spreads_a_wide_head_dim_over_column_blocks(monkeypatch):
+def test_the_combine_spreads_a_wide_head_dim_over_column_blocks():
     """MQA: one (batch, kv head) pair merging many splits, too few rows to fill the GPU. Its
     rows' columns go to several programs (the last block partly past head_dim 80), and the
     output still matches; where the rows fill the GPU, a program takes the whole head dim."""
-    monkeypatch.setattr(decode, "MERGE_ROWS", 4 * 16)  # (the tile's 6 splits x 16 rows: too many to merge)
     shape, inputs = _cache_inputs((700,), 4, 1, 1, 80)
     decode._plans.clear()
     _check(shape, inputs)
@@ -249,10 +224,10 @@ def test_decode_shapes_route_here_and_one_causal_query_is_plain():
 
 def test_workspace_is_shared_on_a_stream(monkeypatch):
     monkeypatch.setattr(decode, "_workspaces", {})
-    first = decode._workspace(torch.device("cpu"), None, 100, 10, 0)
-    assert decode._workspace(torch.device("cpu"), None, 50, 5, 0) is first
-    grown = decode._workspace(torch.device("cpu"), None, 200, 10, 3)
-    assert grown[0].numel() == 200 and grown[1].numel() == 10 and grown[2].tolist() == [0, 0, 0]
+    first = decode._workspace(torch.device("cpu"), None, 100, 10)
+    assert decode._workspace(torch.device("cpu"), None, 50, 5) is first
+    grown = decode._workspace(torch.device("cpu"), None, 200, 10)
+    assert grown[0].numel() == 200 and grown[1].numel() == 10
 
 
 # -- through the tool -------------------------------------------------------------------------------

@@ -10,12 +10,9 @@ bandwidth and, per call, by the host. The kernel:
   * **Splits.** B·H_kv programs cannot fill the GPU, so the keys are shared out over at most
     ``WAVES`` programs per SM (two fit at once). The share is computed in the kernel from the
     sequence's own length (a KV cache's lengths are device values), in whole key blocks, for
-    shares of at least ``MIN_CHUNK_BLOCKS`` blocks; splits past the keys write an empty partial.
-    The partials merge by log-sum-exp: O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s. Where
-    a row tile's splits hold few partial rows (``MERGE_ROWS``) the tile's last program to finish
-    merges them (each takes a ticket, an int32 counter per tile in the workspace that the last
-    one sets back to zero): one launch. Otherwise :func:`_attn_decode_combine` does, spreading a
-    long merge (MQA's hundreds of splits) over many programs. One split: no partials, one launch.
+    shares of at least ``MIN_CHUNK_BLOCKS`` blocks; splits past the keys write an empty partial. :func:`_attn_decode_combine` merges the
+    partials by log-sum-exp: O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s. One split: no
+    partials, no combine, one launch.
   * **Masks and variants** as in :mod:`flashrun.kernels.flash.attention` (bottom-right causal
     with ``off = N_K - N_Q`` per sequence, windows, softcap, ALiBi), through the same loop bounds
     (``_key_range`` over the queries a row tile holds) and score helpers.
@@ -72,34 +69,26 @@ DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x its columns)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
-# a row tile's splits are merged by its last program (no combine launch) where they hold at most
-# this many partial rows (splits x rows of the tile): the merge is one program's serial tail
-MERGE_ROWS = 512
 
 
 
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel: int, tickets: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float32 buffers for the splits' partial outputs and log-sum-exps, and the merge's int32
-    tickets (zeros; each launch leaves them zero). One set per (device, stream), grown as needed:
-    calls on one stream run in order, so they can share it. During CUDA-graph capture, fresh ones
-    from the graph's pool (which lives as long as the graph)."""
+def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for the splits' partial outputs and log-sum-exps. One pair per (device,
+    stream), grown as needed: calls on one stream run in order, so they can share it. During
+    CUDA-graph capture, fresh ones from the graph's pool (which lives as long as the graph)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return (torch.empty(o_numel, dtype=torch.float32, device=device),
-                torch.empty(lse_numel, dtype=torch.float32, device=device),
-                torch.zeros(tickets, dtype=torch.int32, device=device))
+                torch.empty(lse_numel, dtype=torch.float32, device=device))
     key = (device.index or 0, stream or 0)
     held = _workspaces.get(key)
-    if held is None or held[0].numel() < o_numel or held[1].numel() < lse_numel or held[2].numel() < tickets:
-        o_numel, lse_numel, tickets = ((o_numel, lse_numel, tickets) if held is None else
-                                       (max(o_numel, held[0].numel()), max(lse_numel, held[1].numel()),
-                                        max(tickets, held[2].numel())))
-        held = _workspaces[key] = (torch.empty(o_numel, dtype=torch.float32, device=device),
-                                   torch.empty(lse_numel, dtype=torch.float32, device=device),
-                                   torch.zeros(tickets, dtype=torch.int32, device=device))
+    if held is None or held[0].numel() < o_numel or held[1].numel() < lse_numel:
+        sizes = (o_numel, lse_numel) if held is None else (max(o_numel, held[0].numel()),
+                                                           max(lse_numel, held[1].numel()))
+        held = _workspaces[key] = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
     return held
 
 
@@ -178,7 +167,7 @@ class _Plan:
     combine: _Launch | None  # None: one split
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...] | None  # None: no LSE wanted
-    partials: tuple[int, int, int]  # float32 elements of O_PART and LSE_PART, int32 tickets (0 without the merge)
+    partials: tuple[int, int]  # float32 elements of O_PART and LSE_PART
     splits: int
     room: int  # cached keys a sequence may hold before the new ones (KV cache)
 
@@ -187,10 +176,10 @@ class _Plan:
         o = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         stream = _current_stream(q.device)
-        o_part = lse_part = tickets = None
-        if self.splits > 1:
-            o_part, lse_part, tickets = _workspace(q.device, stream, *self.partials)
-        self.decode(stream, q, k, v, o, lse, k_new, v_new, seqlens, block_table, alibi, o_part, lse_part, tickets, n_k)
+        o_part = lse_part = None
+        if self.combine is not None:
+            o_part, lse_part = _workspace(q.device, stream, *self.partials)
+        self.decode(stream, q, k, v, o, lse, k_new, v_new, seqlens, block_table, alibi, o_part, lse_part, n_k)
         if self.combine is not None:
             self.combine(stream, o_part, lse_part, o, lse)
         return o, lse
@@ -207,7 +196,6 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
     splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
-    merge = 1 < splits and splits * bm <= MERGE_ROWS  # the tile's last program merges: no combine launch
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale, dtype)
     queries = bm // group + (2 if bm % group else 0)  # queries a tile's rows can belong to (at most)
@@ -215,11 +203,11 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
             dims.kv_heads, dims.n_q, dims.n_new, dims.capacity, splits, var["qk_scale"], var["softcap2"],
             var["win_left"], var["win_right"],
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
-            splits > 1, merge, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
+            splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
             *dot_options(dtype).values())
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, cfg)
     combine = None
-    if splits > 1 and not merge:
+    if splits > 1:
         cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)
         block_s = min(next_power_of_2(splits), COMBINE_SPLITS if cols <= 128 else COMBINE_SPLITS // 2)
         combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, cdiv(dims.head_dim, cols)),
@@ -227,8 +215,8 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
                            write_lse), LaunchConfig(num_warps=4, num_stages=1))
     rows = pairs * tiles * splits * bm
     lse_shape = (dims.batch, dims.heads, dims.n_q) if write_lse else None
-    return _Plan(decode, combine, dims.out, lse_shape, (rows * dims.head_dim, rows, pairs * tiles if merge else 0),
-                 splits, dims.capacity - dims.n_new)
+    return _Plan(decode, combine, dims.out, lse_shape, (rows * dims.head_dim, rows), splits,
+                 dims.capacity - dims.n_new)
 
 
 _plans: dict[tuple, _Plan] = {}

@@ -141,46 +141,6 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
     return acc0, acc1, l_i, m_i
 
 
-@triton.jit
-def _merge_splits(O_PART, LSE_PART, first, row_ok, SPLITS, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr):
-    """(acc0, acc1, lse2): a row tile's SPLITS partials (from ``first``, split s's rows at
-    first + s · BLOCK_M) merged by log-sum-exp with a running maximum, as the combine kernel does
-    per row. The partials were written by other programs: loaded past L1 (``.cg``)."""
-    offs = tl.arange(0, BLOCK_M)
-    cols0 = tl.arange(0, BLOCK_D0)
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_M, BLOCK_D0], dtype=tl.float32)
-    acc1 = NO_BLOCK
-    if BLOCK_D1 > 0:
-        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
-    for s in range(0, SPLITS):
-        part = first + s * BLOCK_M + offs
-        lse_s = tl.load(LSE_PART + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split has seen a key yet: weights 0
-        w = tl.math.exp2(lse_s - m_sub)
-        scale = tl.math.exp2(m - m_sub)
-        keep = (w > 0.0)[:, None]
-        o0 = tl.load(O_PART + part[:, None] * HEAD_DIM + cols0[None, :],
-                     mask=keep & (cols0[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
-        acc0 = acc0 * scale[:, None] + w[:, None] * o0
-        if BLOCK_D1 > 0:
-            cols1 = BLOCK_D0 + tl.arange(0, BLOCK_D1)
-            o1 = tl.load(O_PART + part[:, None] * HEAD_DIM + cols1[None, :],
-                         mask=keep & (cols1[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
-            acc1 = acc1 * scale[:, None] + w[:, None] * o1
-        total = total * scale + w
-        m = m_new
-    seen = total > 0.0
-    inv = 1.0 / tl.where(seen, total, 1.0)
-    acc0 = acc0 * inv[:, None]
-    if BLOCK_D1 > 0:
-        acc1 = acc1 * inv[:, None]
-    return acc0, acc1, tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
@@ -188,8 +148,7 @@ def _merge_splits(O_PART, LSE_PART, first, row_ok, SPLITS, HEAD_DIM: tl.constexp
 # The per-call N_K and the plan's counts vary between calls of one compiled kernel (or would
 # compile a variant per value for nothing): not specialized. Strides are, as they decide vector widths.
 @triton.jit(do_not_specialize=["N_K", "H_KV", "N_NEW", "CAPACITY", "SPLITS"])
-def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIBI_SLOPES, O_PART, LSE_PART, TICKETS,
-                 N_K,
+def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIBI_SLOPES, O_PART, LSE_PART, N_K,
                  stride_qz, stride_qm, stride_qh, stride_qk,
                  stride_kz, stride_kn, stride_kh, stride_kk,
                  stride_vz, stride_vn, stride_vh, stride_vk,
@@ -199,8 +158,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                  H_KV, N_Q, N_NEW, CAPACITY, SPLITS, qk_scale, softcap2, win_left, win_right,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-                 WRITE_LSE: tl.constexpr,
+                 SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
@@ -209,10 +167,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     and N_NEW appended ones (APPEND). SPLIT: write this split's normalized output and log2-sum-exp2
     into O_PART (splits, BLOCK_M, HEAD_DIM) and LSE_PART per (batch, kv head, row tile), for
     :func:`_attn_decode_combine`; otherwise the output itself (and with WRITE_LSE the
-    natural-log LSE, (batch, heads, N_Q)). SPLIT with MERGE: no combine kernel - each program
-    takes a ticket from TICKETS (int32 per (batch, kv head, row tile), zero before the launch)
-    once its partial is out, and the tile's last program merges the SPLITS partials into the
-    output and sets the ticket back to zero for the next launch."""
+    natural-log LSE, (batch, heads, N_Q))."""
     tl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
     tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
     split = tl.program_id(0)
@@ -307,25 +262,11 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     if BLOCK_D1 > 0:
         acc1 = acc1 * inv_l[:, None]
     lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
-    last = not SPLIT  # whether this program writes the output
     if SPLIT:
-        tile_id = pair * tl.num_programs(1) + tile
-        first = (tile_id.to(tl.int64) * SPLITS) * BLOCK_M  # split 0's first row of the tile's partials
-        part = first + split * BLOCK_M + tl.arange(0, BLOCK_M)
+        part = ((pair * tl.num_programs(1) + tile).to(tl.int64) * SPLITS + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(LSE_PART + part, lse2, mask=row_ok)
         _store_tile(O_PART, part, row_ok, HEAD_DIM, 1, acc0, acc1, HEAD_DIM, BLOCK_D0, BLOCK_D1, False)
-        if MERGE:
-            # every thread's partial is out before one thread's release: the barrier, then the
-            # ticket (one atomic per program, acquire-release at GPU scope), as a split-K reduction's
-            # semaphore; the last of the tile's SPLITS programs sees every other's partial
-            tl.debug_barrier()
-            ticket = tl.atomic_add(TICKETS + tile_id, 1, sem="acq_rel", scope="gpu")
-            last = ticket == SPLITS - 1
-            if last:
-                acc0, acc1, lse2 = _merge_splits(O_PART, LSE_PART, first, row_ok, SPLITS, HEAD_DIM, BLOCK_M,
-                                                 BLOCK_D0, BLOCK_D1)
-                tl.atomic_xchg(TICKETS + tile_id, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-    if last:
+    else:
         if WRITE_LSE:
             tl.store(LSE + (off_z * H_KV * GROUP + offs_h) * N_Q + offs_i, lse2 / LOG2E_C, mask=row_ok)
         _store_tile(O + off_z * stride_oz, offs_i * stride_om + offs_h * stride_oh, row_ok, 1, stride_ok, acc0, acc1,
