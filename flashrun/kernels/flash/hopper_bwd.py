@@ -109,10 +109,11 @@ KERNELS = {
     "d80-dqs": BwdConfig(80, dq_split=True),
     "d96-dqs": BwdConfig(96, dq_split=True),
 }
-DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}  # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
+# what the path runs; benchmarks/gluon_bwd_probe.py times the rest
+DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}
 # with dQ inside (the non-deterministic backward's), NOTES v10: at head_dim 64 the consumers take
 # whole steps' dQ in turns (d64 399 TFLOP/s against d64-dqs 359, causal N8192), at 128 each takes
-# half the columns every step (whole-width tiles spill)
+# half the columns every step (whole-width tiles spill), at 80 and 96 each its column block (NOTES v19)
 FUSED = {64: "d64", 80: "d80-dqs", 96: "d96-dqs", 128: "d128-dqs"}
 OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
 
@@ -129,8 +130,8 @@ def smem_bytes(cfg: BwdConfig, fused: bool = False) -> int:
     """K and V (block_n rows), STAGES x (Q + dO) (block_m rows) of 2-byte elements, and STAGES x
     (LSE + delta) (block_m float32 each); ``fused`` (dQ inside): 2 x 2 dSᵀ tiles (64 x block_m,
     2-byte) and the float32 dQ tiles (block_m x dq_cols); the barriers aside."""
-    cols = cfg.dq_cols if len(cfg.dq_cols) == cfg.consumers else cfg.dq_cols * cfg.consumers
-    dq = 4 * 64 * cfg.block_m * 2 + cfg.block_m * sum(cols) * 4 if fused else 0
+    tiles = cfg.dq_cols if cfg.dq_split else cfg.dq_cols * cfg.consumers  # (in turns: one each, whole width)
+    dq = 4 * 64 * cfg.block_m * 2 + cfg.block_m * sum(tiles) * 4 if fused else 0
     return (2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
             + dq)
 
