@@ -26,7 +26,7 @@ dQ inside (the atomic backward's): its dQ is checked too, and it is timed throug
 2. Timing, bf16: the backward alone (torch.autograd.grad of a kept graph; do_bench medians) of
    flash's deterministic backward with the Gluon dK/dV (on by default since v9; each kernel through
    hopper_bwd.OVERRIDE, its first-use check included once, untimed) against the portable one and
-   cuDNN's SDPA backward: D = 64 and 128, causal and full, N = 2048 and 8192 (hidden 2048, 32768
+   cuDNN's SDPA backward: D = 64 and 128, causal and full, N = 1024, 2048 and 8192 (hidden 2048, 32768
    tokens), llama-1b's B4 H32/8 N2048 D64 and qwen2-1b's B4 H12/2 N2048 D128 (causal). TFLOP/s =
    2.5 x 4·B·H·pairs·D. Before a Gluon provider is timed at a shape its dK/dV must match the portable
    path's there and the path must really have been taken (else: "not timed").
@@ -139,13 +139,18 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
     dk = torch.full((z, h_kv * split, n_k, d), float("nan"), dtype=out_dtype, device=k.device)
     dv = torch.full_like(dk, float("nan"))
     window = mask if isinstance(mask, tuple) else None
+    # a persistent kernel on 3 programs: each loops over several key blocks (heads, batch entries)
     grid, args, constexprs, options = hopper_bwd.launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale,
-                                                             window is None and mask, cfg, split, dq, window)
+                                                             window is None and mask, cfg, split, dq, window,
+                                                             programs=CHECK_PROGRAMS)
     _fa3_bwd_dkdv[grid](*args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
         dv = dv.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
     return dk, dv
+
+
+CHECK_PROGRAMS = 3  # a persistent kernel's grid in the correctness cases
 
 
 def standin_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
@@ -155,6 +160,17 @@ def standin_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None)
     if dq is not None:
         dq += dq_p.float()
     return dk, dv
+
+
+def standin_run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None,
+                programs=None):
+    """--dry-run only: :func:`standin_dkdv` as the product path calls its kernel (hopper_bwd.RUN)."""
+    dk, dv = standin_dkdv(q, k, v, do, lse, delta, sm_scale, causal if window is None else window, cfg, split, dq)
+    if kv_out is None:
+        return dk, dv
+    for out, grad in zip(kv_out, (dk, dv)):
+        out += grad.float()
+    return kv_out
 
 
 RUN = standin_dkdv if DRY_RUN else gluon_dkdv
@@ -355,12 +371,22 @@ def timed_shapes() -> list[tuple]:
         return (f"D{d} {'causal' if causal else 'full'} N{n} B{32768 // n}xH{2048 // d}", 32768 // n, 2048 // d,
                 2048 // d, n, d, causal)
 
-    return [plain(128, True, 8192), plain(64, True, 8192),
+    return [plain(128, True, 1024), plain(128, False, 1024), plain(64, True, 1024), plain(64, False, 1024),
+            plain(128, True, 8192), plain(64, True, 8192),
             ("llama-1b D64 causal N2048 B4xH32 gqa32/8", 4, 32, 8, 2048, 64, True),
             ("qwen2-1b D128 causal N2048 B4xH12 gqa12/2", 4, 12, 2, 2048, 128, True),
             plain(128, False, 8192), plain(64, False, 8192), plain(128, True, 2048), plain(64, True, 2048),
             plain(128, False, 2048), plain(64, False, 2048),
             plain(96, True, 4096), plain(96, False, 4096), plain(80, True, 4096)]
+
+
+def shape_of(spec: str) -> tuple:
+    """--shape D,MASK,N,B,H,H_KV as a timed_shapes() row, its label with Q and dO's size."""
+    d, mask, n, b, h, h_kv = spec.split(",")
+    d, n, b, h, h_kv = int(d), int(n), int(b), int(h), int(h_kv)
+    gqa = f" gqa{h}/{h_kv}" if h != h_kv else ""
+    return (f"D{d} {mask} N{n} B{b}xH{h}{gqa} ({4 * b * h * n * d / 2**20:.0f} MiB Q+dO)", b, h, h_kv, n, d,
+            mask == "causal")
 
 
 def timed_split(b, h, h_kv, n, d) -> int:
@@ -580,6 +606,8 @@ def main() -> int:
     ap.add_argument("--no-checks", action="store_true",
                     help="timing only (each timed Gluon path is still compared with the portable one first)")
     ap.add_argument("--only", default="", help="time only the shapes whose label holds one of these (comma list)")
+    ap.add_argument("--shape", action="append", default=[], metavar="D,MASK,N,B,H,H_KV",
+                    help="time this shape instead (MASK causal or full; repeatable)")
     ap.add_argument("--split-waves", default="",
                     help="time each shape once per GQA split threshold, both paths' (attention.SPLIT_WAVES, "
                          "hopper_bwd.SPLIT_WAVES; comma list; 0: never split)")
@@ -598,7 +626,7 @@ def main() -> int:
     if DRY_RUN:  # as on an H200 with FLASHRUN_HOPPER_BWD=1: the real switch, then every call in scope
         hopper_bwd.eligible = lambda q, k, v, do, variant, fused=False: (
             None if hopper_bwd.enabled() else "off") or hopper_bwd._checked.get((q.dtype, q.shape[-1], fused))
-        hopper_bwd.RUN = standin_dkdv
+        hopper_bwd.RUN = standin_run
         hopper_bwd.CHECK_SHAPE = (1, 4, 2, 24, 20)
     RESULTS["env"] = {"gpu": "none (dry run)" if DRY_RUN else torch.cuda.get_device_name(),
                       "sms": None if DRY_RUN else torch.cuda.get_device_properties(0).multi_processor_count,
@@ -611,7 +639,7 @@ def main() -> int:
         save()
         return 3
 
-    shapes = [] if ns.no_timing else timed_shapes()
+    shapes = [] if ns.no_timing else [shape_of(spec) for spec in ns.shape] or timed_shapes()
     if ns.only:
         shapes = [row for row in shapes if any(part in row[0] for part in ns.only.split(","))]
     waves = [int(w) for w in ns.split_waves.split(",") if w] or [None]
