@@ -139,18 +139,13 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
     dk = torch.full((z, h_kv * split, n_k, d), float("nan"), dtype=out_dtype, device=k.device)
     dv = torch.full_like(dk, float("nan"))
     window = mask if isinstance(mask, tuple) else None
-    # a persistent kernel on 3 programs: each loops over several key blocks (heads, batch entries)
     grid, args, constexprs, options = hopper_bwd.launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale,
-                                                             window is None and mask, cfg, split, dq, window,
-                                                             programs=CHECK_PROGRAMS)
+                                                             window is None and mask, cfg, split, dq, window)
     _fa3_bwd_dkdv[grid](*args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
         dv = dv.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
     return dk, dv
-
-
-CHECK_PROGRAMS = 3  # a persistent kernel's grid in the correctness cases
 
 
 def standin_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
@@ -162,10 +157,12 @@ def standin_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None)
     return dk, dv
 
 
-def standin_run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None,
-                programs=None):
-    """--dry-run only: :func:`standin_dkdv` as the product path calls its kernel (hopper_bwd.RUN)."""
+def standin_run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
+    """--dry-run only: :func:`standin_dkdv` as the product path calls its kernel (hopper_bwd.RUN),
+    leaving hopper_bwd.LAST_PATH as the path set it (the stand-in runs the portable backward)."""
+    path = hopper_bwd.LAST_PATH
     dk, dv = standin_dkdv(q, k, v, do, lse, delta, sm_scale, causal if window is None else window, cfg, split, dq)
+    hopper_bwd.LAST_PATH = path
     if kv_out is None:
         return dk, dv
     for out, grad in zip(kv_out, (dk, dv)):

@@ -8,7 +8,6 @@ first-use check and the fallback are the real interpreted kernels. Whether the k
 for sm_90 is tests/compile_hopper_bwd.py's job (run below).
 """
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -64,9 +63,8 @@ def _reference_kernel(calls):
     """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature): with ``dq``, the fused
     kernel, which adds dQ into that zeroed float32 buffer; with ``kv_out``, a split group's parts,
     which add dK and dV into those zeroed float32 buffers."""
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None,
-            programs=None):
-        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window, programs))
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
+        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window))
         ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal, window)
         if dq is not None:
             dq += ref_dq.float()
@@ -212,64 +210,11 @@ def test_atomic_backward_takes_the_fused_kernel(monkeypatch, caplog):
         dq, dk, dv = _backward(q, k, v, do, causal=True, deterministic=False)
     assert not [r for r in caplog.records if r.name == "flashrun.hopper"]
     assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH
-    # the check's two cases, its persistent twin's two (on CHECK_PROGRAMS programs: these inputs'
-    # Q and dO fit in L2), then the call on the twin
-    assert [c[4] for c in calls] == [True] * 5
-    twin = hopper_bwd.KERNELS[hopper_bwd.PERSISTENT[hopper_bwd.FUSED[64]]]
-    assert [c[2] for c in calls] == [hopper_bwd.KERNELS[hopper_bwd.FUSED[64]]] * 2 + [twin] * 3
-    assert [c[6] for c in calls] == [None, None, flash_hopper.CHECK_PROGRAMS, flash_hopper.CHECK_PROGRAMS, None]
+    assert [c[4] for c in calls] == [True, True, True]  # the check's two cases, then the call
+    assert calls[-1][2] == hopper_bwd.KERNELS[hopper_bwd.FUSED[64]]
     for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 64 ** -0.5, True)):
         torch.testing.assert_close(got, ref)
     assert dq.dtype == q.dtype
-
-
-@pytest.mark.parametrize("shape,fits", [
-    ((4, 12, 2, 2048, 128), True),  # qwen2-1b's prefill: Q and dO 48 MiB
-    ((4, 32, 8, 2048, 64), False),  # llama-1b's: 64 MiB
-    ((32, 16, 16, 1024, 128), False),  # the default sweep's: 256 MiB
-    ((1, 4, 4, 4096, 80), None)])  # head_dim 80: no persistent twin
-def test_the_persistent_twin_runs_where_q_and_do_fit_in_l2(monkeypatch, shape, fits):
-    z, h, _, n, d = shape
-    q = torch.empty(z, h, n, d, dtype=torch.bfloat16, device="meta")  # (the rule reads q alone)
-    twin = hopper_bwd.KERNELS.get(hopper_bwd.PERSISTENT.get(hopper_bwd.FUSED[d]))
-    monkeypatch.delenv(hopper_bwd.PERSISTENT_ENV, raising=False)
-    assert hopper_bwd.persistent_twin(q) == (twin if fits else None)
-    assert twin is None or (twin.persistent and dataclasses.replace(twin, persistent=False)
-                            == hopper_bwd.KERNELS[hopper_bwd.FUSED[d]])  # the same kernel otherwise
-    monkeypatch.setenv(hopper_bwd.PERSISTENT_ENV, "1")
-    assert hopper_bwd.persistent_twin(q) == twin
-    monkeypatch.setenv(hopper_bwd.PERSISTENT_ENV, "0")
-    assert hopper_bwd.persistent_twin(q) is None
-
-
-def test_a_wrong_persistent_twin_leaves_the_one_tile_kernel_on(monkeypatch, caplog):
-    """A twin that fails its own first-use check (here: wrong where its programs loop over
-    several tiles) is off for the process with one warning; the fused backward keeps the
-    one-tile kernel and stays right."""
-    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
-    monkeypatch.delenv(hopper_bwd.PERSISTENT_ENV, raising=False)
-    _pretend_hopper(monkeypatch)
-    calls = []
-    right = _reference_kernel(calls)
-
-    def loops_wrong(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None,
-                    programs=None):
-        dk, dv = right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq, window, kv_out, programs)
-        return (dk * 2, dv) if cfg.persistent else (dk, dv)
-
-    monkeypatch.setattr(hopper_bwd, "RUN", loops_wrong)
-    q, k, v, do = _inputs(n=30, n_k=20, h=4, h_kv=2)
-    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
-    for _ in range(2):
-        dq, dk, dv = _backward(q, k, v, do, causal=True, deterministic=False)
-        assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH and not calls[-1][2].persistent
-        for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 64 ** -0.5, True)):
-            torch.testing.assert_close(got, ref)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "flashrun.hopper"]
-    assert len(warnings) == 1 and "(persistent)" in warnings[0] and "the one-tile kernel is used" in warnings[0]
-    assert "max |ddK|" in warnings[0], warnings
-    assert "disabled" in hopper_bwd._checked[(q.dtype, 64, True, False, "persistent")]
-    assert hopper_bwd._checked[(q.dtype, 64, True, False)] is None
 
 
 def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, caplog):
@@ -279,8 +224,7 @@ def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, 
     _pretend_hopper(monkeypatch)
     right = _reference_kernel([])
 
-    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None,
-              programs=None):
+    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
         return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, window=window, kv_out=kv_out)  # no dq
 
     monkeypatch.setattr(hopper_bwd, "RUN", no_dq)
@@ -365,7 +309,7 @@ def test_failed_check_falls_back_once(monkeypatch, caplog, broken):
     _pretend_hopper(monkeypatch)
     calls = []
 
-    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, programs=None):
+    def bad_kernel(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):
         calls.append(causal)
         if broken == "raises":
             raise RuntimeError("PassManager::run failed")
@@ -395,7 +339,7 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
     monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
     _pretend_hopper(monkeypatch)
     monkeypatch.setattr(hopper_bwd, "RUN", lambda q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None,
-                        window=None, programs=None: (
+                        window=None: (
         torch.zeros_like(k), torch.zeros_like(v)))
     handed = []
     q, k, v, do = _inputs()
@@ -414,7 +358,6 @@ def test_a_window_takes_the_path_after_its_own_check(monkeypatch, caplog, determ
     without a window never compiles the window's kernels; the kernel gets the window as the
     variant holds it (an unbounded side as UNBOUNDED)."""
     monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
-    monkeypatch.setenv(hopper_bwd.PERSISTENT_ENV, "0")  # (the persistent twin's own checks: the test below)
     _pretend_hopper(monkeypatch)
     calls = []
     monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
@@ -439,7 +382,7 @@ def test_a_kernel_that_ignores_the_window_fails_the_window_check_only(monkeypatc
     _pretend_hopper(monkeypatch)
     right = _reference_kernel([])
 
-    def blind(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, programs=None):
+    def blind(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None):
         return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq)
 
     monkeypatch.setattr(hopper_bwd, "RUN", blind)
@@ -516,7 +459,7 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
         [[1, 1, 64, d1]] * 4 + [None] if d1 else [None] * 5)
     assert all(a.base is t for a, t in zip(args[7:11], (q, k, k, q)) if d1)
     assert (constexprs["HEAD_D"], constexprs["HEAD_D1"]) == (d0, d1)
-    assert args[12] is dk and args[13] is dk and len(args) - 13 == hopper_bwd.PER_CALL
+    assert args[12] is dk and args[13] is dk and len(args) - 9 == hopper_bwd.PER_CALL
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
     assert args[6] is None and constexprs["FUSED_DQ"] is False and constexprs["KV_ADD"] == 0
@@ -534,27 +477,6 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     assert list(args[6].shape) == list(shape)
     # a head dim of two blocks: consumer 1 adds dQ's second block through its own descriptor
     assert (list(args[11].block_shape) == [1, 1, 64, d1] and args[11].base is dq) if d1 else args[11] is None
-
-
-@pytest.mark.skipif(flash_hopper.gluon_api() is not None, reason="this Triton lacks the Gluon Hopper API")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_a_persistent_kernel_loops_over_the_tiles_in_the_one_tile_grids_order(causal):
-    # one program per SM (or as many as asked, the first-use check's), each told the tiles to walk
-    q = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16)
-    k = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16)
-    lse = torch.empty(2, 8, 1000)
-    dk = torch.empty(k.shape, dtype=k.dtype)
-    cfg = hopper_bwd.KERNELS["d128-dqs-p"]
-    assert cfg.persistent and not hopper_bwd.KERNELS["d128-dqs"].persistent
-    one_tile, args1, constexprs1, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, causal,
-                                                             hopper_bwd.KERNELS["d128-dqs"], 1)
-    for programs, grid in ((None, 32), (3, 3), (500, 32)):  # 8 key blocks x 2 k/v heads x 2 entries = 32 tiles
-        got, args, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, causal, cfg, 1,
-                                                          programs=programs)
-        assert got == (grid,) and constexprs["PERSISTENT"] is True and constexprs1["PERSISTENT"] is False
-        assert args[-4:] == (2, 2, 8, 32) == args1[-4:]  # Z, H_PARTS, N_BLOCKS, N_TILES
-        assert constexprs["BLOCKS_LAST"] == constexprs1["BLOCKS_LAST"] == causal  # the same tile order
-        assert args[hopper_bwd.PER_CALL:] == args1[hopper_bwd.PER_CALL:]
 
 
 def test_compiles_for_hopper(python):

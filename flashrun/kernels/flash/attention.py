@@ -343,10 +343,8 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             keep(_backward_routes, route, gluon_fused)
     if gluon_fused:  # (before the portable path's arguments: this is the default backward on sm_90)
         delta = _delta(o, do, lse, H, variant.varlen)
-        grads = hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window,
-                                 _portable_backward_check)
-        hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH  # (after: a persistent twin's first check runs the portable)
-        return grads
+        hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
+        return hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window)
     if deterministic is None:
         deterministic = True
     # atomic: every query row's partials land in a zeroed float32 buffer, so rows that no key

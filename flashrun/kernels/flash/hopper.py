@@ -479,12 +479,11 @@ def ensure_checked(device, dtype, head_dim, portable) -> bool:
     return passed
 
 
-def first_use(checked: dict, key: tuple, check, what: str, instead: str = "the portable Triton kernel") -> bool:
+def first_use(checked: dict, key: tuple, check, what: str) -> bool:
     """A Gluon path's first-use check for ``key`` (dtype, head_dim): ``check()`` says why the
     kernel disagrees with the portable one, or None; the verdict is kept in ``checked`` and said
-    once (a warning when off, naming what runs ``instead``; -v when on). While compiling ahead the
-    check's kernels are only compiled, nothing is kept, and the path is taken as on. True when
-    the path stays on."""
+    once (a warning when off, -v when on). While compiling ahead the check's kernels are only
+    compiled, nothing is kept, and the path is taken as on. True when the path stays on."""
     if compiling():
         check()
         return True
@@ -492,8 +491,8 @@ def first_use(checked: dict, key: tuple, check, what: str, instead: str = "the p
     checked[key] = f"disabled after its first-use check: {reason}" if reason else None
     dtype, head_dim = str(key[0]).removeprefix("torch."), key[1]
     if reason:
-        log.warning("flashrun: the Gluon sm_90 %s is off for %s, head_dim %d in this process (%s); %s is used",
-                    what, dtype, head_dim, reason, instead)
+        log.warning("flashrun: the Gluon sm_90 %s is off for %s, head_dim %d in this process (%s); the "
+                    "portable Triton kernel is used", what, dtype, head_dim, reason)
     else:  # shown with -v
         log.info("%s path %s for %s, head_dim %d (agreed with the portable kernel on its first use)",
                  what, GLUON_PATH, dtype, head_dim)

@@ -76,7 +76,6 @@ class BwdConfig:
     dq_split: bool = False  # dQ inside (non-deterministic): each consumer half its columns every
     # step (a head dim of two column blocks: consumer c block c), else the consumers take whole
     # steps in turns
-    persistent: bool = False  # one program per SM, each looping over key blocks (:func:`launch_args`)
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -109,11 +108,6 @@ KERNELS = {
     "d96": BwdConfig(96),
     "d80-dqs": BwdConfig(80, dq_split=True),
     "d96-dqs": BwdConfig(96, dq_split=True),
-    # persistent twins (one program per SM looping over key blocks; PERSISTENT)
-    "d64-p": BwdConfig(64, persistent=True),
-    "d128-p": BwdConfig(128, persistent=True),
-    "d128-dqs-p": BwdConfig(128, dq_split=True, persistent=True),
-    "d96-dqs-p": BwdConfig(96, dq_split=True, persistent=True),
 }
 # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
 DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}
@@ -122,16 +116,6 @@ DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}
 # half the columns every step (whole-width tiles spill), at 80 and 96 each its column block (NOTES v19)
 FUSED = {64: "d64", 80: "d80-dqs", 96: "d96-dqs", 128: "d128-dqs"}
 OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
-# The FUSED kernels' persistent twins, taken where Q and dO (all heads) fit in PERSISTENT_BYTES. A
-# static loop lets the programs drift apart over tiles of unequal length (causal), so that the
-# tiles running at once no longer share their Q and dO rows in L2 unless all of them fit there.
-# Measured on the H200, bf16, the backward's TFLOP/s one-tile / persistent (NOTES v20): qwen2-1b's
-# B4 H12/2 N2048 D128 causal (Q + dO 48 MiB) 217 / 300; llama-1b's B4 H32/8 N2048 D64 (64 MiB)
-# 306 / 283; 256 MiB causal 0.82-0.90x (N 1024-8192), full 0.97-1.05x. PERSISTENT_ENV=0 or 1 turns
-# them off or on everywhere.
-PERSISTENT = {"d64": "d64-p", "d128-dqs": "d128-dqs-p", "d96-dqs": "d96-dqs-p"}
-PERSISTENT_BYTES = 48 << 20
-PERSISTENT_ENV = "FLASHRUN_HOPPER_BWD_PERSISTENT"
 
 
 def kernel_for(head_dim: int, fused: bool = False) -> str | None:
@@ -140,17 +124,6 @@ def kernel_for(head_dim: int, fused: bool = False) -> str | None:
 
 def _config(head_dim: int, fused: bool) -> BwdConfig:
     return OVERRIDE if OVERRIDE is not None else KERNELS[kernel_for(head_dim, fused)]
-
-
-def persistent_twin(q: torch.Tensor) -> BwdConfig | None:
-    """The FUSED kernel's persistent twin where it should run this call (:data:`PERSISTENT`), else None."""
-    value = os.environ.get(PERSISTENT_ENV, "").strip().lower()
-    name = PERSISTENT.get(kernel_for(q.shape[-1], fused=True))
-    if OVERRIDE is not None or name is None or value in ("0", "false", "off", "no"):
-        return None
-    if value in ("1", "true", "on", "yes") or 2 * q.numel() * q.element_size() <= PERSISTENT_BYTES:
-        return KERNELS[name]
-    return None
 
 
 def smem_bytes(cfg: BwdConfig, fused: bool = False) -> int:
@@ -273,15 +246,12 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
-                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False,
-                programs: int | None = None):
+                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
     partials, or with ``adds`` float32 zeros (B, H_KV, N_K, D) the parts add into; ``dq``: a
     zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ into (FUSED_DQ), or
-    None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``); ``programs`` caps
-    a persistent kernel's grid (default: the GPU's SMs, one program each; the first-use check
-    gives fewer, so that each loops over several key blocks).
+    None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
     The first PER_CALL positional arguments are the ones that change between calls of a plan.
     Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90 without a GPU)."""
     from flashrun.kernels.flash.hopper_bwd_jit import LOG2E
@@ -293,25 +263,20 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
     if (h // h_kv) % split:
         raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
     left, right = window if window is not None else (0, 0)  # read only under WINDOW
-    blocks = max(cdiv(n_k, cfg.block_n), 1)
     args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg),
-            dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right, z,
-            h_kv * split, blocks, blocks * h_kv * split * z)
+            dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=cfg.blocks[0], HEAD_D1=cfg.blocks[1],
                       BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
                       FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs)
+    blocks = max(cdiv(n_k, cfg.block_n), 1)
     # causal or windowed, where all heads' Q and dO are few enough (args.across_heads): every
     # head's first key blocks (the heaviest) start first (_key_tile)
     last = bool((causal or window is not None) and blocks <= 65535  # (the grid's z)
                 and across_heads(z * h_kv * split, n_q, d, q.dtype, h // h_kv // split, "qdo"))
     constexprs["BLOCKS_LAST"] = last
-    constexprs["PERSISTENT"] = cfg.persistent
-    if cfg.persistent:  # one program per SM (the registers), looping over the tiles
-        grid = (min(args[-1], programs or (hopper._sm_count(q.device.index or 0) if q.is_cuda else 132)),)
-    else:
-        grid = (h_kv * split, z, blocks) if last else (blocks, h_kv * split, z)
+    grid = (h_kv * split, z, blocks) if last else (blocks, h_kv * split, z)
     return grid, args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
@@ -335,12 +300,10 @@ _plans: dict[tuple, _Plan] = {}
 
 def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None,
-               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv), laid out like k (a model's layout: its backward reshapes them without a copy).
     ``kv_out``: float32 (dK, dV) buffers laid out like k and zeroed, that a split group's parts
-    add into, returned as they are (:func:`fused` casts them with dQ); else made here.
-    ``programs``: a persistent kernel's grid (:func:`launch_args`)."""
+    add into, returned as they are (:func:`fused` casts them with dQ); else made here."""
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
     if kv_out is not None:
@@ -353,13 +316,13 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=dq is None)
     lse, delta = rows_aligned(lse), rows_aligned(delta)
     lean = not compiling()  # compile-only runs take Triton's path
-    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window, programs)
+    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
     plan = _plans.get(key) if lean else None
     if plan is not None:
         plan(_current_stream(q.device), q, k, v, do, lse, delta, dq, dk_out, dv_out)
     else:
         grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk_out, dv_out, sm_scale, causal,
-                                                      cfg, split, dq, window, adds, programs)
+                                                      cfg, split, dq, window, adds)
         if lean:
             ordered = list(args) + [constexprs[name] for name in _fa3_bwd_dkdv.arg_names[len(args):]]
             plan = keep(_plans, key, _Plan(_Launch(_fa3_bwd_dkdv, grid, tuple(ordered[PER_CALL:]), options),
@@ -407,18 +370,13 @@ def _split(q, k, cfg: BwdConfig, kv_split, fused: bool) -> int:
 
 
 def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
-          window: tuple[int, int] | None = None, portable=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q's dtype through the :data:`FUSED` kernel (dQ inside), or its persistent
-    twin where :func:`persistent_twin` says and the twin's own first-use check (against
-    ``portable``, as :func:`ensure_checked`) passed; laid out like q and k. One zeroed float32
-    buffer holds dQ and, where the GQA group is split and its parts add (``args.split_outputs``),
-    dK and dV; one cast turns it into the three gradients: two launches where separate buffers took
-    six (three zero fills, three casts)."""
+          window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's dtype through the :data:`FUSED` kernel (dQ inside), laid out like q and
+    k. One zeroed float32 buffer holds dQ and, where the GQA group is split and its parts add
+    (``args.split_outputs``), dK and dV; one cast turns it into the three gradients: two launches
+    where separate buffers took six (three zero fills, three casts)."""
     cfg = _config(q.shape[-1], True)
     split = _split(q, k, cfg, kv_split, True)
-    twin = persistent_twin(q) if portable is not None else None
-    if twin is not None and ensure_checked(q.device, q.dtype, q.shape[-1], portable, True, window is not None, twin):
-        cfg = twin
     adds = split_adds(split, repeatable=False)  # (else one part, or float32 partials that RUN sums)
     like = (q, k, k) if adds else (q,)
     buffer, views = _carved(like, torch.float32)
@@ -466,13 +424,12 @@ CHECK_SHAPE = (1, 4, 2, 200, 190)  # (batch, query heads, k/v heads, N_Q, N_K): 
 CHECK_MASKS = {False: ((False, None, 1), (True, None, 2)), True: ((False, (37, 5), 1), (False, (60, 0), 2))}
 
 
-def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False,
-                cfg: BwdConfig | None = None) -> str | None:
+def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False) -> str | None:
     """None when the Gluon dK/dV (``fused``: and dQ) agrees with ``portable(q, k, v, do, sm_scale,
     causal, window) -> (dk, dv, lse, delta, dq)`` on small inputs of this dtype and head_dim, causal
     and not (``windowed``: two windows), else what went wrong. While compiling ahead the launches
-    only compile, so nothing is compared. ``cfg``: the kernel (default: the path's, :func:`_config`)."""
-    cfg = cfg or _config(head_dim, fused)
+    only compile, so nothing is compared."""
+    cfg = _config(head_dim, fused)
     gen = torch.Generator(device="cpu").manual_seed(0)
     z, h, h_kv, n_q, n_k = CHECK_SHAPE
     for causal, window, split in CHECK_MASKS[windowed]:
@@ -483,8 +440,7 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
             dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, window)
             split = split if (h // h_kv) % split == 0 else 1  # the split path (float32 partials) too
             dq = torch.zeros(q.shape, dtype=torch.float32, device=device) if fused else None
-            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq, window,
-                         programs=hopper.CHECK_PROGRAMS if cfg.persistent else None)  # (its programs loop)
+            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq, window)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
@@ -502,21 +458,18 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
     return None
 
 
-def ensure_checked(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False,
-                   twin: BwdConfig | None = None) -> bool:
+def ensure_checked(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False) -> bool:
     """Run the first-use check once per process, dtype, head_dim, kernel (``fused``: with dQ) and
     mask (``windowed``: the window's, checked apart so that calls without one never pay for its
     compiles); True when the path stays on. While compiling ahead the check's kernels are
     compiled, nothing runs, and the path is taken as on: the check itself runs on the first real
-    call. ``twin``: check that persistent twin (:data:`PERSISTENT`) instead, under its own key;
-    False then leaves the path on with the one-tile kernel."""
-    key = (dtype, head_dim, fused, windowed) + (("persistent",) if twin is not None else ())
+    call."""
+    key = (dtype, head_dim, fused, windowed)
     if key in _checked:
         return _checked[key] is None
-    what = (("dQ/dK/dV backward" if fused else "dK/dV backward") + (" with a window" if windowed else "")
-            + (" (persistent)" if twin is not None else ""))
-    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused, windowed, twin),
-                            what, "the one-tile kernel" if twin is not None else "the portable Triton kernel")
+    what = ("dQ/dK/dV backward" if fused else "dK/dV backward") + (" with a window" if windowed else "")
+    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused, windowed),
+                            what)
 
 
 def applies(q, k, v, do, variant, portable, fused: bool = False) -> bool:

@@ -116,7 +116,7 @@ def _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _key_tile(CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    """This program's (first key, k/v head or GQA part, batch entry), one tile per program. BLOCKS_LAST: the launcher put
+    """This program's (first key, k/v head or GQA part, batch entry). BLOCKS_LAST: the launcher put
     the key blocks on the grid's last axis (``hopper_bwd.launch_args``, causal or windowed where
     the heads' Q and dO are few enough, ``args.across_heads``): programs start x fastest, so the first key blocks of every
     head, seen by the most queries, start first and the grid ends on light programs. (Indices from
@@ -134,23 +134,6 @@ def _key_tile(CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
 
 
 @gluon.jit
-def _tile_of(t, N_BLOCKS, H_PARTS, Z, CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    """Tile t's (first key, k/v head or GQA part, batch entry) in a PERSISTENT program's loop: the
-    order in which the one-tile grid's programs would start (:func:`_key_tile`)."""
-    if BLOCKS_LAST:
-        off_hkv = t % H_PARTS
-        rest = t // H_PARTS
-        block = rest // Z
-        off_z = rest % Z
-    else:
-        block = t % N_BLOCKS
-        rest = t // N_BLOCKS
-        off_hkv = rest % H_PARTS
-        off_z = rest // H_PARTS
-    return block * (CONSUMERS * HALF_N_C), off_hkv, off_z
-
-
-@gluon.jit
 def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
     """The loop step after (query head off_h, first row start_m): the next query block, or at
     end_m the next query head of the GQA group from its first block (head-major)."""
@@ -160,14 +143,13 @@ def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
-                   q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                   kv_bars, q_bars, do_bars, empty_bars, start_n, off_hkv, off_z, it, N_Q, N_K, left, right,
-                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW: gl.constexpr):
-    """One tile's loads: its K and V, then its Q/dO steps into the ring from position ``it`` (the
-    steps loaded before this tile); returns the position after them."""
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
+                  q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
+                  lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
+                  GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
     # each consumer's K and V rows, once: they stay in shared memory for the whole loop
     for c in gl.static_range(CONSUMERS):
         key = start_n + c * HALF_N_C
@@ -183,10 +165,10 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_des
     first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * HALF_N_C, CAUSAL, WINDOW)
     off_h = off_hkv * GROUP
     start_m = first * BLOCK_M
-    for _ in range(GROUP * n_m):
-        s = it % STAGES
+    for i in range(GROUP * n_m):
+        s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before 0: the first lap passes
-        mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty_bars.index(s), ((i // STAGES) & 1) ^ 1)
         # Q with its rows' LSE, dO with their delta: rows past N_Q (and past the head) land as zeros
         if HEAD_D1 > 0:
             mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes + q1_desc.block_type.nbytes
@@ -205,37 +187,6 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_des
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
-        it += 1
-    return it
-
-
-@gluon.jit
-def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
-                  q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                  lse_smem, delta_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
-                  Z, H_PARTS, N_BLOCKS, N_TILES, GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr,
-                  HEAD_D1: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr, PERSISTENT: gl.constexpr):
-    if PERSISTENT:
-        it = 0  # Q/dO steps loaded so far: the ring's position runs on across tiles
-        tile_i = 0
-        for t in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
-            start_n, off_hkv, off_z = _tile_of(t, N_BLOCKS, H_PARTS, Z, CONSUMERS, BLOCKS_LAST)
-            # the next tile's K and V once both consumers are done with this one's (their
-            # epilogues then overlap these loads)
-            mbarrier.wait(kv_empty.index(0), (tile_i & 1) ^ 1)
-            it = _producer_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
-                                do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                                lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, start_n, off_hkv, off_z,
-                                it, N_Q, N_K, left, right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                                CONSUMERS, CAUSAL, WINDOW)
-            tile_i += 1
-    else:
-        start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
-        _producer_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
-                       q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                       kv_bars, q_bars, do_bars, empty_bars, start_n, off_hkv, off_z, off_z * 0, N_Q, N_K, left, right,
-                       GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW)
 
 
 @gluon.jit
@@ -293,17 +244,12 @@ def _dq_step(ds_smem, k_smem, dq_tile, ds_bars, dq_desc, off_z, off_h, start_m, 
 
 
 @gluon.jit
-def _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                   ds_smem, dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
-                   dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
-                   start_n, off_hkv, off_z, it, s, phase, kv_phase,
-                   C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One tile (the keys at start_n of one k/v head or GQA part) of consumer C: its steps from the
-    ring's position ``it`` (stage s of phase ``phase``: the steps before this tile) and its dK_c,
-    dV_c stored; K and V are there once kv_bars[C] completes phase ``kv_phase``. Returns the ring's
-    (it, s, phase) after the tile."""
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
+                  ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc,
+                  dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
+                  C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D) and, with a second column
     # block, (64 keys, HEAD_D1); Pᵀ, dSᵀ as their A operands
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
@@ -319,6 +265,7 @@ def _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, 
     query_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
     key0 = start_n + C * HALF_N_C  # this consumer's first key
     keys = key0 + gl.arange(0, HALF_N_C, layout=key_s)
     offs_m = gl.arange(0, BLOCK_M, layout=query_s)
@@ -352,14 +299,10 @@ def _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, 
     # broadcast's register copies, here), which would serialize Sᵀ and dPᵀ
     start_m = first * BLOCK_M
     off_h = off_hkv * GROUP
-    mbarrier.wait(kv_bars.index(C), kv_phase)
-    # head-major over the GQA group: one flat loop (see the Triton kernel). The ring's stage s and
-    # its phase are carried (it % STAGES costs registers when STAGES is not 2^k); `it` counts the
-    # program's steps, which its dS stages and dQ turns follow
-    for _ in range(GROUP * n_m):
-        if PERSISTENT and STAGES == 2:  # from `it`: two registers fewer across the tile loop
-            s = it % 2
-            phase = (it // 2) & 1
+    s = 0  # the ring's stage and its phase, carried (i % STAGES costs registers when STAGES is not 2^k)
+    phase = 0
+    mbarrier.wait(kv_bars.index(C), 0)
+    for i in range(GROUP * n_m):  # head-major over the GQA group: one flat loop (see the Triton kernel)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])
         do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
         if HEAD_D1 > 0:
@@ -409,15 +352,15 @@ def _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, 
             dsT_op1 = gl.convert_layout(dsT_op, op1_layout)
             dk1_tok = warpgroup_mma(dsT_op1, q1, dk1, is_async=True)
         if FUSED_DQ:
-            # this consumer's dSᵀ rows into dS stage it % 2: past N_K a key's P may be inf against a
+            # this consumer's dSᵀ rows into dS stage i % 2: past N_K a key's P may be inf against a
             # very negative LSE (K = 0 there, and inf · 0 is NaN), so those rows go in as zeros
-            ds_dst = ds_smem.index(2 * (it % 2) + C)
+            ds_dst = ds_smem.index(2 * (i % 2) + C)
             if ragged:
                 ds_dst.store(gl.where(gl.expand_dims(keys < N_K, 1), ds16, 0.0).to(dtype))
             else:
                 ds_dst.store(ds16)
             fence_async_shared()
-            mbarrier.arrive(ds_bars.index(it % 2), count=1)
+            mbarrier.arrive(ds_bars.index(i % 2), count=1)
         # the operands in registers stay alive until their wgmmas are done
         if HEAD_D1 > 0:
             dv, dk, dv1, dk1, pT_op, dsT_op, pT_op1, dsT_op1 = warpgroup_mma_wait(
@@ -428,26 +371,24 @@ def _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, 
         if FUSED_DQ:  # (K stays put: the stage is released already)
             if HEAD_D1 > 0:  # each consumer its column block of dQ, every step
                 if C == 0:
-                    _dq_step(ds_smem, k_smem, dq_smem.index(0), ds_bars, dq_desc, off_z, off_h, start_m, it % 2,
-                             (it // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
+                    _dq_step(ds_smem, k_smem, dq_smem.index(0), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
+                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
                 else:
-                    _dq_step(ds_smem, k1_smem, dq1_smem.index(0), ds_bars, dq1_desc, off_z, off_h, start_m, it % 2,
-                             (it // 2) & 1, sm_scale, 0, HEAD_D1, HEAD_D, BLOCK_M)
+                    _dq_step(ds_smem, k1_smem, dq1_smem.index(0), ds_bars, dq1_desc, off_z, off_h, start_m, i % 2,
+                             (i // 2) & 1, sm_scale, 0, HEAD_D1, HEAD_D, BLOCK_M)
             elif dq_desc.block_type.shape[3] == HEAD_D:  # the consumers take the steps' dQ in turns
-                if it % 2 == C:
+                if i % 2 == C:
                     _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, C,
-                             (it // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
+                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
             else:  # each consumer its half of dQ's columns, every step
-                _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, it % 2,
-                         (it // 2) & 1, sm_scale, C * (HEAD_D // 2), HEAD_D, C * (HEAD_D // 2), BLOCK_M)
+                _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
+                         (i // 2) & 1, sm_scale, C * (HEAD_D // 2), HEAD_D, C * (HEAD_D // 2), BLOCK_M)
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
-        it += 1
-        if not PERSISTENT or STAGES != 2:
-            s += 1
-            phase = gl.where(s == STAGES, phase ^ 1, phase)
-            s = gl.where(s == STAGES, 0, s)
-    if PERSISTENT:  # this consumer is done with K and V (and, with dQ inside, both consumers' K)
-        mbarrier.arrive(kv_empty.index(0), count=1)
+        s += 1
+        phase = gl.where(s == STAGES, phase ^ 1, phase)
+        s = gl.where(s == STAGES, 0, s)
+    if FUSED_DQ:
+        tma.store_wait(0)
 
     dk = dk * sm_scale
     rows_kv = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc_layout))
@@ -460,58 +401,21 @@ def _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, 
         rows_kv1 = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc1_layout))
         _store_rows(DK, base, rows_kv1, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, D1, acc1_layout, KV_ADD > 0)
         _store_rows(DV, base, rows_kv1, N_K, stride_dkn, dv1, HEAD_D, D1, acc1_layout, KV_ADD > 0)
-    return it, s, phase
-
-
-@gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                  ds_smem, dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
-                  dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
-                  Z, H_PARTS, N_BLOCKS, N_TILES, C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
-    if PERSISTENT:
-        it = 0
-        s = 0
-        phase = 0
-        for t in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
-            start_n, off_hkv, off_z = _tile_of(t, N_BLOCKS, H_PARTS, Z, CONSUMERS, BLOCKS_LAST)
-            kv_phase = ((t - gl.program_id(0)) // gl.num_programs(0)) & 1
-            it, s, phase = _consumer_tile(
-                q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, ds_smem,
-                dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc, dq1_desc,
-                stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right, start_n, off_hkv,
-                off_z, it, s, phase, kv_phase, C, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
-                WINDOW, FUSED_DQ, KV_ADD, PERSISTENT)
-    else:
-        start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
-        zero = off_z * 0  # (the ring's position and stage as tensors, as the tile loop carries them)
-        _consumer_tile(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                       ds_smem, dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
-                       dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left,
-                       right, start_n, off_hkv, off_z, zero, zero, zero, 0, C, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                       CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, PERSISTENT)
-    if FUSED_DQ:
-        tma.store_wait(0)
 
 
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right", "Z", "H_PARTS", "N_BLOCKS", "N_TILES"])
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
 def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
                   do1_desc, dq1_desc, DK, DV,
-                  stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, Z, H_PARTS, N_BLOCKS, N_TILES,
+                  stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, PERSISTENT: gl.constexpr):
+                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
-    H_KV, B), or with BLOCKS_LAST (H_KV, B, cdiv(N_K, 64 CONSUMERS)); PERSISTENT: a grid of
-    (programs,), each looping over the tiles t = program, program + programs, ... in the order the
-    one-tile grid's programs start (Z batch entries, H_PARTS = H_KV k/v heads or GQA parts); the
-    producer loads a tile's K and V while the consumers store the previous tile's dK and dV. q_desc, do_desc: 4-D
+    H_KV, B), or with BLOCKS_LAST (H_KV, B, cdiv(N_K, 64 CONSUMERS)). q_desc, do_desc: 4-D
     descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M, HEAD_D]; k_desc, v_desc over k,
     v (B, H_KV / KV_SPLIT, N_K, HEAD_D), box [1, 1, 64, HEAD_D]; lse_desc, delta_desc: 3-D over LSE
     (natural log) and Delta = rowsum(dO ∘ O), float32 (B, H, N_Q), box [1, 1, BLOCK_M], unswizzled.
@@ -563,11 +467,6 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if PERSISTENT:  # the consumers are done with a tile's K and V
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_empty.index(0), count=CONSUMERS)
-    else:
-        kv_empty = kv_bars
     if FUSED_DQ:
         # dSᵀ: [parity][consumer] 64 keys x BLOCK_M; one dQ tile per consumer for its reduce-adds
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N_C, BLOCK_M], dtype)
@@ -599,31 +498,31 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
-                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars,
-                             ds_bars, DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
-                             sm_scale, qk_scale, win_left, win_right, Z, H_PARTS, N_BLOCKS, N_TILES, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, PERSISTENT)),
+                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
-                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars,
-                             ds_bars, DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
-                             sm_scale, qk_scale, win_left, win_right, Z, H_PARTS, N_BLOCKS, N_TILES, 1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, PERSISTENT)),
+                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                              do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                             lse_smem, delta_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             win_left, win_right, Z, H_PARTS, N_BLOCKS, N_TILES, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, PERSISTENT)),
+                             lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
+                             win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
+                             WINDOW, BLOCKS_LAST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
-                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars,
-                             ds_bars, DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
-                             sm_scale, qk_scale, win_left, win_right, Z, H_PARTS, N_BLOCKS, N_TILES, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, PERSISTENT)),
+                             delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                              do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                             lse_smem, delta_smem, kv_bars, kv_empty, q_bars, do_bars, empty_bars, N_Q, N_K,
-                             win_left, win_right, Z, H_PARTS, N_BLOCKS, N_TILES, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, PERSISTENT)),
+                             lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
+                             win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
+                             WINDOW, BLOCKS_LAST)),
         ], [1], [PRODUCER_REGS])
