@@ -418,6 +418,30 @@ def test_bad_arguments(kwargs, match):
         assert isinstance(info.value, KernelError)
 
 
+def test_a_checked_call_lets_no_bad_argument_through(monkeypatch):
+    """A repeat call with checked layouts and plain arguments skips the checks (they cost a decode
+    call more host time than its kernels' GPU time, NOTES v20); whatever could fail them is
+    checked again: a bool where an int was, a NaN, other tensors."""
+    q, k, v, _ = _inputs((1, 2, 1, 5, 5, 16), FP16, requires_grad=False)
+    checked = []
+    real = flash.check_inputs
+    monkeypatch.setattr(flash, "check_inputs", lambda *args, **kwargs: (checked.append(1), real(*args, **kwargs)))
+    monkeypatch.setattr(flash, "_checked_calls", {})
+    out = flash_attention(q, k, v, window=(1, 0), softcap=0.0)
+    for fn in (flash_attention, lambda *a, **kw: attention_forward(*a, **kw)[0]):
+        torch.testing.assert_close(fn(q, k, v, window=(1, 0), softcap=0.0), out, rtol=0, atol=0)
+    assert len(checked) == 1
+    for kwargs, match in (({"window": (True, 0)}, "window"), ({"softcap": float("nan")}, "softcap"),
+                          ({"window": (1, 0), "softcap": -1.0}, "softcap")):
+        with pytest.raises(ValueError, match=match):
+            flash_attention(q, k, v, **kwargs)
+    with pytest.raises(KernelError, match="k and v must have the same shape"):
+        flash_attention(q, k, v[..., :8], window=(1, 0), softcap=0.0)
+    with pytest.raises(KernelError, match="share a dtype"):
+        flash_attention(q, k.float(), v, window=(1, 0), softcap=0.0)
+    assert len(checked) == 6
+
+
 def _cu(*offsets, dtype=torch.int32):
     return torch.tensor(offsets, dtype=dtype)
 
