@@ -22,7 +22,7 @@ from flashrun.harness.judge import Reference
 from flashrun.harness.probe import launches
 from flashrun.harness.shapes import Shape, bench_shapes, flops, kvcache
 from flashrun.harness.verify import reproduce_command
-from flashrun.kernels import alibi_slopes, flash_attention, flash_attention_with_kvcache, get
+from flashrun.kernels import alibi_slopes, attention_forward, flash_attention, flash_attention_with_kvcache, get
 from flashrun.kernels.flash import attention as flash
 from flashrun.kernels.flash import decode
 from flashrun.kernels.flash import launch as launch_mod
@@ -206,7 +206,7 @@ def test_a_launcher_that_refuses_the_direct_call_sends_launches_through_triton(m
     monkeypatch.setattr(launch_mod._Launch, "direct", True)
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 600, 16), torch.randn(1, 2, 600, 16)
     want = flash_attention(q, k, v)
-    plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
+    plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant(), write_lse=False)  # (flash_attention's without autograd)
     plan.decode.compiled = Refusing()
     assert torch.equal(flash_attention(q, k, v), want)  # launched by Triton instead
     assert not launch_mod._Launch.direct and "refused the direct call" in caplog.text
@@ -220,6 +220,27 @@ def test_decode_shapes_route_here_and_one_causal_query_is_plain():
     assert torch.equal(flash_attention(q, k, v, causal=True), flash_attention(q, k, v))
     assert not decode.applies(q, k[:, :, :100], variant)  # few keys: the portable forward
     assert not decode.applies(torch.randn(2, 8, 65, 64, dtype=FP16), k, variant)  # too many queries
+
+
+def test_a_call_without_autograd_neither_allocates_nor_writes_the_lse(monkeypatch):
+    """flash_attention without a graph to record has no use for the LSE: its decode route writes
+    none (one allocation and one store fewer per call); attention_forward's, which returns it,
+    is a route of its own, and both outputs agree."""
+    monkeypatch.setattr(flash, "_forward_plans", {})
+    monkeypatch.setattr(decode, "_plans", {})
+    q = torch.randn(2, 8, 1, 64, dtype=FP16)
+    k, v = (torch.randn(2, 2, 300, 64, dtype=FP16) for _ in range(2))
+    out = flash_attention(q, k, v)
+    assert [p.lse_shape for p in decode._plans.values()] == [None]
+    o, lse = attention_forward(q, k, v)
+    assert sorted(map(str, (p.lse_shape for p in decode._plans.values()))) == ["(2, 8, 1)", "None"]
+    assert lse.shape == (2, 8, 1) and torch.isfinite(lse).all()
+    assert torch.equal(out, o)
+    assert torch.equal(flash_attention(q, k, v), out) and len(decode._plans) == 2  # the routes, again
+    with torch.enable_grad():  # a graph: the LSE for the backward
+        q.requires_grad_()
+        flash_attention(q, k, v).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def test_workspace_is_shared_on_a_stream(monkeypatch):

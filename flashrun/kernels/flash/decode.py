@@ -239,10 +239,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> bool:
     return not variant.varlen and q.shape[2] <= DECODE_MAX_QUERIES and k.shape[2] >= DECODE_MIN_KEYS
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant) -> _Plan:
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
+         write_lse: bool = True) -> _Plan:
     """The plan of a :func:`forward` call (cached by everything it depends on)."""
     key = ("dense", _meta(q), _meta(k), _meta(v), _meta(variant.alibi_slopes), variant.causal, variant.window,
-           variant.softcap, sm_scale)
+           variant.softcap, sm_scale, write_lse)
     found = _plans.get(key)
     if found is not None:
         return found
@@ -255,13 +256,15 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, var
     o_strides = _contiguous_strides(q.shape)
     dims = _Dims(batch, heads, k.shape[1], n_q, head_dim, order(q), order(k), order(v), tuple(q.shape),
                  (o_strides[0], o_strides[2], o_strides[1], o_strides[3]), keys=end - first)
-    return keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False, write_lse=True))
+    return keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False,
+                                        write_lse=write_lse))
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` for checked (B, H, Nq, D) inputs where :func:`applies`; lse (B, H, Nq)."""
-    return plan(q, k, v, sm_scale, variant).run(q, k, v, k.shape[2], alibi=variant.alibi_slopes)
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
+            write_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(o, lse)`` for checked (B, H, Nq, D) inputs where :func:`applies`; lse (B, H, Nq), or
+    None without ``write_lse`` (a call without autograd: no allocation, no store)."""
+    return plan(q, k, v, sm_scale, variant, write_lse).run(q, k, v, k.shape[2], alibi=variant.alibi_slopes)
 
 
 # ---------------------------------------------------------------------------------------------
