@@ -18,7 +18,7 @@ bench` times, so comparable with it) in microseconds, and `wall`: back-to-back c
 clearing, host overhead included (the number an inference loop without graphs sees). Then a
 small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
 
-    OUT=/tmp/out python benchmarks/decode_probe.py [--quick] [--budget-s 170] [--waves W]
+    OUT=/tmp/out python benchmarks/decode_probe.py [--quick | --no-sweep] [--budget-s 170] [--waves W]
 
 ``--smoke`` runs the same code on the CPU through Triton's interpreter with tiny shapes, SDPA's
 math backend for cuDNN and no graphs: a check that the script itself runs, timings meaningless.
@@ -271,6 +271,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): does the script run?")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip grid shapes that would start after this")
     ap.add_argument("--waves", type=int, help="decode.WAVES for the whole run (the split target; default: decode's)")
+    ap.add_argument("--no-sweep", action="store_true", help="the whole grid, without the config sweep")
     ns = ap.parse_args()
     global BUDGET_S
     BUDGET_S = ns.budget_s
@@ -292,7 +293,7 @@ def main() -> int:
         run_shape(row, started, rows, ns.quick)
         if not SMOKE:
             torch.cuda.empty_cache()
-    configs = [] if ns.quick else config_sweep(started)
+    configs = [] if ns.quick or ns.no_sweep else config_sweep(started)
     ratios = [r["flash_vs_cudnn"] for r in rows if r.get("flash_vs_cudnn")]
     paged_ratios = [r[key] for r in rows for key in ("kv-p16_vs_contiguous", "kv-p256_vs_contiguous") if r.get(key)]
     summary = {

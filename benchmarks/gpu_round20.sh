@@ -4,6 +4,8 @@
 #   OLD=<a checkout of 5175b4a, round 10> bash benchmarks/gpu_round20.sh full   # the D128 full backward,
 #                                           # round 10's code and this in turns, against cuDNN
 #   TREES=<a folder of checkouts> bash benchmarks/gpu_round20.sh bisect   # the same at each checkout, in turns
+#   OLD=<a checkout of the last commit> bash benchmarks/gpu_round20.sh host   # decode_probe.py's grid and
+#                                           # fwd_host.py, that checkout and this in turns; GPU tests of flash
 #   TREES=<a folder of checkouts> bash benchmarks/gpu_round20.sh bisect2  # benchmarks/ab_old_new.py's backward
 #                                           # calls with each checkout's flashrun (one harness), in turns
 # Round 20's persistent backward ran as `bash benchmarks/gpu_round20.sh persist` (gluon_bwd_probe.py:
@@ -43,6 +45,15 @@ case "${1:-}" in
         echo "$label rc $?"; grep -E "do_bench|^     " "$OUT/ab-$label.txt" | cut -c1-240
       done
     done ;;
+  host)  # decode_probe.py's grid (host-bound rows: B1) and fwd_host.py, the last commit ($OLD) and this in turns
+    cp benchmarks/decode_probe.py "$OLD/benchmarks/"
+    for run in old-1 this-1 old-2 this-2; do
+      (cd "$(tree_of "$run")" && OUT="$OUT/decode-$run" timeout 100 python3 benchmarks/decode_probe.py --no-sweep \
+        --budget-s 80) > "$OUT/decode-$run.txt" 2>&1
+      echo "decode probe $run rc $?"; grep -E '"(min|median|max)"|failed|B1 H32' "$OUT/decode-$run.txt" | head -12
+    done
+    fwd_host old-1 this-1
+    gpu_tests gpu-tests-flash 120 "flash_on_gpu or kvcache" ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round20.sh full | TREES=<folder> bash benchmarks/gpu_round20.sh bisect|bisect2" >&2; exit 2 ;;
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round20.sh full|host | TREES=<folder> bash benchmarks/gpu_round20.sh bisect|bisect2" >&2; exit 2 ;;
 esac
