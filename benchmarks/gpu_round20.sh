@@ -6,6 +6,7 @@
 #   TREES=<a folder of checkouts> bash benchmarks/gpu_round20.sh bisect   # the same at each checkout, in turns
 #   OLD=<a checkout of the last commit> bash benchmarks/gpu_round20.sh host   # decode_probe.py's grid and
 #                                           # fwd_host.py, that checkout and this in turns; GPU tests of flash
+#   OLD=<a checkout of the last commit> bash benchmarks/gpu_round20.sh host2  # fwd_host.py, three more pairs
 #   TREES=<a folder of checkouts> bash benchmarks/gpu_round20.sh bisect2  # benchmarks/ab_old_new.py's backward
 #                                           # calls with each checkout's flashrun (one harness), in turns
 # Round 20's persistent backward ran as `bash benchmarks/gpu_round20.sh persist` (gluon_bwd_probe.py:
@@ -54,6 +55,8 @@ case "${1:-}" in
     done
     fwd_host old-1 this-1
     gpu_tests gpu-tests-flash 120 "flash_on_gpu or kvcache" ;;
+  host2)  # fwd_host.py, the last commit ($OLD) and this in turns, three pairs
+    fwd_host old-2 this-2 old-3 this-3 old-4 this-4 ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round20.sh full|host | TREES=<folder> bash benchmarks/gpu_round20.sh bisect|bisect2" >&2; exit 2 ;;
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round20.sh full|host|host2 | TREES=<folder> bash benchmarks/gpu_round20.sh bisect|bisect2" >&2; exit 2 ;;
 esac
