@@ -57,13 +57,15 @@ def _check(shape, inputs, cache_seqlens=None, sm_scale=None):
 
 
 # (cache lengths, heads, kv heads, queries, head_dim, page size, new keys): ragged lengths with an
-# empty cache, pages of 16 (a page boundary inside most sequences), of 48 (not a power of two) and
-# of 1 key, new keys across a page boundary, more queries than keys, split head dims (40, 80), MQA
+# empty cache, pages of 16 (a page boundary inside most sequences), of 48 (not a power of two), of
+# 64 (whole key blocks: one page lookup a block) and of 1 key, new keys across a page boundary, more
+# queries than keys, split head dims (40, 80), MQA
 CASES = [
     ((0, 17, 300), 4, 2, 1, 64, 0, 0),
     ((0, 17, 300), 4, 2, 1, 64, 16, 1),
     ((37, 0, 290), 4, 1, 3, 40, 16, 2),
     ((100, 0, 33), 8, 2, 2, 80, 48, 3),
+    ((70, 0, 200), 4, 2, 2, 64, 64, 2),
     ((15, 2), 2, 2, 4, 16, 16, 1),
     ((250, 131), 8, 1, 1, 64, 1, 0),
     ((1,), 4, 4, 5, 32, 0, 0),

@@ -703,6 +703,48 @@ def test_decode_replays_from_a_cuda_graph_and_launches_lean():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_as_a_dependent_launch_reads_what_the_kernel_before_wrote(paged, monkeypatch):
+    """On sm_90 decode and its combine are programmatic dependent launches: each may start while
+    the kernel before it drains, so each must wait for that kernel's writes. Every call here
+    follows the copies that wrote its q, k and v (and lengths): the output equals the same call
+    launched plainly, bit for bit, call after call."""
+    from flashrun.kernels import flash_attention_with_kvcache
+    from flashrun.kernels.flash import decode
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, h, h_kv, n, d = 2, 32, 8, 16384, 128
+    q4 = torch.empty(b, 1, h, d, device="cuda", dtype=BF16)
+    cache = [torch.empty(b, n, h_kv, d, device="cuda", dtype=BF16) for _ in range(2)]
+    table = torch.randperm(b * n // 16, device="cuda").view(b, -1).to(torch.int32)
+    pools = [torch.empty(b * n // 16, 16, h_kv, d, device="cuda", dtype=BF16) for _ in range(2)]
+    lengths = torch.empty(b, dtype=torch.int32, device="cuda")
+
+    def call():
+        if paged:
+            for pool, c in zip(pools, cache):  # the kernels right before the decode write its pages
+                pool[table.view(-1).long()] = c.view(-1, 16, h_kv, d)
+            return flash_attention_with_kvcache(q4, *pools, lengths, block_table=table)
+        return flash_attention_with_kvcache(q4, *cache, lengths)
+
+    decode._plans.clear()
+    for step in range(4):
+        q4.copy_(torch.randn(q4.shape, device="cuda", generator=gen))
+        for c in cache:
+            c.copy_(torch.randn(c.shape, device="cuda", generator=gen))
+        lengths.copy_(torch.tensor([n - 3 * step, 1000 + step], dtype=torch.int32))
+        monkeypatch.setattr(decode, "PDL", True)
+        got = call()
+        (plan,) = [p for key, p in decode._plans.items() if key[-1] is True]  # (the key's last item: PDL)
+        assert plan.splits > 1 and plan.decode.compiled.metadata.launch_pdl and plan.combine.compiled.metadata.launch_pdl
+        torch.cuda.synchronize()
+        monkeypatch.setattr(decode, "PDL", False)
+        want = call()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 
 # -- first use: Triton 3.6's per-signature C launcher, built beside the compile ---------------------
 import triton  # noqa: E402

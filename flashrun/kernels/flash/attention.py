@@ -248,13 +248,14 @@ def _route_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: floa
                launch: Launch, try_gluon: bool, want_lse: bool = True) -> tuple | None:
     """Everything a forward's route depends on - the inputs' layouts, dtypes and alignment, the
     variant, the scale, the launch argument and tuning switch, the Gluon path's switches
-    (:func:`.hopper.switches`) and whether the LSE is wanted - or None where no route is kept:
+    (:func:`.hopper.switches`), flash-decoding's launch kind (:data:`.decode.PDL`) and whether the
+    LSE is wanted - or None where no route is kept:
     packed sequences and ALiBi (whose per-call tensors sit among a plan's fixed arguments) and
     compile-only calls."""
     if variant.varlen or variant.alibi_slopes is not None or compiling():
         return None
     return (_meta(q), _meta(k), _meta(v), variant.causal, variant.window, variant.softcap, sm_scale,
-            _hashable(launch), tune_on_miss(), try_gluon and hopper.switches(), want_lse)
+            _hashable(launch), tune_on_miss(), try_gluon and hopper.switches(), decode.PDL, want_lse)
 
 
 # -- lean launches of the forward (:mod:`.launch`): a route per call key --------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,6 +68,11 @@ MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
 DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
+# programmatic dependent launch (sm_90+; benchmarks/NOTES.md v21): the decode kernel may start while
+# the kernel before it drains, and the combine while the decode grid's last programs run; each
+# waits for its predecessor's writes in the kernel (griddepcontrol.wait). FLASHRUN_PDL=0 turns it
+# off; a plan's key holds it, so that benchmarks/decode_probe.py can compare the two in one process
+PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "off", "no")
 COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x its columns)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
@@ -96,10 +102,16 @@ def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel
 # Plans
 
 
-def _config(dtype: torch.dtype, head_dim: int) -> LaunchConfig:
+def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0) -> LaunchConfig:
+    """The fixed config; a paged cache whose pages do not hold whole key blocks (each key's page
+    looked up) at most 2 stages: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
+    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21)."""
     if INTERPRETED:
         return DECODE_INTERPRETER
-    return DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
+    cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
+    if page_size % cfg.block_n:
+        cfg = replace(cfg, num_stages=min(cfg.num_stages, 2))
+    return cfg
 
 
 _sms: dict[int | None, int] = {}
@@ -111,6 +123,22 @@ def _multiprocessors(device: torch.device) -> int:
     if device.index not in _sms:
         _sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _sms[device.index]
+
+
+_capabilities: dict[int | None, tuple[int, int]] = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether this device's launches are programmatic dependent ones (:data:`PDL`, sm_90+)."""
+    if not PDL or INTERPRETED or device.type != "cuda":
+        return False
+    if device.index not in _capabilities:
+        _capabilities[device.index] = torch.cuda.get_device_capability(device)
+    return _capabilities[device.index] >= (9, 0)
+
+
+def _options(cfg: LaunchConfig, pdl: bool) -> dict:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **({"launch_pdl": True} if pdl else {})}
 
 
 def block_m(group: int, n_q: int, head_dim: int) -> int:
@@ -191,28 +219,29 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
         variant = replace(variant, causal=False)
     group = dims.heads // dims.kv_heads
-    cfg = _config(dtype, dims.head_dim)
+    cfg = _config(dtype, dims.head_dim, dims.page_size)
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
     splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale, dtype)
+    pdl = _pdl(device)
     queries = bm // group + (2 if bm % group else 0)  # queries a tile's rows can belong to (at most)
     tail = (*dims.q, *dims.k, *dims.v, *dims.o, *dims.new, dims.table_stride, var["stride_az"], var["stride_ah"],
             dims.kv_heads, dims.n_q, dims.n_new, dims.capacity, splits, var["qk_scale"], var["softcap2"],
             var["win_left"], var["win_right"],
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
-            *dot_options(dtype).values())
-    decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, cfg)
+            *dot_options(dtype).values(), pdl)
+    decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, _options(cfg, pdl))
     combine = None
     if splits > 1:
         cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)
         block_s = min(next_power_of_2(splits), COMBINE_SPLITS if cols <= 128 else COMBINE_SPLITS // 2)
         combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, cdiv(dims.head_dim, cols)),
                           (*dims.o, dims.kv_heads, dims.n_q, splits, group, dims.head_dim, bm, cols, block_s,
-                           write_lse), LaunchConfig(num_warps=4, num_stages=1))
+                           write_lse, pdl), _options(LaunchConfig(num_warps=4, num_stages=1), pdl))
     rows = pairs * tiles * splits * bm
     lse_shape = (dims.batch, dims.heads, dims.n_q) if write_lse else None
     return _Plan(decode, combine, dims.out, lse_shape, (rows * dims.head_dim, rows), splits,
@@ -243,7 +272,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, var
          write_lse: bool = True) -> _Plan:
     """The plan of a :func:`forward` call (cached by everything it depends on)."""
     key = ("dense", _meta(q), _meta(k), _meta(v), _meta(variant.alibi_slopes), variant.causal, variant.window,
-           variant.softcap, sm_scale, write_lse)
+           variant.softcap, sm_scale, write_lse, PDL)
     found = _plans.get(key)
     if found is not None:
         return found
@@ -386,7 +415,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     slopes = alibi_slopes
     key = ("kvcache", *(_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
                         for t in (q, k_cache, v_cache, k, v, block_table, slopes, causal, window, softcap, sm_scale)),
-           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int)
+           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int, PDL)
     plan = _plans.get(key)
     if plan is None:
         dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table)

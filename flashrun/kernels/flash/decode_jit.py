@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashrun.kernels.flash.jit import (
     LOG2E_C,
@@ -31,13 +32,16 @@ def _load_cols(ptrs_rows, row_ok, stride_d, COL: tl.constexpr, WIDTH: tl.constex
 
 
 @triton.jit
-def _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE: tl.constexpr,
-             MASKED: tl.constexpr):
-    """Pointers to the rows of keys ``cols`` in K and V: row j of a contiguous cache, or slot
-    j % PAGE_SIZE of page PAGES[j // PAGE_SIZE] of a paged one (K, V point at the kv head, and
-    for a contiguous cache at the sequence)."""
+def _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE: tl.constexpr,
+             MASKED: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """Pointers to the rows of keys ``cols`` (from start_n) in K and V: row j of a contiguous
+    cache, or slot j % PAGE_SIZE of page PAGES[j // PAGE_SIZE] of a paged one (K, V point at the kv
+    head, and for a contiguous cache at the sequence). ONE_PAGE: the keys lie in one page (a
+    block that starts on a multiple of BLOCK_N, which divides PAGE_SIZE), found by one load."""
     if PAGE_SIZE > 0:
-        if MASKED:  # keys past the sequence may lie past its block table row
+        if ONE_PAGE:  # the block starts below n_k, so its page is in the block table row
+            page = tl.load(PAGES + start_n // PAGE_SIZE).to(tl.int64)
+        elif MASKED:  # keys past the sequence may lie past its block table row
             page = tl.load(PAGES + cols // PAGE_SIZE, mask=cols < n_k, other=0).to(tl.int64)
         else:
             page = tl.load(PAGES + cols // PAGE_SIZE).to(tl.int64)
@@ -83,7 +87,8 @@ def _append(K, V, K_NEW, V_NEW, PAGES, lo, hi, n_cache, n_k, stride_kz, stride_k
     cols_d = tl.arange(0, BLOCK_D)
     for start_n in range(tl.maximum(lo, n_cache), tl.minimum(hi, n_k), 16):
         cols = start_n + offs_n
-        k_rows, v_rows = _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE, True)
+        k_rows, v_rows = _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn,
+                                  PAGE_SIZE, True, False)
         mask = (cols < tl.minimum(hi, n_k))[:, None] & (cols_d[None, :] < HEAD_DIM)
         new = (cols - n_cache).to(tl.int64) * stride_nn
         k = tl.load((K_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
@@ -107,8 +112,8 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
     shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_rows, v_rows = _kv_rows(K, V, PAGES, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE,
-                                  MASKED)
+        k_rows, v_rows = _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn,
+                                  PAGE_SIZE, MASKED, PAGE_SIZE % BLOCK_N == 0)
         k0, k1 = _kv_tile(k_rows, cols < n_k, stride_kk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
         v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
@@ -160,16 +165,22 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
     head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
     sequence holds N_K cached keys (or CACHE_SEQLENS[batch], clamped to [0, CAPACITY - N_NEW])
     and N_NEW appended ones (APPEND). SPLIT: write this split's normalized output and log2-sum-exp2
     into O_PART (splits, BLOCK_M, HEAD_DIM) and LSE_PART per (batch, kv head, row tile), for
     :func:`_attn_decode_combine`; otherwise the output itself (and with WRITE_LSE the
-    natural-log LSE, (batch, heads, N_Q))."""
+    natural-log LSE, (batch, heads, N_Q)). PDL: launched as a programmatic dependent launch
+    (sm_90+): the program may start while the kernel before it drains, so it waits for that
+    kernel's writes before reading anything, and lets the combine launch as the grid's last
+    programs start (the combine waits for this grid's writes in turn)."""
     tl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
     tl.static_assert(not (CAUSAL and WINDOW))  # the launcher folds causal into the window
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     split = tl.program_id(0)
     tile = tl.program_id(1)
     pair = tl.program_id(2)
@@ -276,12 +287,16 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
 @triton.jit(do_not_specialize=["H_KV", "SPLITS"])
 def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_oh, stride_ok, H_KV, N_Q, SPLITS,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
+                         BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr):
     """Program (row of the group, batch * H_KV + kv head, column block): merges columns
     [BLOCK_D · c, BLOCK_D · (c + 1)) of the row's SPLITS partials, BLOCK_S at a time with a
     running maximum (every column block recomputes the weights from the LSEs, a few bytes per
     split; column block 0 writes the LSE). Column blocks spread a long merge - one (batch, kv
-    head) of MQA has SPLITS in the hundreds - over more programs than the group's rows."""
+    head) of MQA has SPLITS in the hundreds - over more programs than the group's rows. PDL:
+    launched as a programmatic dependent of :func:`_attn_decode`, so it may start before that
+    grid ends: it waits for its partials first."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     pair = tl.program_id(1)
     col = tl.program_id(2)
