@@ -261,6 +261,43 @@ def test_a_kernel_compiled_after_the_compile_threads_stopped_is_dropped_quietly(
     assert not compile_.ready.is_set()
 
 
+def test_settle_waits_for_every_batchs_kernels_still_compiling(monkeypatch):
+    """A first call compiles its backward in the background; settle() returns only once every
+    kernel any batch handed over is ready (here: set by a thread 0.2 s later)."""
+    import threading
+
+    from flashrun.kernels import warmup
+
+    monkeypatch.setattr(warmup, "_batches", type(warmup._batches)())
+    batch = warmup.Batch.__new__(warmup.Batch)  # no processes: only its kernels and wait() are used
+    batch.kernels = {i: warmup.Compile(f"k{i}", handle=None) for i in range(3)}
+    warmup._batches.add(batch)
+    timer = threading.Timer(0.2, lambda: [c.ready.set() for c in batch.kernels.values()])
+    timer.start()
+    waited = warmup.settle()
+    assert all(c.ready.is_set() for c in batch.kernels.values()) and waited >= 0.15
+    assert warmup.settle() < 0.05  # nothing left to wait for
+
+
+def test_bench_times_a_provider_only_after_background_compiles_settle(monkeypatch):
+    from flashrun.harness import measure
+    from flashrun.harness.inputs import make_inputs
+    from flashrun.harness.judge import Reference
+    from flashrun.harness.providers import resolve
+    from flashrun.kernels import warmup
+
+    events = []
+    monkeypatch.setattr(warmup, "settle", lambda: events.append("settle") or 0.0)
+    real = measure.time_call
+    monkeypatch.setattr(measure, "time_call", lambda *a, **kw: events.append("time") or real(*a, **kw))
+    shape = Shape(1, 2, 2, 32, 32, 16, "float32", False)
+    sets = make_inputs(shape, 0, "cpu", requires_grad=True)
+    cells = measure.measure(resolve("sdpa", torch.device("cpu")), shape, sets, Reference.for_shape(sets[0], shape, grads=True),
+                            ["fwd", "fwd_bwd"], torch.device("cpu"), measure.Timing(1, 2))
+    assert [c.status for c in cells] == ["ok", "ok"]
+    assert events == ["settle", "time", "settle", "time"]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_forked_child_neither_uses_nor_stops_its_parents_compile_processes():
     """The compile processes answer the process that started them: a forked child starts with

@@ -6,7 +6,9 @@ Order of work for a provider and a case (a *cell* is one mode):
 2. one forward (and, when a backward mode is asked, one backward) on the first input set,
    compared with the reference - the first try is also how an unsupported shape shows up;
    a wrong provider is flagged and not timed;
-3. per mode: peak memory from one untimed call, then the timing;
+3. per mode: peak memory from one untimed call, then the timing, once every kernel still
+   compiling in the background is ready (a first call compiles its backward while the forward
+   runs: :func:`flashrun.kernels.warmup.settle`);
 4. with ``--metrics``, after each mode's timing, what its call does on the GPU
    (:meth:`flashrun.harness.probe.Probe.gather`): outside the timed loop, so the timed numbers
    are those of a run without it.
@@ -29,6 +31,7 @@ import gc
 import itertools
 import logging
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -253,6 +256,7 @@ def _time_mode(provider: Provider, attn: Attention, shape: Shape, sets: list[Inp
     start = len(caught)
     try:
         peak = _peak_mem_mb(attn, sets[0], mode, device)
+        _settle()
         fn, leaves = _timed_call(attn, sets, mode)
         ms = time_call(fn, device, timing, leaves)
     except Exception as exc:  # noqa: BLE001 - e.g. OOM with the rotated sets: the cell says so
@@ -271,6 +275,15 @@ def _time_mode(provider: Provider, attn: Attention, shape: Shape, sets: list[Inp
         finally:
             reset_grads(sets)
     return Cell(mode, "ok", True, ms, peak, verdict.max_err, note, metrics=metrics)
+
+
+def _settle() -> None:
+    """Wait for our kernels still compiling in the background (none unless flashrun's kernels are loaded)."""
+    warmup = sys.modules.get("flashrun.kernels.warmup")
+    if warmup is not None:
+        waited = warmup.settle()
+        if waited > 0.01:
+            log.debug("waited %.2f s for kernels compiling in the background before timing", waited)
 
 
 def measure(provider: Provider, shape: Shape, sets: list[Inputs], ref: Reference, modes: list[str],

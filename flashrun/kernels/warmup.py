@@ -52,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -66,6 +67,7 @@ log = logging.getLogger("flashrun.warmup")
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_batches: weakref.WeakSet[Batch] = weakref.WeakSet()  # every batch of this process (:func:`settle`)
 
 
 MAX_WORKERS = 32  # a compile process holds ~160 MB (Triton, LLVM; measured on the CPU machine)
@@ -386,6 +388,7 @@ class Batch:
         self._mode = triton.AsyncCompileMode(_Compiler(), ignore_errors=True)
         self._context.run(self._mode.__enter__)
         self._open = True
+        _batches.add(self)
 
     @property
     def submitted(self) -> int:
@@ -466,6 +469,18 @@ class Batch:
             self._open = False
             self.wait(list(self.kernels.values()))
             self._context.run(self._mode.__exit__, None, None, None)
+
+
+def settle() -> float:
+    """Block until every kernel that any batch of this process handed to the pool is ready; the
+    seconds waited. A timing calls it first, so that no compile's loading (Triton 3.6's launcher
+    build, under the GIL) shares the host with the timed calls: a forward's first call compiles
+    its backward in the background (``attention._compile_ahead``), and on the H200 a flash decode
+    call timed meanwhile took 107 us of host time a call against ~30 (NOTES v21)."""
+    start = time.perf_counter()
+    for batch in list(_batches):
+        batch.wait(list(batch.kernels.values()))
+    return time.perf_counter() - start
 
 
 def _result(future: Future) -> Any:

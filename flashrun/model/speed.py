@@ -140,6 +140,8 @@ def measure(model: Any, subjects: list[_Subject], batch: Batch, reps: int,
             progress: Callable[[str], None] = lambda _: None) -> None:
     """Fill each subject's row: every phase warmed up per implementation, then timed
     interleaved (``reps`` rounds; decode :data:`DECODE_STEPS`), then the peak memory."""
+    from flashrun.kernels import warmup  # (a GPU run: the kernels are loaded by now)
+
     tokens, sequences = batch.input_ids.numel(), batch.input_ids.shape[0]
     for phase, make in _phases(model, batch).items():
         live = [s for s in subjects if s.row.status == "ok"]
@@ -150,6 +152,7 @@ def measure(model: Any, subjects: list[_Subject], batch: Batch, reps: int,
             for _ in range(WARMUP):
                 if subject.row.status == "ok":
                     _guarded(model, subject, subject.call)
+        warmup.settle()  # what a first call compiles in the background (its backward) is ready before timing
         for _ in range(DECODE_STEPS if phase == "decode" else reps):
             for subject in live:
                 if subject.row.status == "ok":
