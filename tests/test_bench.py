@@ -680,3 +680,27 @@ def test_bench_says_which_paths_flash_ran(tmp_path) -> None:
     assert "forward path flash: gluon-sm90 (2 cells)" in text and "backward path flash: gluon-sm90+dq (1 cell)" in text
     results.write(tmp_path / "r.csv", tmp_path / "r.json", [row], {}, complete=True)
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["path"] == "gluon-sm90"
+
+
+@pytest.mark.parametrize("n_q, n_k, grad", [(32, 32, True), (1, 64, False), (4, 64, False)],
+                         ids=["square", "decode", "few-queries"])
+def test_a_decode_like_forward_is_timed_as_inference(monkeypatch, n_q, n_k, grad):
+    """The forward is timed with inputs that require grad (as in training), except where a
+    shape has fewer queries than keys: a generation loop calls those under no_grad, and a
+    Python autograd.Function's host time would be timed into short calls."""
+    from flashrun.harness import measure
+    from flashrun.harness.judge import Reference
+    from flashrun.harness.providers import resolve
+    from flashrun.harness.shapes import Shape
+
+    seen = []
+    real = measure.time_call
+    monkeypatch.setattr(measure, "time_call", lambda fn, *a, **kw: seen.append(getattr(fn(), "requires_grad", "backward"))
+                        or real(fn, *a, **kw))
+    shape = Shape(1, 2, 1, n_q, n_k, 16, "float32", False)
+    sets = measure.make_sets(shape, torch.device("cpu"), 0)
+    cells = measure.measure(resolve("sdpa", torch.device("cpu")), shape, sets,
+                            Reference.for_shape(sets[0], shape, grads=True), ["fwd", "fwd_bwd"],
+                            torch.device("cpu"), measure.Timing(1, 2))
+    assert [c.status for c in cells] == ["ok", "ok"], [c.note for c in cells]
+    assert seen == [grad, "backward"]

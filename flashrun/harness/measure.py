@@ -17,7 +17,9 @@ Timing on a GPU is ``triton.testing.do_bench`` (warm-up, L2 cleared before every
 events; median and p20/p80). Backward is timed alone: the forward runs once outside the timed
 region and the timed call is ``out.backward(dout, retain_graph=True)``, with the input
 gradients reset to ``None`` before each call so nothing accumulates. The forward is timed as in
-training (inputs that require grad), the FlashAttention benchmarks' convention.
+training (inputs that require grad), the FlashAttention benchmarks' convention, except for
+decode-like shapes (fewer queries than keys, ``--seq-lens-k``): those are inference, timed under
+``torch.no_grad()`` as a generation loop calls them (:func:`inference`).
 
 Inputs are fresh N(0, 1) draws (never zeros: some kernels are faster on zeros). When one input
 set fits in L2, several sets are rotated so that no call finds its inputs already cached;
@@ -214,12 +216,28 @@ def _cpu_bench(fn: Callable[[], object], timing: Timing,
     return values[0], values[1], values[2]
 
 
-def _timed_call(attn: Attention, sets: list[Inputs], mode: str
+def inference(shape: Shape, mode: str) -> bool:
+    """Whether ``mode`` on ``shape`` is timed without autograd: the forward of a decode-like
+    shape (fewer queries than keys). With inputs that require grad, a Python autograd.Function's
+    own host time (flash: ~25 us a call against ~12 on a 2-core CPU) would be timed into calls
+    whose kernels take ~15-80 us, which a generation loop never pays (NOTES v21)."""
+    return mode == "fwd" and shape.seq_len < shape.seq_len_k
+
+
+def _forward(attn: Attention, s: Inputs, grad: bool) -> object:
+    if grad:
+        return attn.fn(s.q, s.k, s.v)
+    with torch.no_grad():
+        return attn.fn(s.q, s.k, s.v)
+
+
+def _timed_call(attn: Attention, sets: list[Inputs], mode: str, grad: bool = True
                 ) -> tuple[Callable[[], object], list[torch.Tensor] | None]:
     """The zero-argument callable timed for ``mode``, rotating the input sets, and the
-    tensors whose .grad is reset before each call."""
+    tensors whose .grad is reset before each call; ``grad=False``: the forward under no_grad
+    (:func:`inference`)."""
     if mode == "fwd":
-        calls = [lambda s=s: attn.fn(s.q, s.k, s.v) for s in sets]
+        calls = [lambda s=s: _forward(attn, s, grad) for s in sets]
     elif mode == "bwd":
         outs = [attn.fn(s.q, s.k, s.v) for s in sets]  # forward once, outside the timed region
         calls = [lambda o=o, s=s: o.backward(s.dout, retain_graph=True) for o, s in zip(outs, sets)]
@@ -232,7 +250,8 @@ def _timed_call(attn: Attention, sets: list[Inputs], mode: str
     return lambda: next(rotation)(), leaves
 
 
-def _peak_mem_mb(attn: Attention, inputs: Inputs, mode: str, device: torch.device) -> float | None:
+def _peak_mem_mb(attn: Attention, inputs: Inputs, mode: str, device: torch.device, grad: bool = True
+                 ) -> float | None:
     """Memory allocated above the inputs during one call (forward and backward for the
     backward modes: the saved activations are part of the cost). GPU only."""
     if device.type != "cuda":
@@ -240,7 +259,7 @@ def _peak_mem_mb(attn: Attention, inputs: Inputs, mode: str, device: torch.devic
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    out = attn.fn(inputs.q, inputs.k, inputs.v)
+    out = _forward(attn, inputs, grad)
     if mode != "fwd":
         out.backward(inputs.dout)
     torch.cuda.synchronize(device)
@@ -255,9 +274,10 @@ def _time_mode(provider: Provider, attn: Attention, shape: Shape, sets: list[Inp
                probe: Probe | None) -> Cell:
     start = len(caught)
     try:
-        peak = _peak_mem_mb(attn, sets[0], mode, device)
+        grad = not inference(shape, mode)
+        peak = _peak_mem_mb(attn, sets[0], mode, device, grad)
         _settle()
-        fn, leaves = _timed_call(attn, sets, mode)
+        fn, leaves = _timed_call(attn, sets, mode, grad)
         ms = time_call(fn, device, timing, leaves)
     except Exception as exc:  # noqa: BLE001 - e.g. OOM with the rotated sets: the cell says so
         failed = _failure(provider.name, shape, exc, caught[start:])

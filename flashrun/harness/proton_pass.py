@@ -209,7 +209,7 @@ def _view(cell: Cell, device: torch.device, proton: Any) -> Outcome:
         sets = measure.make_sets(cell.shape, device, cell.seed)
         attn = provider.prepare(cell.shape, device)
         with attn.scope():
-            fn, leaves = measure._timed_call(attn, sets, cell.mode)
+            fn, leaves = measure._timed_call(attn, sets, cell.mode, not measure.inference(cell.shape, cell.mode))
 
             def call() -> None:
                 for leaf in leaves or ():
