@@ -5,10 +5,12 @@ keys, GQA 32/8 and MQA 32/1, bf16 and fp16, causal and not) it checks and times:
 
   * flash      flashrun.kernels.flash_attention (the decode path: flashrun/kernels/flash/decode.py)
   * flash+g    the same call replayed from a CUDA graph
+  * flash-nopdl (+g)  the same without programmatic dependent launches (decode.PDL off; on sm_90
+               the decode kernel and its combine are launched as dependents by default)
   * cudnn      SDPA forced to cuDNN (enable_gqa, as `flashrun bench` calls it); cudnn+g graphed
   * kv         flash_attention_with_kvcache on a contiguous (B, N, H_kv, D) cache, lengths as a
-               device tensor; kv-p16 / kv-p256 the same cache paged (16 / 256 keys a page,
-               pages scrambled)
+               device tensor; kv-p16 / kv-p64 / kv-p256 the same cache paged (16 / 64 / 256
+               keys a page, pages scrambled)
 
 Every output is checked against float32 attention over the same keys before it is timed: the
 kernel's max error must stay within 2x cuDNN's own error + atol (the judge's rule,
@@ -51,7 +53,7 @@ from triton.testing import do_bench  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashrun
 
 from flashrun.kernels import flash_attention, flash_attention_with_kvcache  # noqa: E402
-from flashrun.kernels.flash import decode  # noqa: E402
+from flashrun.kernels.flash import attention, decode  # noqa: E402
 from flashrun.kernels.tuning import LaunchConfig  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -70,6 +72,7 @@ GRID = [
 ]
 QUICK = GRID[:3] + [GRID[11]]
 SMOKE_GRID = [(2, 8, 2, 768, FP16, False), (1, 8, 1, 512, BF16, True)]  # keys: whole pages
+PAGES = (16, 64, 256)  # page sizes the KV-cache rows are timed with
 PAGED_ON = {0, 1, 2, 6, 11}  # grid rows also timed through the KV-cache API, contiguous and paged
 # decode's fixed config (first) and neighbours: ptxas gives the default ~230 registers on sm_90
 # (two programs per SM); 8 warps or 32-key tiles halve the tiles' share per thread
@@ -159,6 +162,18 @@ def lean() -> str:
     return "yes" if plans and ok else "NO"
 
 
+def without_pdl(fn):
+    """fn() with decode.PDL off (its plans are kept apart by their key)."""
+    def call():
+        before, decode.PDL = decode.PDL, False
+        try:
+            return fn()
+        finally:
+            decode.PDL = before
+
+    return call
+
+
 def run_shape(row, started, rows, quick):
     b, h, h_kv, n, dtype, causal = row
     label = f"B{b} H{h}/{h_kv} N{n} {str(dtype)[6:]}{' causal' if causal else ''}"
@@ -177,6 +192,7 @@ def run_shape(row, started, rows, quick):
         yard = float("nan")
     bound = 2 * (yard if yard == yard else 0.0) + ATOL[dtype] * max(1.0, ref.abs().max().item())
     calls = {"flash": lambda: flash_attention(q, k, v, causal=causal)}
+    calls["flash-nopdl"] = without_pdl(calls["flash"])
     if out_cudnn is not None:
         calls["cudnn"] = lambda: cudnn(q, k, v)
     if row in [GRID[i] for i in PAGED_ON] or quick or SMOKE:
@@ -184,14 +200,14 @@ def run_shape(row, started, rows, quick):
         k_cache, v_cache = (t.transpose(1, 2).contiguous() for t in (k, v))  # (B, N, H_kv, D)
         lengths = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
         calls["kv"] = lambda: flash_attention_with_kvcache(q4, k_cache, v_cache, lengths, causal=causal).transpose(1, 2)
-        for page in (16, 256):
+        for page in PAGES:
             pool_k, table = paged(k_cache, page)
             pool_v = torch.empty_like(pool_k)
             pool_v[table.view(-1).long()] = v_cache.reshape(-1, page, h_kv, D)
             calls[f"kv-p{page}"] = (lambda pk=pool_k, pv=pool_v, t=table: flash_attention_with_kvcache(
                 q4, pk, pv, lengths, block_table=t, causal=causal).transpose(1, 2))
     for name in list(calls):
-        if name in ("flash", "cudnn") and not SMOKE:
+        if name in ("flash", "flash-nopdl", "cudnn") and not SMOKE:
             calls[name + "+g"] = graphed(calls[name])
     for name, fn in calls.items():
         if time.perf_counter() - started > BUDGET_S:
@@ -209,16 +225,19 @@ def run_shape(row, started, rows, quick):
     gpu_bytes = record["gb_kv"] * 1e9
     if record.get("flash_us"):
         record["flash_tb_s"] = gpu_bytes / record["flash_us"] / 1e6
-    for name in ("flash", "flash+g", "kv", "kv-p16", "kv-p256"):
+    for name in ("flash", "flash+g", "flash-nopdl", "flash-nopdl+g", "kv", *(f"kv-p{p}" for p in PAGES)):
         if record.get(f"{name}_us") and record.get("cudnn_us"):
             record[f"{name}_vs_cudnn"] = record["cudnn_us"] / record[f"{name}_us"]
-    for name in ("kv-p16", "kv-p256"):
+    if record.get("flash_us") and record.get("flash-nopdl_us"):
+        record["pdl_speedup"] = record["flash-nopdl_us"] / record["flash_us"]
+    for name in (f"kv-p{p}" for p in PAGES):
         if record.get(f"{name}_us") and record.get("kv_us"):
             record[f"{name}_vs_contiguous"] = record["kv_us"] / record[f"{name}_us"]
     rows.append(record)
     ok = all(record.get(f"{name}_ok", True) for name in calls)
     print(f"{'ok  ' if ok else 'FAIL'} {label:32s} flash {record.get('flash_us', 0):7.1f} us (wall "
-          f"{record.get('flash_wall_us', 0):6.1f}, graph {record.get('flash+g_us', 0):6.1f})  cudnn "
+          f"{record.get('flash_wall_us', 0):6.1f}, graph {record.get('flash+g_us', 0):6.1f}, no PDL "
+          f"{record.get('flash-nopdl_us', 0):6.1f})  cudnn "
           f"{record.get('cudnn_us', 0):6.1f}  ratio {record.get('flash_vs_cudnn', 0):.2f}"
           + (f"  paged16/contig {record.get('kv-p16_vs_contiguous', 0):.2f}" if "kv" in calls else ""), flush=True)
     del q, k, v, ref
@@ -234,11 +253,20 @@ def config_sweep(started) -> list[dict]:
     with MIN_CHUNK_BLOCKS = 4 its splits stop at 64, half of the H200's SMs (NOTES v8)."""
     out = []
     default, waves, chunk = decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS
-    for b, h, h_kv, n in ((1, 8, 2, 600),) if SMOKE else ((2, 32, 8, 16384), (16, 32, 8, 4096), (1, 32, 1, 16384)):
+    for b, h, h_kv, n in ((1, 8, 2, 608),) if SMOKE else ((2, 32, 8, 16384), (16, 32, 8, 4096), (1, 32, 1, 16384)):
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         q = torch.randn(b, h, 1, D, device=DEVICE, generator=gen).to(BF16)
         k, v = (torch.randn(b, h_kv, n, D, device=DEVICE, generator=gen).to(BF16) for _ in range(2))
         ref = reference(q, k, v)
+        q4 = q.transpose(1, 2).contiguous()
+        k_cache, v_cache = (t.transpose(1, 2).contiguous() for t in (k, v))
+        pool_k, table = paged(k_cache, 16)
+        pool_v = torch.empty_like(pool_k)
+        pool_v[table.view(-1).long()] = v_cache.reshape(-1, 16, h_kv, D)
+        lengths = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
+        kv_calls = {"kv": lambda: flash_attention_with_kvcache(q4, k_cache, v_cache, lengths).transpose(1, 2),
+                    "kv-p16": lambda: flash_attention_with_kvcache(q4, pool_k, pool_v, lengths,
+                                                                   block_table=table).transpose(1, 2)}
         trials = ([(cfg, waves, chunk) for cfg in CONFIGS] + [(default, w, chunk) for w in (1, 4, 8) if w != waves]
                   + [(default, waves, c) for c in (1, 2) if c != chunk])
         if SMOKE:
@@ -248,20 +276,29 @@ def config_sweep(started) -> list[dict]:
                 break
             decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS = cfg, w, c
             decode._plans.clear()
+            attention._forward_plans.clear()  # flash_attention's routes hold the plans too
             shape = f"B{b} H{h}/{h_kv} N{n} bf16"
             try:
                 err = max_err(flash_attention(q, k, v), ref)
                 us = bench(lambda: flash_attention(q, k, v))
                 splits = next(iter(decode._plans.values())).splits
+                bound = 2 * max_err(cudnn(q, k, v), ref) + ATOL[BF16]
                 out.append({"shape": shape, "config": label(cfg), "waves": w, "min_chunk": c, "splits": splits,
-                            "err": err, "ok": err <= 2 * max_err(cudnn(q, k, v), ref) + ATOL[BF16], "us": us})
+                            "err": err, "ok": err <= bound, "us": us})
+                for name, fn in kv_calls.items():  # the KV cache through the same config, contiguous and paged
+                    kv_err = max_err(fn(), ref)
+                    out[-1][f"{name}_us"], out[-1][f"{name}_err"] = bench(fn), kv_err
+                    out[-1]["ok"] = out[-1]["ok"] and kv_err <= bound
             except Exception as exc:  # noqa: BLE001
                 out.append({"shape": shape, "config": label(cfg), "waves": w, "min_chunk": c,
                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
             print(f"  config {shape:22s} {out[-1]['config']:12s} waves {w} min chunk {c}: "
-                  f"{out[-1].get('us', float('nan')):7.1f} us, {out[-1].get('splits', '?')} splits", flush=True)
+                  f"{out[-1].get('us', float('nan')):7.1f} us, {out[-1].get('splits', '?')} splits; kv "
+                  f"{out[-1].get('kv_us', float('nan')):6.1f}, p16 {out[-1].get('kv-p16_us', float('nan')):6.1f}",
+                  flush=True)
     decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS = default, waves, chunk
     decode._plans.clear()
+    attention._forward_plans.clear()
     return out
 
 
@@ -295,7 +332,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     configs = [] if ns.quick or ns.no_sweep else config_sweep(started)
     ratios = [r["flash_vs_cudnn"] for r in rows if r.get("flash_vs_cudnn")]
-    paged_ratios = [r[key] for r in rows for key in ("kv-p16_vs_contiguous", "kv-p256_vs_contiguous") if r.get(key)]
+    paged_ratios = [r[f"kv-p{p}_vs_contiguous"] for r in rows for p in PAGES if r.get(f"kv-p{p}_vs_contiguous")]
+    nopdl = [r["flash-nopdl_vs_cudnn"] for r in rows if r.get("flash-nopdl_vs_cudnn")]
     summary = {
         "checked": sum(1 for r in rows for k in r if k.endswith("_ok")),
         "failed": [f"{r['shape']} {k[:-3]}" for r in rows for k in r if k.endswith("_ok") and not r[k]]
@@ -305,8 +343,11 @@ def main() -> int:
         + [f"config {c['shape']} {c['config']}: {c['error']}" for c in configs if "error" in c],
         "flash_vs_cudnn": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)} if ratios
         else None,
-        "paged_vs_contiguous": {"min": min(paged_ratios), "median": statistics.median(paged_ratios)}
-        if paged_ratios else None,
+        "flash_nopdl_vs_cudnn": {"min": min(nopdl), "median": statistics.median(nopdl), "max": max(nopdl)} if nopdl
+        else None,
+        "paged_vs_contiguous": {f"p{p}": {"min": min(vals), "median": statistics.median(vals)}
+                                for p in PAGES if (vals := [r[f"kv-p{p}_vs_contiguous"] for r in rows
+                                                            if r.get(f"kv-p{p}_vs_contiguous")])},
         "lean_launch": sorted({r["lean_launch"] for r in rows}),
         "seconds": time.perf_counter() - started,
     }
@@ -322,10 +363,11 @@ def main() -> int:
             writer = csv.DictWriter(f, sorted({key for r in configs for key in r}))
             writer.writeheader()
             writer.writerows(configs)
-    print("\nshape                             flash   wall  graph  cudnn cud+g  ratio  kv   p16   p256  (us)")
+    print("\nshape                             flash   wall  graph nopdl  cudnn cud+g  ratio  kv   p16   p64  p256 (us)")
     for r in rows:
-        cells = [r.get("flash_us"), r.get("flash_wall_us"), r.get("flash+g_us"), r.get("cudnn_us"), r.get("cudnn+g_us")]
-        extra = [r.get("kv_us"), r.get("kv-p16_us"), r.get("kv-p256_us")]
+        cells = [r.get("flash_us"), r.get("flash_wall_us"), r.get("flash+g_us"), r.get("flash-nopdl_us"),
+                 r.get("cudnn_us"), r.get("cudnn+g_us")]
+        extra = [r.get("kv_us"), *(r.get(f"kv-p{p}_us") for p in PAGES)]
         print(f"{r['shape']:32s} " + " ".join(f"{c:6.1f}" if c else "     -" for c in cells)
               + f" {r.get('flash_vs_cudnn', 0):5.2f} " + " ".join(f"{c:5.1f}" if c else "    -" for c in extra))
     print(json.dumps(summary, indent=1, default=str))
