@@ -168,6 +168,17 @@ def test_the_combine_spreads_a_wide_head_dim_over_column_blocks():
     assert [decode.combine_cols(p, 128, torch.device("cpu")) for p in (1, 2, 4, 8)] == [32, 32, 64, 128]
 
 
+def test_the_combine_merges_in_several_steps_past_empty_splits(monkeypatch):
+    """The combine reads every split's partial without weighing it first: empty splits (a short
+    or empty sequence, past the keys) must merge as zero weight over several steps of 2 splits."""
+    monkeypatch.setattr(decode, "_plans", {})
+    monkeypatch.setattr(decode, "COMBINE_TILE", 2 * 32)  # 32 columns a program: 2 splits a step
+    monkeypatch.setattr(decode, "WAVES", 8)  # splits for 3 sequences on the interpreter's 4 "SMs"
+    shape, inputs = _cache_inputs((700, 90, 0), 4, 1, 1, 32, causal=True)
+    _check(shape, inputs)
+    (plan,) = decode._plans.values()
+    assert plan.splits > 4 and plan.combine.tail[-3] == 2  # BLOCK_S: more than two steps
+
 def test_lean_launch_calls_the_compiled_kernel(monkeypatch):
     """After the first call the kept CompiledKernel is launched with integer pointers (checked
     here with a stand-in: the interpreter has no compiled kernels)."""

@@ -73,7 +73,7 @@ DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 # waits for its predecessor's writes in the kernel (griddepcontrol.wait). FLASHRUN_PDL=0 turns it
 # off; a plan's key holds it, so that benchmarks/decode_probe.py can compare the two in one process
 PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "off", "no")
-COMBINE_SPLITS = 32  # splits the combine merges per step (its registers: COMBINE_SPLITS x its columns)
+COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
 
@@ -238,7 +238,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     combine = None
     if splits > 1:
         cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)
-        block_s = min(next_power_of_2(splits), COMBINE_SPLITS if cols <= 128 else COMBINE_SPLITS // 2)
+        block_s = min(next_power_of_2(splits), COMBINE_TILE // cols)
         combine = _Launch(_attn_decode_combine, (group * dims.n_q, pairs, cdiv(dims.head_dim, cols)),
                           (*dims.o, dims.kv_heads, dims.n_q, splits, group, dims.head_dim, bm, cols, block_s,
                            write_lse, pdl), _options(LaunchConfig(num_warps=4, num_stages=1), pdl))

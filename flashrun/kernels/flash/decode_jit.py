@@ -291,8 +291,10 @@ def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_
     """Program (row of the group, batch * H_KV + kv head, column block): merges columns
     [BLOCK_D · c, BLOCK_D · (c + 1)) of the row's SPLITS partials, BLOCK_S at a time with a
     running maximum (every column block recomputes the weights from the LSEs, a few bytes per
-    split; column block 0 writes the LSE). Column blocks spread a long merge - one (batch, kv
-    head) of MQA has SPLITS in the hundreds - over more programs than the group's rows. PDL:
+    split; column block 0 writes the LSE). A step costs a memory round trip, so BLOCK_S is as
+    wide as the registers allow (the plan's COMBINE_TILE): one or two steps at most splits.
+    Column blocks spread a long merge - one (batch, kv head) of MQA has SPLITS in the hundreds -
+    over more programs than the group's rows. PDL:
     launched as a programmatic dependent of :func:`_attn_decode`, so it may start before that
     grid ends: it waits for its partials first."""
     if PDL:
@@ -314,8 +316,10 @@ def _attn_decode_combine(O_PART, LSE_PART, O, LSE, stride_oz, stride_om, stride_
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split has seen a key yet: weights 0
         w = tl.math.exp2(lse_s - m_sub)
         scale = tl.math.exp2(m - m_sub)
+        # every split wrote its partial (an empty one: zeros), so the load needs no weight: both
+        # loads of a step go out together, one memory round trip per step, not two
         o_s = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=(w[:, None] > 0.0) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                      mask=(s0 + offs_s < SPLITS)[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
         acc = acc * scale + tl.sum(w[:, None] * o_s, 0)
         total = total * scale + tl.sum(w, 0)
         m = m_new
