@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# H200 runs of round 22 (results/h200-v22-*, NOTES v22), each within one 10-minute device call; from
+# the repo root, results under $OUT (or ./gpu-session):
+#   bash benchmarks/gpu_round22.sh decode   # the GPU tests of decode and the KV cache; decode_probe.py's grid
+#                                           # (no sweep); the decode grid through flashrun bench (GQA 32/8 and
+#                                           # MQA, B 1-16 x 4k-128k keys, fp16/bf16, causal and not, flash_attention
+#                                           # and the KV cache contiguous and at page 16); two MQA cells with --metrics
+# On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=120
+
+case "${1:-}" in
+  decode)
+    gpu_tests gpu-tests-decode 200 "kvcache or decode or decoding"
+    OUT="$OUT/decode" timeout 150 python3 benchmarks/decode_probe.py --no-sweep --budget-s 100 > "$OUT/decode.txt" 2>&1
+    echo "decode probe rc $?"; sed -n '/^shape /,$p' "$OUT/decode.txt"
+    for kv in 8 1; do
+      timeout 190 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
+        --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
+        --set bench.num_kv_heads=$kv --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
+        --out "$OUT/bench-decode-kv$kv" > "$OUT/bench-decode-kv$kv.txt" 2>&1
+      echo "bench decode kv heads $kv rc $?"
+    done
+    timeout 150 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
+      --seq-lens-k 4096,65536 --head-dims 128 --causal no --dtype bf16 --set bench.hidden=4096 \
+      --set bench.num_kv_heads=1 --set bench.tokens=65536 --set bench.rep_ms=25 --metrics \
+      --out "$OUT/bench-mqa-metrics" > "$OUT/bench-mqa-metrics.txt" 2>&1
+    echo "bench mqa metrics rc $?"; sed -n '/roof/,$p' "$OUT/bench-mqa-metrics.txt" | head -30 ;;
+  *)
+    echo "usage: $0 decode" >&2
+    exit 2 ;;
+esac
