@@ -5,6 +5,9 @@
 #                                           # (no sweep); the decode grid through flashrun bench (GQA 32/8 and
 #                                           # MQA, B 1-16 x 4k-128k keys, fp16/bf16, causal and not, flash_attention
 #                                           # and the KV cache contiguous and at page 16); two MQA cells with --metrics
+#   OLD=<a checkout of the last commit> bash benchmarks/gpu_round22.sh causal   # the Gluon forward's GPU tests;
+#                                           # short_forward_probe.py --cells causal in $OLD and this checkout, twice
+#                                           # in turns (the persistent kernels' causal tile order)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -27,7 +30,15 @@ case "${1:-}" in
       --set bench.num_kv_heads=1 --set bench.tokens=65536 --set bench.rep_ms=25 --metrics \
       --out "$OUT/bench-mqa-metrics" > "$OUT/bench-mqa-metrics.txt" 2>&1
     echo "bench mqa metrics rc $?"; sed -n '/roof/,$p' "$OUT/bench-mqa-metrics.txt" | head -30 ;;
+  causal)
+    gpu_tests gpu-tests-gluon 240 "gluon"
+    cp benchmarks/short_forward_probe.py "$OLD/benchmarks/"
+    for run in old-1 this-1 old-2 this-2; do
+      (cd "$(tree_of "$run")" && OUT="$OUT/causal-$run" timeout 150 python3 benchmarks/short_forward_probe.py \
+        --cells causal) > "$OUT/causal-$run.txt" 2>&1
+      echo "causal probe $run rc $?"; grep -v "^{" "$OUT/causal-$run.txt" | tail -3
+    done ;;
   *)
-    echo "usage: $0 decode" >&2
+    echo "usage: $0 decode | OLD=<checkout> $0 causal" >&2
     exit 2 ;;
 esac

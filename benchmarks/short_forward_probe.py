@@ -13,11 +13,15 @@ persistent kernels (shipped) against the portable kernel (``hopper.ENABLED = Fal
 128 from 512 keys and 64 from 1024 with few programs (1-8 sequences of 16 or 32 heads), and at
 head_dim 128 causal the 64x64 tile with and without TMA; each entry timed three times, in turns.
 
+``--cells causal`` times causal cells from 512 to 4096 keys (head_dim 64 and 128) and the prefill
+cells below: shipped, cuDNN and every Gluon kernel at that head_dim (the persistent ones' causal
+tile order, round 22), three times in turns.
+
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
 cuDNN, for A/Bs of one commit against another in separate processes.
 
-    OUT=DIR python benchmarks/short_forward_probe.py [--cells short|gate|prefill]   # writes $OUT/short_fwd_<cells>.json
+    OUT=DIR python benchmarks/short_forward_probe.py [--cells short|gate|tiles|causal|prefill]   # writes $OUT/short_fwd_<cells>.json
 """
 
 import argparse
@@ -76,6 +80,16 @@ TILES = [C(64, 64, 4, 3, True), C(64, 64, 4, 2, True), C(64, 32, 4, 3, False), C
          C(64, 32, 4, 2, True), C(64, 32, 4, 4, True)]
 
 
+def causal_cells():
+    """Causal shapes from 512 to 4096 keys (the bench sweep's B = 32768 / N, hidden 2048), and the 1b
+    models' prefill attention: the Gluon kernels' causal tile order (persistent ones) against the
+    shipped path."""
+    for n, d, dtype in itertools.product((512, 1024, 2048, 4096), (64, 128), (torch.float16, torch.bfloat16)):
+        yield {"b": 32768 // n, "h": 2048 // d, "h_kv": 2048 // d, "n": n, "d": d, "causal": True, "dtype": dtype,
+               "layout": "dense"}
+    yield from prefill_cells()
+
+
 def prefill_cells():
     for h, h_kv, d in ((32, 8, 64), (12, 2, 128)):
         yield {"b": 4, "h": h, "h_kv": h_kv, "n": 2048, "d": d, "causal": True, "dtype": torch.bfloat16,
@@ -104,10 +118,11 @@ def launches(cell, q, k, v, cells: str) -> dict:
             calls[f"cfg {cfg}"] = lambda cfg=cfg: flash.flash_attention(q, k, v, causal=causal, launch={"fwd": cfg})
     elif cells == "gate":
         calls["portable"] = lambda: portable(q, k, v, causal)
-    if cells != "short":
+    if cells not in ("short", "causal"):
         return calls
-    for cfg in dict.fromkeys([*tuning.candidates("fwd", cell["d"], cell["dtype"]), *EXTRA[cell["d"]]]):
-        calls[f"cfg {cfg}"] = lambda cfg=cfg: flash.flash_attention(q, k, v, causal=causal, launch={"fwd": cfg})
+    if cells == "short":
+        for cfg in dict.fromkeys([*tuning.candidates("fwd", cell["d"], cell["dtype"]), *EXTRA[cell["d"]]]):
+            calls[f"cfg {cfg}"] = lambda cfg=cfg: flash.flash_attention(q, k, v, causal=causal, launch={"fwd": cfg})
     for name, cfg in hopper.KERNELS.items():
         if cfg.head_dim == cell["d"]:
             calls[f"gluon {name}"] = lambda cfg=cfg: hopper._run_gluon(q, k, v, q.shape[-1] ** -0.5, causal, cfg)[0]
@@ -133,11 +148,11 @@ def timed(fn, ref) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cells", choices=("short", "gate", "tiles", "prefill"), default="short")
+    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "prefill"), default="short")
     opts = parser.parse_args()
-    cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells,
+    cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells, "causal": causal_cells,
                   "prefill": prefill_cells}[opts.cells]())
-    repeats = 3 if opts.cells in ("gate", "tiles") else 1
+    repeats = 3 if opts.cells in ("gate", "tiles", "causal") else 1
     prepared = [(cell, *inputs(cell)) for cell in cells]
     start = time.perf_counter()
     batch = warmup.Batch()

@@ -63,9 +63,20 @@ HALF_M_C = gl.constexpr(HALF_M)
 @gluon.jit
 def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
           ACROSS: gl.constexpr):
-    """Tile t's (batch, head, first query row, key blocks to visit); ACROSS: tile_of's order."""
+    """Tile t's (batch, head, first query row, key blocks to visit); ACROSS: tile_of's order.
+    Causal tiles differ in cost, and a persistent program takes every programs-th tile: were the
+    programs a multiple of a head's tiles (132 SMs, 4 tiles of 128 rows at 512 keys), each would
+    get the same rank every round - some all the heaviest tiles, some all the lightest. So every
+    other round the programs take the round's tiles in reverse (a serpentine): a program's
+    heavy tile in one round is paired with a light one in the next; a round still covers the
+    same consecutive tiles (the same heads in L2). One program per tile: one round, unchanged."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
     if CAUSAL:  # the last query tiles see the most keys: start them first (tile_of)
+        programs = gl.num_programs(0)
+        first = (t // programs) * programs  # the round's first tile
+        in_round = gl.minimum(programs, n_m * Z * H - first)  # its tiles (the last round may be short)
+        if (t // programs) % 2 == 1:
+            t = first + in_round - 1 - (t - first)
         off_hz, rank = tile_of(t, Z * H, n_m, ACROSS)
         start_m = (n_m - 1 - rank) * BLOCK_M
         hi = gl.minimum(gl.maximum(start_m + BLOCK_M + N_K - N_Q, 0), N_K)
