@@ -8,6 +8,10 @@
 #   OLD=<a checkout of the last commit> bash benchmarks/gpu_round22.sh causal   # the Gluon forward's GPU tests;
 #                                           # short_forward_probe.py --cells causal in $OLD and this checkout, twice
 #                                           # in turns (the persistent kernels' causal tile order)
+#   bash benchmarks/gpu_round22.sh final    # flashrun bench at issue 22's short forward shapes (N 512 and 1024,
+#                                           # D 64/128, full/causal, fp16/bf16) and causal at 2048/4096 keys against
+#                                           # cuDNN; qwen2-1b's speed against SDPA (flashrun model); the MQA decode
+#                                           # grid through flashrun bench again (run-to-run noise)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -38,7 +42,20 @@ case "${1:-}" in
         --cells causal) > "$OUT/causal-$run.txt" 2>&1
       echo "causal probe $run rc $?"; grep -v "^{" "$OUT/causal-$run.txt" | tail -3
     done ;;
+  final)
+    timeout 200 python3 -m flashrun bench -k flash -p sdpa-cudnn --mode fwd --set bench.rep_ms=25 --dtype fp16,bf16 \
+      --seq-lens 512,1024 --head-dims 64,128 --causal both --out "$OUT/short" > "$OUT/short.txt" 2>&1
+    echo "short rc $?"
+    timeout 150 python3 -m flashrun bench -k flash -p sdpa-cudnn --mode fwd --set bench.rep_ms=25 --dtype fp16,bf16 \
+      --seq-lens 2048,4096 --head-dims 64,128 --causal yes --out "$OUT/causal" > "$OUT/causal.txt" 2>&1
+    echo "causal rc $?"
+    model_speed final qwen2
+    timeout 120 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
+      --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
+      --set bench.num_kv_heads=1 --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
+      --out "$OUT/bench-decode-kv1" > "$OUT/bench-decode-kv1.txt" 2>&1
+    echo "bench decode kv heads 1 rc $?" ;;
   *)
-    echo "usage: $0 decode | OLD=<checkout> $0 causal" >&2
+    echo "usage: $0 decode | final | OLD=<checkout> $0 causal" >&2
     exit 2 ;;
 esac
