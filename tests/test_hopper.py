@@ -253,14 +253,15 @@ def test_tma_alignment():
     (128, 512, 4096, True, "fewer than 1024 keys"), (64, 1024, 1024, False, None),
     (64, 1024, 1023, False, "fewer than 1024 query tiles"), (64, 2048, 1, False, None),
     (64, 512, 1024, False, "fewer than 1024 keys"), (64, 2048, 8191, True, "fewer than 8192 query tiles"),
-    (64, 2048, 8192, True, None), (64, 4096, 1, True, None), (64, 8192, 1, True, None), (256, 40, 1, False, None),
+    (64, 2048, 8192, True, None), (64, 4096, 8191, True, "fewer than 8192 query tiles of 128 rows at 4096 keys"),
+    (64, 8192, 1, True, None), (256, 40, 1, False, None),
     (256, 40, 1, True, None), (192, 40, 1, True, None), (192, 4096, 1, False, None), (96, 4096, 1, False, "head_dim 96")])
 def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
     # round 6's H200 probe (NOTES v6): 128 from 2048 keys, 64 from 2048 (8192 causal), 192 and 256
     # at every length; round 12's (NOTES v12): 128 causal from 2048 keys (was 4096); round 14's
     # (NOTES v14): with 1024 query tiles or more, 128 from 512 keys and 64 from 1024; round 22's (NOTES
-    # v22): causal on the persistent kernels, 128 from 1024 keys with 4096 tiles, 64 from 4096 keys or
-    # 2048 with 8192 tiles
+    # v22): causal on the persistent kernels, 128 from 1024 keys with 4096 tiles, 64 from 2048 keys
+    # with 8192 tiles
     q = torch.empty(1, tiles, 128, head_dim, dtype=torch.float16)  # one 128-row tile per head
     k = torch.empty(1, 1, n_k, head_dim, dtype=torch.float16)
     assert flash_hopper.query_tiles(q) == tiles

@@ -6,7 +6,7 @@ When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device 
 (checked by feature, :func:`gluon_api`), float16/bfloat16, a (head_dim, causal, key count) that
 :data:`GATE` gives a kernel (today head_dim 128 from 2048 keys, or from 512 with 1024 query tiles
 of 128 rows, causal from 2048, or 1024 with 4096 tiles; 64 from 2048, or 1024 with 1024 tiles,
-causal from 4096, or 2048 with 8192 tiles; 192 and 256 at any length), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
+causal from 2048 with 8192 tiles, from 8192 at any count; 192 and 256 at any length), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
 base are 16-byte aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and
 not a flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
 (those, and float32, go to the portable kernel).
@@ -157,11 +157,11 @@ GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     # 1024 tiles or more: with 512 or fewer the portable kernel was faster at those lengths
     (64, False): ((1024, 1024, "d64-persistent"), (2048, 0, "d64-persistent")),
     # Round 22's (short_forward_probe.py --cells causal, NOTES v22): the persistent kernels' causal
-    # tiles in a serpentine order: causal at 64 from 4096 keys (1.04-1.05x the portable; 8192 keeps
-    # "d64", not re-timed) and from 2048 with 8192 tiles (1.02-1.03x; llama-1b's 2048 tiles: 0.96x);
-    # at 128 from 1024 keys with 4096 tiles (1.03-1.06x the portable) and from 2048 keys with 768
-    # (1.07x "d128"; qwen2-1b's prefill, 768 tiles: 1.11x)
-    (64, True): ((2048, 8192, "d64-persistent"), (4096, 0, "d64-persistent"), (8192, 0, "d64")),
+    # tiles in a serpentine order: causal at 64 from 2048 keys with 8192 tiles (1.00-1.03x the
+    # portable at 2048 keys, 1.04-1.07x at 4096; llama-1b's 2048 tiles: 0.96x; 8192 keys keep "d64",
+    # not re-timed); at 128 from 1024 keys with 4096 tiles (1.03-1.06x the portable) and from 2048
+    # keys with 768 (1.07x "d128"; qwen2-1b's prefill, 768 tiles: 1.11x)
+    (64, True): ((2048, 8192, "d64-persistent"), (8192, 0, "d64")),
     (128, False): ((512, 1024, "d128-persistent"), (2048, 0, "d128-persistent"), (4096, 0, "d128")),
     (128, True): ((1024, 4096, "d128-persistent"), (2048, 0, "d128"), (2048, 768, "d128-persistent")),
     (192, False): ((0, 0, "d192-persistent"),),
