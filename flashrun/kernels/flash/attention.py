@@ -245,16 +245,17 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
 
 
 def _route_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
-               launch: Launch, try_gluon: bool, want_lse: bool = True) -> tuple | None:
+               launch: Launch, try_gluon: bool, want_lse: bool = True, metas: tuple | None = None) -> tuple | None:
     """Everything a forward's route depends on - the inputs' layouts, dtypes and alignment, the
     variant, the scale, the launch argument and tuning switch, the Gluon path's switches
     (:func:`.hopper.switches`), flash-decoding's launch kind (:data:`.decode.PDL`) and whether the
     LSE is wanted - or None where no route is kept:
     packed sequences and ALiBi (whose per-call tensors sit among a plan's fixed arguments) and
-    compile-only calls."""
+    compile-only calls. ``metas``: q's, k's and v's :func:`.launch._meta`, where the caller has them
+    (:func:`_checked_call`)."""
     if variant.varlen or variant.alibi_slopes is not None or compiling():
         return None
-    return (_meta(q), _meta(k), _meta(v), variant.causal, variant.window, variant.softcap, sm_scale,
+    return (*(metas or (_meta(q), _meta(k), _meta(v))), variant.causal, variant.window, variant.softcap, sm_scale,
             _hashable(launch), tune_on_miss(), try_gluon and hopper.switches(), decode.PDL, want_lse)
 
 
@@ -543,8 +544,11 @@ def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
 _checked_calls: dict[tuple, tuple[Variant, float]] = {}
 
 
-def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes) -> tuple[Variant, float]:
-    """``(variant, scale)`` of a call's arguments, checked (:func:`check_inputs`, :func:`_variant`).
+def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes
+                  ) -> tuple[Variant, float, tuple | None]:
+    """``(variant, scale, metas)`` of a call's arguments, checked (:func:`check_inputs`,
+    :func:`_variant`); ``metas``: q's, k's and v's :func:`.launch._meta` where the call is plain
+    (below), for :func:`_route_key` to reuse, else None.
     A call whose tensors have the layouts, dtype, device and alignment of one checked before, with
     the same plain-typed arguments (bool, a tuple of two ints, a number, no ALiBi), skips the checks
     (10.7 µs of Python against 4.7 for the lookup on a 2-core CPU, where a B1 decode call's kernels
@@ -553,16 +557,17 @@ def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes) -> t
              and type(window[0]) is int and type(window[1]) is int and type(softcap) in (float, int)
              and type(sm_scale) in (float, int, type(None))
              and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
+    metas = (_meta(q), _meta(k), _meta(v)) if plain else None
     if plain:
-        key = (_meta(q), _meta(k), _meta(v), causal, window, softcap, sm_scale)
+        key = (*metas, causal, window, softcap, sm_scale)
         found = _checked_calls.get(key)
         if found is not None:
-            return found
+            return (*found, metas)
     check_inputs(q, k, v)
     found = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes), _scale(q, sm_scale)
     if plain:
         keep(_checked_calls, key, found)
-    return found
+    return (*found, metas)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -570,8 +575,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only, no autograd: returns ``(o, lse)``, lse in natural log, float32, (B, H, Nq)."""
-    variant, scale = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
-    return _attn_forward(q, k, v, scale, variant, launch)
+    variant, scale, metas = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
+    return _attn_forward(q, k, v, scale, variant, launch, key=_route_key(q, k, v, scale, variant, launch, True,
+                                                                         metas=metas))
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -589,9 +595,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     float32 atomics in whatever order they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``,
     the default) the faster per call: the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
     (benchmarks/NOTES.md v10)."""
-    variant, scale = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
+    variant, scale, metas = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _attn_forward(q, k, v, scale, variant, launch, want_lse=False)[0]  # no graph to record: no autograd
+        # no graph to record: no autograd
+        key = _route_key(q, k, v, scale, variant, launch, True, False, metas)
+        return _attn_forward(q, k, v, scale, variant, launch, key=key, want_lse=False)[0]
     return FlashAttention.apply(q, k, v, scale, variant, launch, deterministic)
 
 

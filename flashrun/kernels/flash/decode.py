@@ -201,8 +201,8 @@ class _Plan:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k: int, k_new=None, v_new=None,
             seqlens=None, block_table=None, alibi=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        o = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        o = q.new_empty(self.out_shape)
+        lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         stream = _current_stream(q.device)
         o_part = lse_part = None
         if self.combine is not None:

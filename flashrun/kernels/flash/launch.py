@@ -36,6 +36,7 @@ from flashrun.kernels.tuning import INTERPRETED, LaunchConfig
 log = logging.getLogger("flashrun.launch")
 
 _LAUNCH_METADATA = CompiledKernel.launch_metadata  # Triton's own, as imported
+_TENSOR = torch.Tensor  # a module global: a launch's argument check, without the attribute lookup
 
 
 def _hooked() -> bool:
@@ -74,7 +75,7 @@ class _Launch:
                     self.c_launch(stream, args)
                 else:
                     ck.run(*self.grid, stream, ck.function, ck.packed_metadata, None, None, None,
-                           *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *self.tail)
+                           *[a.data_ptr() if isinstance(a, _TENSOR) else a for a in args], *self.tail)
                 return
             except TypeError as exc:  # a Triton whose launcher takes other arguments: its own path from now on
                 log.warning("flash launches through Triton's own path: a compiled kernel's launcher refused "
