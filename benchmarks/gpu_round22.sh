@@ -12,6 +12,8 @@
 #                                           # D 64/128, full/causal, fp16/bf16) and causal at 2048/4096 keys against
 #                                           # cuDNN; qwen2-1b's speed against SDPA (flashrun model); the MQA decode
 #                                           # grid through flashrun bench again (run-to-run noise)
+#   bash benchmarks/gpu_round22.sh host     # after the host-path change: the decode GPU tests, decode_probe.py
+#                                           # --quick (its wall column: calls back to back) and the MQA grid again
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -55,7 +57,16 @@ case "${1:-}" in
       --set bench.num_kv_heads=1 --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
       --out "$OUT/bench-decode-kv1" > "$OUT/bench-decode-kv1.txt" 2>&1
     echo "bench decode kv heads 1 rc $?" ;;
+  host)
+    gpu_tests gpu-tests-decode-host 120 "kvcache or decode or decoding"
+    OUT="$OUT/decode" timeout 90 python3 benchmarks/decode_probe.py --quick --budget-s 60 > "$OUT/decode.txt" 2>&1
+    echo "decode probe rc $?"; sed -n '/^shape /,$p' "$OUT/decode.txt" | head -8
+    timeout 120 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
+      --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
+      --set bench.num_kv_heads=1 --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
+      --out "$OUT/bench-decode-kv1" > "$OUT/bench-decode-kv1.txt" 2>&1
+    echo "bench decode kv heads 1 rc $?" ;;
   *)
-    echo "usage: $0 decode | final | OLD=<checkout> $0 causal" >&2
+    echo "usage: $0 decode | final | host | OLD=<checkout> $0 causal" >&2
     exit 2 ;;
 esac
