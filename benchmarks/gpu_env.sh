@@ -1,6 +1,6 @@
 # Sourced by the device scripts, from the repo root: $OUT (default ./gpu-session) made, pydantic's
 # wheels from .whl/ installed where the image lacks them (see the device tool's README), the repo
-# on PYTHONPATH, Python's output unbuffered, and model_speed, gpu_tests, tree_of and fwd_host (below) defined. Each script
+# on PYTHONPATH, Python's output unbuffered, and model_speed, gpu_tests, tree_of, fwd_host and decode_grid (below) defined. Each script
 # sets its own COLUMNS.
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -39,4 +39,14 @@ gpu_tests() {  # $1: the log's name under $OUT, $2: seconds allowed, $3: pytest'
   timeout "$2" env TRITON_INTERPRET=0 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -n 4 -rfE -k "$3" \
     > "$OUT/$1.log" 2>&1
   echo "GPU tests rc $?"; tail -1 "$OUT/$1.log"
+}
+
+decode_grid() {  # $1: kv heads (8: GQA 32/8, 1: MQA), $2: the run's name under $OUT, $3: seconds allowed; the
+  # decode grid through flashrun bench against cuDNN: B 1-16 x 4k-128k keys (65536 tokens), D 128, fp16/bf16,
+  # causal and not, flash_attention and the KV cache contiguous and at pages of 16
+  timeout "$3" python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
+    --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
+    --set bench.num_kv_heads="$1" --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
+    --out "$OUT/$2" > "$OUT/$2.txt" 2>&1
+  echo "bench decode kv heads $1 rc $?"
 }

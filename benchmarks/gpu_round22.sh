@@ -24,13 +24,8 @@ case "${1:-}" in
     gpu_tests gpu-tests-decode 200 "kvcache or decode or decoding"
     OUT="$OUT/decode" timeout 150 python3 benchmarks/decode_probe.py --no-sweep --budget-s 100 > "$OUT/decode.txt" 2>&1
     echo "decode probe rc $?"; sed -n '/^shape /,$p' "$OUT/decode.txt"
-    for kv in 8 1; do
-      timeout 190 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
-        --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
-        --set bench.num_kv_heads=$kv --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
-        --out "$OUT/bench-decode-kv$kv" > "$OUT/bench-decode-kv$kv.txt" 2>&1
-      echo "bench decode kv heads $kv rc $?"
-    done
+    decode_grid 8 bench-decode-kv8 190
+    decode_grid 1 bench-decode-kv1 190
     timeout 150 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
       --seq-lens-k 4096,65536 --head-dims 128 --causal no --dtype bf16 --set bench.hidden=4096 \
       --set bench.num_kv_heads=1 --set bench.tokens=65536 --set bench.rep_ms=25 --metrics \
@@ -52,20 +47,12 @@ case "${1:-}" in
       --seq-lens 2048,4096 --head-dims 64,128 --causal yes --out "$OUT/causal" > "$OUT/causal.txt" 2>&1
     echo "causal rc $?"
     model_speed final qwen2
-    timeout 120 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
-      --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
-      --set bench.num_kv_heads=1 --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
-      --out "$OUT/bench-decode-kv1" > "$OUT/bench-decode-kv1.txt" 2>&1
-    echo "bench decode kv heads 1 rc $?" ;;
+    decode_grid 1 bench-decode-kv1 120 ;;
   host)
     gpu_tests gpu-tests-decode-host 120 "kvcache or decode or decoding"
     OUT="$OUT/decode" timeout 90 python3 benchmarks/decode_probe.py --quick --budget-s 60 > "$OUT/decode.txt" 2>&1
     echo "decode probe rc $?"; sed -n '/^shape /,$p' "$OUT/decode.txt" | head -8
-    timeout 120 python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn --mode fwd --seq-lens 1 \
-      --seq-lens-k 4096,16384,65536,131072 --head-dims 128 --causal both --dtype bf16,fp16 --set bench.hidden=4096 \
-      --set bench.num_kv_heads=1 --set bench.tokens=65536 --set "bench.page_size=[0,16]" --set bench.rep_ms=25 \
-      --out "$OUT/bench-decode-kv1" > "$OUT/bench-decode-kv1.txt" 2>&1
-    echo "bench decode kv heads 1 rc $?" ;;
+    decode_grid 1 bench-decode-kv1 120 ;;
   *)
     echo "usage: $0 decode | final | host | OLD=<checkout> $0 causal" >&2
     exit 2 ;;
