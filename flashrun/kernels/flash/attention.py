@@ -598,7 +598,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     variant, scale, metas = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # no graph to record: no autograd
-        key = _route_key(q, k, v, scale, variant, launch, True, False, metas)
+        key = _route_key(q, k, v, scale, variant, launch, True, want_lse=False, metas=metas)
         return _attn_forward(q, k, v, scale, variant, launch, key=key, want_lse=False)[0]
     return FlashAttention.apply(q, k, v, scale, variant, launch, deterministic)
 
