@@ -1,6 +1,6 @@
 # Sourced by the device scripts, from the repo root: $OUT (default ./gpu-session) made, pydantic's
 # wheels from .whl/ installed where the image lacks them (see the device tool's README), the repo
-# on PYTHONPATH, Python's output unbuffered, and model_speed, gpu_tests, tree_of, fwd_host and decode_grid (below) defined. Each script
+# on PYTHONPATH, Python's output unbuffered, and model_speed, checks, gpu_tests, tree_of, fwd_host and decode_grid (below) defined. Each script
 # sets its own COLUMNS.
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -19,6 +19,18 @@ model_speed() {
       --set "model.baselines=['sdpa']" --set model.reps=10 --set "logging.log_dir='$OUT/model'" \
       --set "model.out='$OUT/model/$1'" > "$OUT/model/$arch-speed-$1.txt" 2>&1
     echo "$arch speed $1 rc $?"; grep -A5 "speed, batch" "$OUT/model/$arch-speed-$1.txt"
+  done
+}
+
+checks() {  # every family's six checks at 1b, batch 1 (64 greedy tokens in float32 among them)
+  mkdir -p "$OUT/model"
+  for arch in llama mistral qwen2 gemma2; do
+    start=$(date +%s)
+    timeout 110 python3 -m flashrun model --size 1b --arch "$arch" --batch 1 --no-speed --json \
+      --set "logging.log_dir='$OUT/model'" --set "model.out='$OUT/model'" \
+      > "$OUT/model/$arch-checks.json" 2> "$OUT/model/$arch-checks.log"
+    echo "$arch checks: exit $? in $(( $(date +%s) - start )) s"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(' ', r['verdict']); [print('  ', 'pass' if c['passed'] else 'FAIL', c['name'], c['summary'][:140]) for c in r['checks']]" "$OUT/model/$arch-checks.json"
   done
 }
 

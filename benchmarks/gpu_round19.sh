@@ -23,18 +23,6 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
 
-checks() {  # every family's six checks at 1b, batch 1 (64 greedy tokens in float32 among them)
-  mkdir -p "$OUT/model"
-  for arch in llama mistral qwen2 gemma2; do
-    start=$(date +%s)
-    timeout 110 python3 -m flashrun model --size 1b --arch "$arch" --batch 1 --no-speed --json \
-      --set "logging.log_dir='$OUT/model'" --set "model.out='$OUT/model'" \
-      > "$OUT/model/$arch-checks.json" 2> "$OUT/model/$arch-checks.log"
-    echo "$arch checks: exit $? in $(( $(date +%s) - start )) s"
-    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(' ', r['verdict']); [print('  ', 'pass' if c['passed'] else 'FAIL', c['name'], c['summary'][:140]) for c in r['checks']]" "$OUT/model/$arch-checks.json"
-  done
-}
-
 bwd() { python3 -m flashrun bench -k flash -p flex,sdpa-cudnn --mode bwd --set bench.rep_ms=30 "$@"; }
 
 case "${1:-}" in
