@@ -82,7 +82,6 @@ class HopperConfig:
     persistent: bool = False  # programs = what fits on the SMs at once, each looping over tiles
     consumer_regs: int = 240  # with one consumer the compiler gives it what the producer leaves
     producer_regs: int = 24
-    half_diagonal: bool = False  # a consumer's last key block at half width where its rows see only that half
     # launch cap, registers per thread: 12 warps x 32 x 168 <= 65536 (the consumers take 2 x 128 x 240,
     # the producer's warpgroup 128 x 24); one consumer: 8 warps x 32 x 128 x 2 programs <= 65536
     # (128 x 232 + 128 x 24 = 256 x 128)
@@ -132,12 +131,9 @@ def programs_per_sm(cfg: HopperConfig) -> int:
 KERNELS = {
     "d64": HopperConfig(64, block_n=128, stages=4),
     "d64-persistent": HopperConfig(64, block_n=128, stages=4, persistent=True),
-    "d64-half-persistent": HopperConfig(64, block_n=128, stages=4, persistent=True, half_diagonal=True),
     "d64-m64": HopperConfig(64, block_n=128, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
     "d128": HopperConfig(128, block_n=128, stages=3),
     "d128-persistent": HopperConfig(128, block_n=128, stages=3, persistent=True),
-    "d128-half": HopperConfig(128, block_n=128, stages=3, half_diagonal=True),
-    "d128-half-persistent": HopperConfig(128, block_n=128, stages=3, persistent=True, half_diagonal=True),
     "d128-m64": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
     "d128-m64-persistent": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128,
                                         persistent=True),
@@ -327,7 +323,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
             *_descriptors(v, cfg.block_n, d0, d1), o, lse, o.stride(0), o.stride(1), o.stride(2),
             lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap, HALF_DIAG=cfg.half_diagonal,
+                      CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
                       ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")))

@@ -24,12 +24,6 @@ Three kinds of partition (``gl.warp_specialize``):
   * ``OVERLAP`` (FA3's intra-warpgroup pipelining): S for block j+1 is issued before block j's
     softmax, so the tensor cores work while this warpgroup does exp2; P V of block j is waited
     for only at the next iteration.
-  * ``HALF_DIAG`` (with OVERLAP, one column block): a consumer whose rows see only the first half
-    of the tile's last key block (causal: the lower 64 rows of a 128-row tile on the diagonal; a
-    ragged end) runs that block's S and P V at half width (wgmma N = BLOCK_N / 2, then K =
-    BLOCK_N / 2) instead of computing masked-out scores. Causal persistent programs also swap
-    the consumers' halves every other tile, so that the cheaper half alternates between them
-    (two warpgroups on one ring of stages run at the pace of the busier one).
 
 Head dims: register tensors and TMA boxes are powers of two, wgmma's N need not be. A head dim
 that is not one runs as two column blocks, ``HEAD_D0`` + ``HEAD_D1`` (192 = 128 + 64), as the
@@ -97,17 +91,6 @@ def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 
 
 @gluon.jit
-def _half(c, tile_i, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAG: gl.constexpr):
-    """Which 64-row half of tile ``tile_i`` (this program's count) consumer c takes: its own, or
-    with HALF_DIAG on two consumers' causal tiles the other one every other tile (see the module
-    docstring)."""
-    if HALF_DIAG and CAUSAL and CONSUMERS == 2:
-        return c ^ (tile_i & 1)
-    else:
-        return c
-
-
-@gluon.jit
 def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr):
     """TMA-load rows [row, row + box) of (z, h) into dst (and the second column block into dst1),
     completing ``bar`` once every byte has landed."""
@@ -124,8 +107,7 @@ def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SP
 def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem,
               q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
               GROUP: gl.constexpr, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ACROSS: gl.constexpr,
-              HALF_DIAG: gl.constexpr):
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ACROSS: gl.constexpr):
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
     it = 0  # K/V blocks loaded so far: the ring's position runs on across tiles
     tile_i = 0
@@ -135,8 +117,8 @@ def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem
         # previous tile's (a fresh mbarrier counts as having completed the phase before 0)
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(q_empty.index(c), (tile_i & 1) ^ 1)
-            _load_rows(q_desc, q1_desc, off_z, off_h, start_m + _half(c, tile_i, CONSUMERS, CAUSAL, HALF_DIAG) * HALF_M_C,
-                       q_bars.index(c), q_smem.index(c), q1_smem.index(c), HEAD_D0, SPLIT)
+            _load_rows(q_desc, q1_desc, off_z, off_h, start_m + c * HALF_M_C, q_bars.index(c), q_smem.index(c),
+                       q1_smem.index(c), HEAD_D0, SPLIT)
         for i in range(n_blocks):
             s = it % STAGES
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
@@ -195,36 +177,6 @@ def _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N: gl.constexpr, HEAD_D0: gl.co
 
 
 @gluon.jit
-def _half_softmax(sh_val, m_i, l_i, block, first_row, N_K, shift, qk_scale, sh_layout: gl.constexpr,
-                  row_s: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                  dtype: gl.constexpr):
-    """Block ``block``'s softmax step over its first BLOCK_N / 2 keys (HALF_DIAG; masked: the
-    diagonal or the ragged end): (P as P V's operand, alpha, m, l), m and l in ``row_s`` (the same
-    registers as the half width's rows)."""
-    row_sh: gl.constexpr = gl.SliceLayout(1, sh_layout)
-    cols = block * BLOCK_N + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(0, sh_layout))
-    rows = first_row + gl.arange(0, HALF_M_C, layout=row_sh)
-    p, alpha, m_new, l_new = _softmax_block(sh_val, gl.convert_layout(m_i, row_sh), gl.convert_layout(l_i, row_sh),
-                                            cols, rows, N_K, shift, qk_scale, True, CAUSAL)
-    return gl.convert_layout(p.to(dtype), p_layout), alpha, gl.convert_layout(m_new, row_s), gl.convert_layout(l_new, row_s)
-
-
-@gluon.jit
-def _qk_half(q, k_smem, s, s_zero, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr):
-    """Issue S = Q Kᵀ over the first BLOCK_N / 2 keys of stage s (HALF_DIAG)."""
-    k = k_smem.index(s).reshape([BLOCK_N, HEAD_D0]).slice(0, BLOCK_N // 2, dim=0).permute((1, 0))
-    return warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _pv_half(p_op, v_smem, s, acc, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr):
-    """O += P V over the first BLOCK_N / 2 keys of stage s (HALF_DIAG), waited for: (acc, P's operand)."""
-    v = v_smem.index(s).reshape([BLOCK_N, HEAD_D0]).slice(0, BLOCK_N // 2, dim=0)
-    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-    return warpgroup_mma_wait(0, deps=(o_tok, p_op))
-
-
-@gluon.jit
 def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
         p1_layout: gl.constexpr):
     """Issue O += P V on stage s (one async wgmma per column block): (acc's token, acc1's token, the
@@ -264,7 +216,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
               stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
               C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              ACROSS: gl.constexpr, HALF_DIAG: gl.constexpr):
+              ACROSS: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -278,10 +230,6 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_o1: gl.constexpr = gl.SliceLayout(1, o1_layout)
-    # HALF_DIAG's half-width block: S over BLOCK_N / 2 keys (the same rows per thread as s_layout's)
-    sh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N // 2, 16])
-    row_sh: gl.constexpr = gl.SliceLayout(1, sh_layout)
     dtype: gl.constexpr = q_smem.dtype
 
     q = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
@@ -296,7 +244,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         off_z, off_h, start_m, n_blocks = _tile(t, Z, H, N_Q, N_K, CONSUMERS * HALF_M_C, BLOCK_N, CAUSAL, ACROSS)
-        first_row = start_m + _half(C, tile_i, CONSUMERS, CAUSAL, HALF_DIAG) * HALF_M_C
+        first_row = start_m + C * HALF_M_C
         rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
         shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
         # blocks every row of this half sees whole need no mask; the rest (causal diagonal, ragged end) do
@@ -304,14 +252,6 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         if CAUSAL:
             n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
         n_unmasked = gl.minimum(n_full, n_blocks)
-        n_wide = n_blocks  # blocks at full width: all but a HALF_DIAG half block
-        if HALF_DIAG:
-            last_key = N_K - 1  # the last key these rows see
-            if CAUSAL:
-                last_key = gl.minimum(first_row + (HALF_M_C - 1) + shift, last_key)
-            last_start = (n_blocks - 1) * BLOCK_N
-            half_last = (n_blocks > 0) & (last_key >= last_start) & (last_key < last_start + BLOCK_N // 2)
-            n_wide = gl.where(half_last, n_blocks - 1, n_blocks)
         m_i = gl.full([HALF_M_C], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([HALF_M_C], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([HALF_M_C, HEAD_D0], gl.float32, layout=o_layout)
@@ -322,14 +262,14 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
             # FA3's intra-warpgroup pipelining: S of block i is issued, then P V of block i - 1, and
             # block i's softmax runs while that P V is on the tensor cores. wgmma groups complete in
             # issue order, so waiting for all but the P V ones in flight waits for S only.
-            if n_wide > 0:
+            if n_blocks > 0:
                 mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1)
                 s_tok = _qk(q, q1, k_smem, k1_smem, it % STAGES, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
                 s_val = warpgroup_mma_wait(0, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift,
                                                    qk_scale, BLOCK_N, CAUSAL)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)  # acc is still 0: no rescale
-                for i in range(1, n_wide):
+                for i in range(1, n_blocks):
                     s = (it + i) % STAGES
                     prev = (it + i - 1) % STAGES
                     mbarrier.wait(k_bars.index(s), ((it + i) // STAGES) & 1)
@@ -346,46 +286,12 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
-                if HALF_DIAG and half_last:
-                    # the tile's last block at half width, its S while P V of block n_wide - 1 runs
-                    s = (it + n_wide) % STAGES
-                    prev = (it + n_wide - 1) % STAGES
-                    mbarrier.wait(k_bars.index(s), ((it + n_wide) // STAGES) & 1)
-                    mbarrier.wait(v_bars.index(prev), ((it + n_wide - 1) // STAGES) & 1)
-                    sh_tok = _qk_half(q, k_smem, s, gl.zeros([HALF_M_C, BLOCK_N // 2], gl.float32, layout=sh_layout),
-                                      BLOCK_N, HEAD_D0)
-                    o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, prev, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1,
-                                               p1_layout)
-                    sh_val = warpgroup_mma_wait(PV_OPS, deps=(sh_tok,))
-                    ph_op, alpha_h, m_i, l_i = _half_softmax(sh_val, m_i, l_i, n_wide, first_row, N_K, shift, qk_scale,
-                                                             sh_layout, row_s, p_layout, BLOCK_N, CAUSAL, dtype)
-                    acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
-                    mbarrier.arrive(empty_bars.index(prev), count=1)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha_h, row_o), 1)
-                    mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done
-                    mbarrier.wait(v_bars.index(s), ((it + n_wide) // STAGES) & 1)
-                    acc, ph_op = _pv_half(ph_op, v_smem, s, acc, BLOCK_N, HEAD_D0)
-                    mbarrier.arrive(empty_bars.index(s), count=1)
-                else:
-                    mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
-                    last = (it + n_blocks - 1) % STAGES
-                    mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                    o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1,
-                                               p1_layout)
-                    acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
-                    mbarrier.arrive(empty_bars.index(last), count=1)
-            elif HALF_DIAG and half_last:  # the tile's only block, at half width
-                s = it % STAGES
-                mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-                sh_tok = _qk_half(q, k_smem, s, gl.zeros([HALF_M_C, BLOCK_N // 2], gl.float32, layout=sh_layout),
-                                  BLOCK_N, HEAD_D0)
-                sh_val = warpgroup_mma_wait(0, deps=(sh_tok,))
-                ph_op, alpha_h, m_i, l_i = _half_softmax(sh_val, m_i, l_i, 0, first_row, N_K, shift, qk_scale,
-                                                         sh_layout, row_s, p_layout, BLOCK_N, CAUSAL, dtype)  # acc = 0
-                mbarrier.arrive(q_empty.index(C), count=1)
-                mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
-                acc, ph_op = _pv_half(ph_op, v_smem, s, acc, BLOCK_N, HEAD_D0)
-                mbarrier.arrive(empty_bars.index(s), count=1)
+                mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
+                last = (it + n_blocks - 1) % STAGES
+                mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                mbarrier.arrive(empty_bars.index(last), count=1)
             else:
                 mbarrier.arrive(q_empty.index(C), count=1)
         else:
@@ -433,8 +339,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
              Z, H, N_Q, N_K, qk_scale,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr,
-             HALF_DIAG: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
@@ -444,7 +349,6 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     partition, consumer 0)."""
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
-    gl.static_assert(not HALF_DIAG or (OVERLAP and HEAD_D1 == 0))  # the half-width block is in the OVERLAP loop
     SPLIT: gl.constexpr = HEAD_D1 > 0
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -478,20 +382,20 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                          O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, HALF_DIAG)),
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                          O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, HALF_DIAG)),
+                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, HALF_DIAG)),
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                          O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, HALF_DIAG)),
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, HALF_DIAG)),
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
         ], [1], [PRODUCER_REGS])
