@@ -16,3 +16,7 @@ BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")
 # (non-deterministic; 1.07-1.15x the deterministic backward there, NOTES v10), else the
 # deterministic kernels (the Triton atomic kernel measured slower than them, NOTES v5).
 DETERMINISTIC_BACKWARD: bool | None = None
+# The environment variables that change which kernels run (tuning on a table miss, the Gluon
+# forward and backward, decode's programmatic dependent launches): recorded with every result
+# (flashrun.env.fingerprint) and forwarded to Ray workers (flashrun.harness.cluster).
+KERNEL_SWITCHES = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER", "FLASHRUN_HOPPER_BWD", "FLASHRUN_PDL")

@@ -241,6 +241,7 @@ def test_cpu_run_checks_times_and_writes_everything(isolated: Path) -> None:
     assert document["complete"] is True
     assert document["command"].startswith("flashrun ") and document["device"] == "cpu"
     assert {"torch", "triton", "python", "platform"} <= set(document["env"])
+    assert "switches" not in document["env"]  # none set (conftest drops FLASHRUN_*)
     assert len(document["rows"]) == len(rows)
     assert document["rows"][0]["provider"] == rows[0]["provider"]
 

@@ -215,7 +215,8 @@ def test_diagnose_warns_outside_ten(workdir, monkeypatch):
     assert data["results"][0]["notes"] == ["logits q·kᵀ·scale span [-12.50, 3.00], outside about ±10: softmax saturates"]
 
 
-def test_run_record_and_rerun(workdir):
+def test_run_record_and_rerun(workdir, monkeypatch):
+    monkeypatch.setenv("FLASHRUN_HOPPER", "0")  # a kernel switch (no Gluon on a CPU anyway): the record names it
     code, first = verify_json("--set", "verify.seq_len=[1,17]", "--seed", "5")
     assert code == 0
     records = [json.loads(line) for line in (workdir / "logs" / "runs.jsonl").read_text().splitlines()]
@@ -224,6 +225,7 @@ def test_run_record_and_rerun(workdir):
     assert record["kernels"] == ["flash"] and record["n_cases"] == 2
     assert {"config", "env", "plan", "results", "time", "argv"} <= set(record)
     assert record["env"]["triton_interpret"] is True
+    assert record["env"]["switches"] == {"FLASHRUN_HOPPER": "0"}
     # change the config: the rerun must still repeat the recorded run
     (workdir / "config.toml").write_text('[experiment]\nseq_len = 999\n[logging]\nlog_dir = "logs"\n')
     code, again = verify_json("--rerun", first["run_id"][:15])

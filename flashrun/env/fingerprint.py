@@ -6,12 +6,14 @@ GPU facts are read only when torch is already imported (the run itself imported 
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from typing import Any
 
 from flashrun.device import interpreting
 from flashrun.env.probes import dist_version, run_tool
+from flashrun.limits import KERNEL_SWITCHES
 
 
 def _first_line(ran: tuple[int, str] | None) -> str | None:
@@ -39,6 +41,9 @@ def fingerprint() -> dict[str, Any]:
         "git_commit": _git_commit(),
         "triton_interpret": interpreting(),
     }
+    switches = {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
+    if switches:  # a run with a kernel switch set says so (FLASHRUN_PDL=0, FLASHRUN_HOPPER=0, ...)
+        info["switches"] = switches
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch"] = torch.__version__

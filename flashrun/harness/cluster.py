@@ -30,7 +30,7 @@ ARCHITECTURE
   Compiles: a kernel should compile once per host, not once per worker. Workers on the
   driver's host (:attr:`Pool.same_host`) get the driver's ``TRITON_CACHE_DIR`` and
   ``FLASHRUN_CACHE_DIR`` (Triton's compiled kernels; tuned configs and first-use verdicts), and
-  every worker the switches ``FLASHRUN_TUNE`` and ``FLASHRUN_HOPPER`` as the driver has them
+  every worker the kernel switches (``FLASHRUN_TUNE``, ``FLASHRUN_HOPPER``, ...) as the driver has them
   when it submits (:meth:`Pool.map`). When the driver has a GPU and the pool's GPUs are on its
   host, verify and bench compile every kernel of flashrun's that the run launches in the driver,
   all at once, before the first task (:mod:`.precompile`): the workers then load them from
@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from flashrun.config import ClusterConfig
 from flashrun.errors import ClusterError, GPUFault
+from flashrun.limits import KERNEL_SWITCHES
 
 log = logging.getLogger("flashrun.cluster")
 
@@ -74,7 +75,7 @@ RETRIES = 1  # a task whose worker died runs once more, on a fresh worker
 OBJECT_STORE_BYTES = 256 << 20  # results are small rows; Ray's default would claim 30% of RAM
 REASON_WAIT_S = 2.0  # how long a died task waits for the reason its worker gave (it comes separately)
 # The driver's switches every worker follows (read when tasks are submitted) ...
-FORWARDED = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER")
+FORWARDED = KERNEL_SWITCHES
 # ... and its cache folders, for workers on its own host (a path means nothing elsewhere)
 HOST_CACHES = ("TRITON_CACHE_DIR", "FLASHRUN_CACHE_DIR")
 _LEAVING = "flashrun task "  # how a worker that ends itself starts its last words
