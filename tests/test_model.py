@@ -235,6 +235,9 @@ def test_a_hub_id_that_is_not_cached_says_how_to_fetch_it(cli):
     assert result.exit_code == 2
     assert "neither a local folder nor a model in the local Hugging Face cache" in result.stderr
     assert "hf download someone/some-model" in result.stderr
+    missing = cli("model", "--model", "/nowhere/checkpoints/llama")  # a path: no download hint
+    assert missing.exit_code == 2
+    assert "/nowhere/checkpoints/llama: no such folder" in missing.stderr and "hf download" not in missing.stderr
 
 
 def test_without_transformers_it_says_how_to_install_it(python):

@@ -238,9 +238,24 @@ def _pretrained(path: str, dtype: Any, device: str, sliding_window: int | None, 
         if where.is_dir():
             raise ModelError(f"{path} holds no loadable model: {str(exc).splitlines()[0]}",
                              hint="a checkpoint folder has config.json and the weights (*.safetensors)") from None
+        if not _hub_id(path):  # a path, not an id: fetching cannot help
+            raise ModelError(f"{path}: no such folder",
+                             hint="--model takes a checkpoint folder (config.json and the weights) or the id of a "
+                                  "model in the local Hugging Face cache") from None
         raise ModelError(f"{path} is neither a local folder nor a model in the local Hugging Face cache",
                          hint=f"flashrun downloads nothing: fetch it first (`hf download {path}`), then pass the id "
                               "or the folder") from None
+
+
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` could be a Hugging Face repo id (``name`` or ``namespace/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # (transformers depends on it)
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _write_speed(cfg: Config, report: Report) -> list[str]:
