@@ -8,8 +8,6 @@
 #                                           # twice (every Gluon kernel). Ran at c9448dd, whose half-width diagonal
 #                                           # kernels were reverted (8725f98)
 #   bash benchmarks/gpu_round23.sh checks   # every family's six checks at 1b on this code
-#   bash benchmarks/gpu_round23.sh short    # flashrun bench at the short causal head_dim 128 shapes (N 512 and
-#                                           # 1024, fp16/bf16) against cuDNN
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -34,11 +32,7 @@ case "${1:-}" in
     done ;;
   checks)
     checks ;;
-  short)
-    timeout 100 python3 -m flashrun bench -k flash -p sdpa-cudnn --mode fwd --set bench.rep_ms=25 --dtype fp16,bf16 \
-      --seq-lens 512,1024 --head-dims 128 --causal yes --out "$OUT/short" > "$OUT/short.txt" 2>&1
-    echo "short rc $?"; grep -E "^(B|flash|sdpa-cudnn) " "$OUT/short.txt" ;;
   *)
-    echo "usage: $0 pdl | half | checks | short" >&2
+    echo "usage: $0 pdl | half | checks" >&2
     exit 2 ;;
 esac
