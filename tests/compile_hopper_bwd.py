@@ -60,11 +60,8 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     dk = torch.empty(z, h_kv if adds else h_kv * split, n, d, dtype=out_dtype)
     dq = torch.empty(q.shape, dtype=torch.float32) if fused else None
     causal, window = MASKS[mask]
-    # with dQ inside, as the path launches it: cast by its last contributor where hopper_bwd.last_cast
-    cast = ((torch.empty(q.shape, dtype=dtype), torch.empty(z * h_kv * group * n // cfg.block_m * 128, dtype=torch.int32))
-            if fused and hopper_bwd.last_cast(cfg, window) else None)
     _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq,
-                                                          window, adds, cast)
+                                                          window, adds)
     signature, constants = {}, {}
     params = list(_fa3_bwd_dkdv.params)
     for p, value in zip(params, list(args) + [None] * len(params)):

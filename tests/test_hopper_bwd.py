@@ -61,15 +61,12 @@ def _reference(q, k, v, do, sm_scale, causal, window=None):
 
 def _reference_kernel(calls):
     """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature): with ``dq``, the fused
-    kernel, which adds dQ into that zeroed float32 buffer, or with ``cast`` casts it into cast[0]
-    and leaves the buffer zero (its last-contributor cast); with ``kv_out``, a split group's
-    parts, which add dK and dV into those zeroed float32 buffers."""
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None, cast=None):
-        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window, cast))
+    kernel, which adds dQ into that zeroed float32 buffer; with ``kv_out``, a split group's parts,
+    which add dK and dV into those zeroed float32 buffers."""
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
+        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window))
         ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal, window)
-        if cast is not None:
-            cast[0].copy_(ref_dq)
-        elif dq is not None:
+        if dq is not None:
             dq += ref_dq.float()
         if kv_out is None:
             return dk, dv
@@ -227,9 +224,7 @@ def test_a_wrong_fused_kernel_leaves_the_atomic_backward_to_triton(monkeypatch, 
     _pretend_hopper(monkeypatch)
     right = _reference_kernel([])
 
-    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None, cast=None):
-        if cast is not None:
-            cast[0].zero_()
+    def no_dq(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
         return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, window=window, kv_out=kv_out)  # no dq
 
     monkeypatch.setattr(hopper_bwd, "RUN", no_dq)
@@ -264,72 +259,6 @@ def test_the_fused_backward_lays_its_gradients_out_as_a_model_passes_its_inputs(
     for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 64 ** -0.5, True)):
         assert got.dtype == ref.dtype
         torch.testing.assert_close(got, ref)
-
-
-def _recording_kernel(seen):
-    """The reference kernel, recording at each call whether the float32 dQ buffer and the counters
-    it was handed were zero, dQ's layout and storage, and what dQ held before it (``cast[0]``)."""
-    right = _reference_kernel([])
-
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None, cast=None):
-        seen.append({"zero": dq is None or not dq.count_nonzero() and (cast is None or not cast[1].count_nonzero()),
-                     "cast": cast is not None, "stride": None if dq is None else dq.stride(),
-                     "storage": None if dq is None else dq.untyped_storage().data_ptr(),
-                     "before": None if cast is None else cast[0].clone(),
-                     "counters": None if cast is None else cast[1].numel()})
-        return right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq, window, kv_out, cast)
-    return run
-
-
-def test_the_fused_backward_hands_dq_to_its_last_contributor_with_a_kept_zero_workspace(monkeypatch):
-    """Head dims of one column block without a window: the kernel gets the kept float32 buffer,
-    zero and laid out like q, with 128 counters per query block, and casts dQ itself; a smaller
-    call reuses the buffer, a larger one grows it. Query blocks whose rows see no key (causal,
-    N_Q - N_K >= 64) come zeroed, since no program writes them; a window keeps the fill and cast."""
-    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
-    _pretend_hopper(monkeypatch)
-    seen = []
-    monkeypatch.setattr(hopper_bwd, "RUN", _recording_kernel(seen))
-    g = torch.Generator().manual_seed(5)
-    q, do = (torch.randn(2, 130, 4, 64, generator=g).transpose(1, 2) for _ in range(2))  # a model's layout
-    k, v = (torch.randn(2, 130, 2, 64, generator=g).transpose(1, 2) for _ in range(2))
-    for causal in (True, False):
-        dq, _, _ = _backward(q, k, v, do, causal=causal, deterministic=False)
-        torch.testing.assert_close(dq, _reference(q, k, v, do, 64 ** -0.5, causal)[0])
-    call = seen[-1]  # (seen[0] and [1]: the first-use check's calls, on a workspace of their own)
-    assert call["cast"] and call["zero"] and call["stride"] == hopper_bwd.dense_strides(q.shape, q.stride())
-    assert call["counters"] >= 2 * 4 * 3 * 128  # B x H x cdiv(130, 64) blocks
-    assert call["storage"] == seen[-2]["storage"]  # kept between calls
-    _backward(q[:, :, :60], k, v, do[:, :, :60], causal=True, deterministic=False)
-    assert seen[-1]["storage"] == call["storage"] and seen[-1]["zero"]
-    q2, do2 = (torch.cat([t, t], 2) for t in (q, do))
-    dq, _, _ = _backward(q2, k, v, do2, causal=True, deterministic=False)  # N_Q - N_K = 130: rows with no key
-    assert seen[-1]["storage"] != call["storage"] and seen[-1]["zero"]
-    assert not seen[-1]["before"].count_nonzero()
-    torch.testing.assert_close(dq, _reference(q2, k, v, do2, 64 ** -0.5, True)[0])
-    _backward(q, k, v, do, deterministic=False, window=(16, 0))
-    assert not seen[-1]["cast"] and seen[-1]["zero"]
-
-
-def test_a_kernel_that_leaves_its_workspace_dirty_fails_its_check(monkeypatch, caplog):
-    """dQ, dK and dV right, but a float32 element or a counter left non-zero would corrupt the
-    next call's dQ: the first-use check looks at its own workspace after the call."""
-    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
-    _pretend_hopper(monkeypatch)
-    right = _reference_kernel([])
-
-    def dirty(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None, cast=None):
-        result = right(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, dq, window, kv_out, cast)
-        if cast is not None:
-            cast[1][-1] = 1
-        return result
-
-    monkeypatch.setattr(hopper_bwd, "RUN", dirty)
-    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
-    _backward(*_inputs(), causal=True, deterministic=False)
-    assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
-    warnings = [r.getMessage() for r in caplog.records if r.name == "flashrun.hopper"]
-    assert len(warnings) == 1 and "workspace non-zero" in warnings[0], warnings
 
 
 def test_carved_views_are_zeroed_disjoint_aligned_and_laid_out_like_their_tensors():
@@ -530,8 +459,7 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
         [[1, 1, 64, d1]] * 4 + [None] if d1 else [None] * 5)
     assert all(a.base is t for a, t in zip(args[7:11], (q, k, k, q)) if d1)
     assert (constexprs["HEAD_D"], constexprs["HEAD_D1"]) == (d0, d1)
-    assert args[12] is dk and args[13] is dk and len(args) - 12 == hopper_bwd.PER_CALL
-    assert args[14:17] == (None,) * 3 and constexprs["LAST_CAST"] is False
+    assert args[12] is dk and args[13] is dk and len(args) - 9 == hopper_bwd.PER_CALL
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
     assert args[6] is None and constexprs["FUSED_DQ"] is False and constexprs["KV_ADD"] == 0
@@ -549,12 +477,6 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     assert list(args[6].shape) == list(shape)
     # a head dim of two blocks: consumer 1 adds dQ's second block through its own descriptor
     assert (list(args[11].block_shape) == [1, 1, 64, d1] and args[11].base is dq) if d1 else args[11] is None
-    # cast inside: the float32 buffer again as a pointer, dQ and the counters, dQ's strides
-    out, counters = torch.empty(shape, dtype=q.dtype), torch.zeros(128, dtype=torch.int32)
-    _, args, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, fused, split, dq,
-                                                    cast=(out, counters))
-    assert constexprs["LAST_CAST"] is True and args[14] is dq and args[15] is out and args[16] is counters
-    assert args[20:23] == dq.stride()[:3]
 
 
 def test_compiles_for_hopper(python):

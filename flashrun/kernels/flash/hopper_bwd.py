@@ -115,7 +115,6 @@ DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}
 # whole steps' dQ in turns (d64 399 TFLOP/s against d64-dqs 359, causal N8192), at 128 each takes
 # half the columns every step (whole-width tiles spill), at 80 and 96 each its column block (NOTES v19)
 FUSED = {64: "d64", 80: "d80-dqs", 96: "d96-dqs", 128: "d128-dqs"}
-CAST_SYNC = 0  # (experiment: benchmarks/cast_probe.py)
 OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
 
 
@@ -217,18 +216,16 @@ def _row_layout():
 
 
 # _fa3_bwd_dkdv's arguments that change from call to call: twelve descriptors (dQ's, and the second
-# column block's, or None), dK, dV, and the last-contributor cast's float32 dQ, dQ and counters (or None)
-DESCRIPTORS = 12
-PER_CALL = 17
+# column block's, or None), dK, dV
+PER_CALL = 14
 
 
-def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, cast=None) -> tuple:
+def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
     """The launch's first PER_CALL arguments: descriptors over q, k, v, dO (boxes of BLOCK_M query
     rows or HALF_N keys, HEAD_D columns), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`),
     dQ's float32 buffer (or None), the same over q, k, v, dO and dQ with the second column block's
-    HEAD_D1 columns (the kernel loads them from column HEAD_D; None with one block), the dK,
-    dV outputs, and with ``cast`` (dQ in q's dtype, the counters: :func:`last_cast`) the float32
-    buffer again as a pointer and those two (else three None)."""
+    HEAD_D1 columns (the kernel loads them from column HEAD_D; None with one block), and the dK,
+    dV outputs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashrun.kernels.flash.hopper_bwd_jit import HALF_N
@@ -245,19 +242,16 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, cast=None) ->
     m, (d0, d1), dq_cols = cfg.block_m, cfg.blocks, cfg.dq_cols
     return (desc(q, m, d0), desc(k, HALF_N, d0), desc(v, HALF_N, d0), desc(do, m, d0), row_desc(lse),
             row_desc(delta), desc(dq, m, dq_cols[0]), desc(q, m, d1), desc(k, HALF_N, d1), desc(v, HALF_N, d1),
-            desc(do, m, d1), desc(dq, m, d1 and dq_cols[-1]), dk, dv, *((dq, *cast) if cast else (None,) * 3))
+            desc(do, m, d1), desc(dq, m, d1 and dq_cols[-1]), dk, dv)
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
-                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False,
-                cast: tuple[torch.Tensor, torch.Tensor] | None = None):
+                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
     partials, or with ``adds`` float32 zeros (B, H_KV, N_K, D) the parts add into; ``dq``: a
-    zeroed float32 (B, H, N_Q, D) buffer, dense, that the kernel adds dQ into (FUSED_DQ), or
-    None; ``cast``: (dQ in q's dtype laid out as ``dq``, zeroed int32 counters), that its last
-    contributor casts each query block into (LAST_CAST: :func:`last_cast`), leaving ``dq`` and the
-    counters zero; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
+    zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ into (FUSED_DQ), or
+    None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
     The first PER_CALL positional arguments are the ones that change between calls of a plan.
     Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90 without a GPU)."""
     from flashrun.kernels.flash.hopper_bwd_jit import LOG2E
@@ -269,14 +263,13 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
     if (h // h_kv) % split:
         raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
     left, right = window if window is not None else (0, 0)  # read only under WINDOW
-    args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg, cast),
-            dk.stride(0), dk.stride(1), dk.stride(2), *(dq.stride()[:3] if cast else (0, 0, 0)), n_q, n_k, sm_scale,
-            sm_scale * LOG2E, left, right)
+    args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg),
+            dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=cfg.blocks[0], HEAD_D1=cfg.blocks[1],
                       BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
                       FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs, LAST_CAST=cast is not None, SYNC=CAST_SYNC)
+                      PRODUCER_REGS=cfg.producer_regs)
     blocks = max(cdiv(n_k, cfg.block_n), 1)
     # causal or windowed, where all heads' Q and dO are few enough (args.across_heads): every
     # head's first key blocks (the heaviest) start first (_key_tile)
@@ -297,10 +290,9 @@ class _Plan:
     descriptors: tuple  # the first call's descriptors of q, k, v, dO, LSE, delta, dQ and the second
     # column block's of q, k, v, dO and dQ, as templates
 
-    def __call__(self, stream, q, k, v, do, lse, delta, dq, dk, dv, cast) -> None:
+    def __call__(self, stream, q, k, v, do, lse, delta, dq, dk, dv) -> None:
         self.launch(stream, *(None if d is None else rebased(d, t) for d, t in
-                              zip(self.descriptors, (q, k, v, do, lse, delta, dq, q, k, v, do, dq))), dk, dv,
-                    *((dq, *cast) if cast else (None,) * 3))
+                              zip(self.descriptors, (q, k, v, do, lse, delta, dq, q, k, v, do, dq))), dk, dv)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -308,12 +300,10 @@ _plans: dict[tuple, _Plan] = {}
 
 def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None,
-               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv), laid out like k (a model's layout: its backward reshapes them without a copy).
     ``kv_out``: float32 (dK, dV) buffers laid out like k and zeroed, that a split group's parts
-    add into, returned as they are (:func:`fused` casts them); else made here. ``cast``: see
-    :func:`launch_args`."""
+    add into, returned as they are (:func:`fused` casts them with dQ); else made here."""
     from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
 
     if kv_out is not None:
@@ -326,18 +316,17 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=dq is None)
     lse, delta = rows_aligned(lse), rows_aligned(delta)
     lean = not compiling()  # compile-only runs take Triton's path
-    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window,
-           cast is not None, CAST_SYNC)
+    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
     plan = _plans.get(key) if lean else None
     if plan is not None:
-        plan(_current_stream(q.device), q, k, v, do, lse, delta, dq, dk_out, dv_out, cast)
+        plan(_current_stream(q.device), q, k, v, do, lse, delta, dq, dk_out, dv_out)
     else:
         grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk_out, dv_out, sm_scale, causal,
-                                                      cfg, split, dq, window, adds, cast)
+                                                      cfg, split, dq, window, adds)
         if lean:
             ordered = list(args) + [constexprs[name] for name in _fa3_bwd_dkdv.arg_names[len(args):]]
             plan = keep(_plans, key, _Plan(_Launch(_fa3_bwd_dkdv, grid, tuple(ordered[PER_CALL:]), options),
-                                           tuple(template(d) for d in args[:DESCRIPTORS])))
+                                           tuple(template(d) for d in args[:PER_CALL - 2])))
             plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
         else:
             launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
@@ -383,79 +372,20 @@ def _split(q, k, cfg: BwdConfig, kv_split, fused: bool) -> int:
 def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
           window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's dtype through the :data:`FUSED` kernel (dQ inside), laid out like q and
-    k: see :func:`_fused_run`, here with this device's and stream's kept workspace."""
+    k. One zeroed float32 buffer holds dQ and, where the GQA group is split and its parts add
+    (``args.split_outputs``), dK and dV; one cast turns it into the three gradients: two launches
+    where separate buffers took six (three zero fills, three casts)."""
     cfg = _config(q.shape[-1], True)
     split = _split(q, k, cfg, kv_split, True)
-    return _fused_run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, window,
-                      _workspace(q, cfg) if last_cast(cfg, window) and _uncaptured(q) else None)
-
-
-def last_cast(cfg: BwdConfig, window: tuple[int, int] | None) -> bool:
-    """Whether dQ's float32 blocks are cast by their last contributor inside the kernel (LAST_CAST,
-    NOTES v24): one column block, no window (the kernel counts a block's contributors from the
-    causal mask alone)."""
-    return not cfg.blocks[1] and window is None
-
-
-def _uncaptured(q: torch.Tensor) -> bool:
-    """Not inside a CUDA graph capture, which keeps the fill-and-cast buffers (a graph that holds
-    the kept workspace could replay on another stream while this one uses it)."""
-    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-# (device, stream) -> (float32 dQ, int32 counters), zero between calls (the kernel leaves them so),
-# grown to the largest call: one kept float32 buffer instead of a fill and a cast per call
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(q: torch.Tensor, cfg: BwdConfig, kept: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 dQ laid out like q (:func:`dense_strides`), int32 counters, 128 per query block),
-    zero, for a call with q on the current stream: the ones ``kept`` (:data:`_workspaces`) for this
-    device and stream where they are large enough, else new zeros kept in their place."""
-    kept = _workspaces if kept is None else kept
-    key = (q.device, _current_stream(q.device))
-    flat, counters = kept.get(key, (None, None))
-    z, h, n_q, _ = q.shape
-    if flat is None or flat.numel() < q.numel():
-        flat = torch.zeros(q.numel(), dtype=torch.float32, device=q.device)
-    if counters is None or counters.numel() < z * h * cdiv(n_q, cfg.block_m) * 128:
-        counters = torch.zeros(z * h * cdiv(n_q, cfg.block_m) * 128, dtype=torch.int32, device=q.device)
-    kept[key] = (flat, counters)
-    return flat.as_strided(q.shape, dense_strides(q.shape, q.stride()), 0), counters
-
-
-def release_workspaces() -> None:
-    """Free the kept workspaces (the next call makes its own): ``bench`` does before it measures a
-    call's memory, so that the workspace counts as that call's."""
-    _workspaces.clear()
-
-
-def _fused_run(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int,
-               window: tuple[int, int] | None, workspace: tuple[torch.Tensor, torch.Tensor] | None):
-    """(dq, dk, dv) in q's dtype, laid out like q and k. With a ``workspace`` (:func:`_workspace`,
-    zero) the kernel casts dQ itself and leaves the workspace zero: a split group's float32 dK
-    and dV (``args.split_outputs``) are then the only buffer to fill and cast. Without one, one
-    zeroed float32 buffer holds dQ and those, and one cast after the kernel turns it into the
-    gradients: two launches where separate buffers took six (three zero fills, three casts)."""
     adds = split_adds(split, repeatable=False)  # (else one part, or float32 partials that RUN sums)
-    like = ((q,) if workspace is None else ()) + ((k, k) if adds else ())
-    buffer, views = _carved(like, torch.float32) if like else (None, [])
-    if workspace is None:
-        dk, dv = RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, views[0], window,
-                     views[1:] if adds else None)
-        if not adds:
-            return views[0].to(q.dtype), dk, dv
-    else:
-        dq = torch.empty_strided(q.shape, workspace[0].stride(), dtype=q.dtype, device=q.device)
-        if causal and q.shape[2] - k.shape[2] >= cfg.block_m:  # query blocks that the kernel never writes
-            dq.zero_()
-        dk, dv = RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, workspace[0], window,
-                     views if adds else None, cast=(dq, workspace[1]))
-        if not adds:
-            return dq, dk, dv
+    like = (q, k, k) if adds else (q,)
+    buffer, views = _carved(like, torch.float32)
+    dk, dv = RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, views[0], window,
+                 views[1:] if adds else None)
+    if not adds:
+        return views[0].to(q.dtype), dk, dv
     grads = torch.empty_like(buffer, dtype=q.dtype).copy_(buffer)
-    grads = tuple(grads.as_strided(view.shape, view.stride(), view.storage_offset()) for view in views)
-    return grads if workspace is None else (dq, *grads)
+    return tuple(grads.as_strided(view.shape, view.stride(), view.storage_offset()) for view in views)
 
 
 def _carved(like: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -509,12 +439,8 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
         try:
             dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, window)
             split = split if (h // h_kv) % split == 0 else 1  # the split path (float32 partials) too
-            kept = {}  # a workspace of its own, which must come back zero (LAST_CAST)
-            if fused:
-                dq, dk, dv = _fused_run(q, k, v, do, lse, delta, scale, causal, cfg, split, window,
-                                        _workspace(q, cfg, kept) if last_cast(cfg, window) else None)
-            else:
-                dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, None, window)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=device) if fused else None
+            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq, window)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
@@ -522,8 +448,6 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
             return f"the Gluon dK/dV kernel raised {type(exc).__name__}: {last}"
         if compiling():
             continue
-        if any(t.count_nonzero().item() for pair in kept.values() for t in pair):
-            return "the Gluon dQ/dK/dV kernel left its dQ workspace non-zero (its last-contributor cast)"
         errs = {name: (got.float() - ref.float()).abs().max().item()
                 for name, got, ref in (("dK", dk, dk_ref), ("dV", dv, dv_ref)) + ((("dQ", dq, dq_ref),) if fused else ())}
         label = (f"Nq={n_q} Nk={n_k} D={head_dim} GQA {h}/{h_kv} "
@@ -565,9 +489,8 @@ def switches() -> tuple:
 
 
 def reset() -> None:
-    """Forget the first-use checks, the last path and the kept workspaces (tests)."""
+    """Forget the first-use checks and the last path (tests)."""
     global LAST_PATH, EPOCH
     _checked.clear()
-    release_workspaces()
     LAST_PATH = None
     EPOCH += 1

@@ -87,7 +87,6 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (Triton 3.6's name: thread_barrier)
 LOG2E = 1.4426950408889634
 HALF_N = 64  # keys per consumer warpgroup (wgmma's M is 64 per warpgroup)
 LOG2E_C = gl.constexpr(LOG2E)
@@ -220,16 +219,12 @@ def _store_rows(DST, base, rows, n_rows, stride_m, acc, COL0: gl.constexpr, WIDT
 
 @gluon.jit
 def _dq_step(ds_smem, k_smem, dq_tile, ds_bars, dq_desc, off_z, off_h, start_m, par, phase, sm_scale,
-             K_COL: gl.constexpr, K_WIDTH: gl.constexpr, OUT_COL: gl.constexpr, BLOCK_M: gl.constexpr,
-             LAST_CAST: gl.constexpr):
+             K_COL: gl.constexpr, K_WIDTH: gl.constexpr, OUT_COL: gl.constexpr, BLOCK_M: gl.constexpr):
     """Columns [OUT_COL, OUT_COL + DQ_COLS) of dQ (DQ_COLS: dq_desc's box) of one query block
     against this program's 128 keys, added into the float32 dQ buffer: wait until both consumers'
     dSᵀ halves of the step are in dS stage ``par``, dQ = dS K = Σ_c dS_c K_c (dS_c read transposed
     from shared memory; K_c's columns [K_COL, K_COL + DQ_COLS) of the K_WIDTH that ``k_smem``
-    holds), scaled by sm_scale, through ``dq_tile`` by one TMA reduce-add (rows past N_Q are clipped).
-    LAST_CAST: before the tile is reused, the previous reduce-add has landed, not only been read
-    (:func:`_bulk_landed`; the barrier before this one's issue then orders it before the lanes'
-    signal, :func:`_dq_settle`)."""
+    holds), scaled by sm_scale, through ``dq_tile`` by one TMA reduce-add (rows past N_Q are clipped)."""
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
@@ -242,148 +237,19 @@ def _dq_step(ds_smem, k_smem, dq_tile, ds_bars, dq_desc, off_z, off_h, start_m, 
                        k_smem.index(1).reshape([HALF_N_C, K_WIDTH]).slice(K_COL, DQ_COLS, dim=1), dq,
                        is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
-    if LAST_CAST:
-        _bulk_landed(start_m, False)
     tma.store_wait(0)  # the previous reduce-add has read dq_tile
     dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
     fence_async_shared()
     _tma_add(dq_desc, [off_z, off_h, start_m, OUT_COL], dq_tile)
 
 
-def _landed_asm(pending: int) -> str:
-    return f"cp.async.bulk.wait_group {pending};\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;"
-
-
-LANDED_ALL = gl.constexpr(_landed_asm(0))
-LANDED_BUT_LAST = gl.constexpr(_landed_asm(1))
-# add $2 (0 or 1) to the counter at $1 with acquire-release semantics at GPU scope; the value before
-# comes back in $0, read one dQ step later (an atomic in asm: Triton's masked one selects its result
-# right away, which waits for the round trip)
-SIGNAL = gl.constexpr("atom.global.gpu.acq_rel.add.u32 $0, [$1], $2;")
-
-
-@gluon.jit
-def _bulk_landed(x, ALL: gl.constexpr):
-    """Wait until this thread's TMA reduce-adds have landed in global memory (ALL), or all but the
-    last one (one dQ step's reduce-add stays in flight), not only read their shared-memory source
-    (which is all ``tma.store_wait`` waits for: ``cp.async.bulk.wait_group.read``), and order them
-    before this thread's later generic-proxy operations, so that a barrier and a release after it
-    publish them to other programs (:func:`_dq_settle`). Every thread runs it; only the one that
-    issued the reduce-adds has any to wait for. ``x``, an int32 scalar, is only the value the asm
-    carries (Triton 3.6 and 3.9 have no wrapper for the full wait)."""
-    if ALL:
-        gl.inline_asm_elementwise(LANDED_ALL, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise(LANDED_BUT_LAST, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _contributors(m_blk, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """How many programs (BLOCK_N keys each) visit query block m_blk of a head: those whose
-    :func:`_query_blocks` range holds it. Causal, key block j's first query block is
-    max(j BLOCK_N - shift, 0) // BLOCK_M, at most m_blk exactly when j BLOCK_N < (m_blk + 1) BLOCK_M
-    + shift: 0 for a block whose rows see no key. Otherwise every key block's."""
-    n_kb = gl.cdiv(N_K, BLOCK_N)
-    if CAUSAL:
-        seen = (m_blk + 1) * BLOCK_M + (N_K - N_Q)
-        return gl.minimum(gl.maximum((seen + (BLOCK_N - 1)) // BLOCK_N, 0), n_kb)
-    else:
-        return n_kb
-
-
-def _cast_asm(cvt: str) -> str:
-    """PTX for one thread's share of a dQ block (:func:`_dq_settle`): skipped unless $3 != 0 (a
-    branch, so that the threads that do not cast pay a few instructions, not the whole share);
-    else $4 rounds of 32 float32 from $1 (16-byte aligned), each 8 loads in flight, converted in
-    pairs by ``cvt`` and stored as 32 16-bit values at $2 (16-byte aligned), and the 32 floats set
-    to zero. Labels inside braces are local to them, so the asm may appear more than once."""
-    vals = [f"%fa_v{i}" for i in range(32)]
-    halves = [f"%fa_h{i}" for i in range(16)]
-    lines = ["{", ".reg .pred %fa_p;", ".reg .b32 %fa_n, %fa_z, " + ", ".join(halves) + ";",
-             ".reg .f32 " + ", ".join(vals) + ";", ".reg .b64 %fa_s, %fa_t;",
-             "setp.eq.u32 %fa_p, $3, 0;", "@%fa_p bra FA_DONE;",
-             "mov.b64 %fa_s, $1;", "mov.b64 %fa_t, $2;", "mov.b32 %fa_n, $4;", "mov.b32 %fa_z, 0;", "FA_ROUND:"]
-    lines += [f"ld.global.cg.v4.f32 {{{', '.join(vals[4 * i:4 * i + 4])}}}, [%fa_s+{16 * i}];" for i in range(8)]
-    lines += [f"{cvt} {halves[i]}, {vals[2 * i + 1]}, {vals[2 * i]};" for i in range(16)]
-    lines += [f"st.global.v4.b32 [%fa_t+{16 * i}], {{{', '.join(halves[4 * i:4 * i + 4])}}};" for i in range(4)]
-    lines += [f"st.global.v4.b32 [%fa_s+{16 * i}], {{%fa_z, %fa_z, %fa_z, %fa_z}};" for i in range(8)]
-    lines += ["add.s64 %fa_s, %fa_s, 128;", "add.s64 %fa_t, %fa_t, 64;", "sub.u32 %fa_n, %fa_n, 1;",
-              "setp.ne.u32 %fa_p, %fa_n, 0;", "@%fa_p bra FA_ROUND;", "FA_DONE:", "mov.b32 $0, 0;", "}"]
-    return "\n\t".join(lines)
-
-
-CAST_BF16 = gl.constexpr(_cast_asm("cvt.rn.bf16x2.f32"))
-CAST_F16 = gl.constexpr(_cast_asm("cvt.rn.f16x2.f32"))
-# a consumer's 128 threads, one element each: thread t holds counter t (:func:`_dq_settle`)
-LANES = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
-
-
-@gluon.jit
-def _heads(GROUP: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    """The query heads in all: programs along the k/v-head axis (k/v heads, or their GQA parts) x GROUP."""
-    return gl.num_programs(0 if BLOCKS_LAST else 1) * GROUP
-
-
-@gluon.jit
-def _dq_block(off_z, off_h, start_m, N_Q, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    """The index of query block start_m of query head off_h of batch entry off_z (:func:`_dq_settle`)."""
-    return (off_z * _heads(GROUP, BLOCKS_LAST) + off_h) * gl.cdiv(N_Q, BLOCK_M) + start_m // BLOCK_M
-
-
-@gluon.jit
-def _dq_settle(DQ32, DQ_OUT, DQ_CNT, old, told, landed, n_heads, stride_z, stride_h, stride_m, N_Q, N_K,
-               WIDTH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SHARES: gl.constexpr,
-               CAUSAL: gl.constexpr, SYNC: gl.constexpr):
-    """dQ's cast by its last contributor (LAST_CAST; NOTES v24): a query block's float32 rows in
-    DQ32 are final once every program that visits it (:func:`_contributors`, SHARES reduce-adds
-    each) has added its share. Thread t of a consumer owns the t-th of a block's 128 int32
-    counters (DQ_CNT, zero between calls) and BLOCK_M · WIDTH / 128 of its elements; after each
-    reduce-add it adds 1 to its counter (acquire-release, GPU scope), and the thread whose add
-    completes a counter casts its share of the block into DQ_OUT and zeroes it and the counter
-    behind it, so that the next call finds zeros: no fill before the kernel, no cast after it.
-
-    One step of that, per dQ step of this consumer. Blocks are numbered (batch entry · n_heads +
-    query head) · cdiv(N_Q, BLOCK_M) + query block (-1: none). ``told`` is the block whose counters
-    this thread added to last time (``old``: their values before), whose completing lanes cast
-    now; ``landed`` the block whose reduce-add has landed since (:func:`_bulk_landed` before a
-    barrier), signalled now and checked next time (the add's round trip is not waited for);
-    ``block`` the one just issued, which lands by the next step. Returns (old, told, landed) for
-    the next step. DQ32 and DQ_OUT share the strides given (elements; the last dim contiguous), and
-    every offset fits in int32 (the launcher's rule)."""
-    ELEMS: gl.constexpr = BLOCK_M * WIDTH // 128  # a thread's share of a block: ELEMS columns of one row
-    PER_ROW: gl.constexpr = WIDTH // ELEMS
-    gl.static_assert(ELEMS % 32 == 0)  # whole rounds of _cast_asm
-    lane = gl.arange(0, 128, layout=LANES)
-    n_m = gl.cdiv(N_Q, BLOCK_M)
-    m_blk = told % n_m
-    last = (old == _contributors(m_blk, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL) * SHARES - 1) & (told >= 0)
-    row = m_blk * BLOCK_M + lane // PER_ROW
-    head = told // n_m
-    offs = (head // n_heads) * stride_z + (head % n_heads) * stride_h + row * stride_m + (lane % PER_ROW) * ELEMS
-    take = (last & (row < N_Q)).to(gl.int32)
-    if SYNC == 1:  # (experiment: the counters without the casts)
-        take = take * 0
-    if DQ_OUT.dtype.element_ty == gl.bfloat16:
-        gl.inline_asm_elementwise(CAST_BF16, "=r,l,l,r,r", [(DQ32 + offs).to(gl.int64), (DQ_OUT + offs).to(gl.int64),
-                                  take, take * 0 + ELEMS // 32], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise(CAST_F16, "=r,l,l,r,r", [(DQ32 + offs).to(gl.int64), (DQ_OUT + offs).to(gl.int64),
-                                  take, take * 0 + ELEMS // 32], dtype=gl.int32, is_pure=False, pack=1)
-    gl.store(DQ_CNT + (told * 128 + lane), gl.zeros_like(old), mask=last)
-    old = gl.inline_asm_elementwise(SIGNAL, "=r,l,r", [(DQ_CNT + (gl.maximum(landed, 0) * 128 + lane)).to(gl.int64),
-                                    lane * 0 + (landed >= 0).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-    return old, landed
-
-
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                   ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc,
-                  dq1_desc, DQ32, DQ_OUT, DQ_CNT, stride_dkz, stride_dkh, stride_dkn, stride_dqz, stride_dqh,
-                  stride_dqm, N_Q, N_K, sm_scale, qk_scale, left, right,
+                  dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
                   C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr,
-                  LAST_CAST: gl.constexpr, SYNC: gl.constexpr):
+                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D) and, with a second column
     # block, (64 keys, HEAD_D1); Pᵀ, dSᵀ as their A operands
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
@@ -435,12 +301,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
     off_h = off_hkv * GROUP
     s = 0  # the ring's stage and its phase, carried (i % STAGES costs registers when STAGES is not 2^k)
     phase = 0
-    # LAST_CAST (_dq_settle): the block last signalled (-1: none) with its counters' values before
-    # this thread's add, and the block whose reduce-add was issued last
-    told = N_Q * 0 - 1
-    issued1 = N_K * 0 - 1  # (separate values: a variable assigned another's initial value would not be
-    issued2 = (N_Q + N_K) * 0 - 1  # seen to change in the loop, and would not be carried)
-    old = gl.zeros([128], gl.int32, layout=LANES)
     mbarrier.wait(kv_bars.index(C), 0)
     for i in range(GROUP * n_m):  # head-major over the GQA group: one flat loop (see the Triton kernel)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])
@@ -509,50 +369,25 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
             dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pT_op, dsT_op))
         mbarrier.arrive(empty_bars.index(s), count=1)  # this consumer is done with stage s
         if FUSED_DQ:  # (K stays put: the stage is released already)
-            if HEAD_D1 > 0:  # each consumer its column block of dQ, every step (never LAST_CAST)
+            if HEAD_D1 > 0:  # each consumer its column block of dQ, every step
                 if C == 0:
                     _dq_step(ds_smem, k_smem, dq_smem.index(0), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
-                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M, False)
+                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
                 else:
                     _dq_step(ds_smem, k1_smem, dq1_smem.index(0), ds_bars, dq1_desc, off_z, off_h, start_m, i % 2,
-                             (i // 2) & 1, sm_scale, 0, HEAD_D1, HEAD_D, BLOCK_M, False)
+                             (i // 2) & 1, sm_scale, 0, HEAD_D1, HEAD_D, BLOCK_M)
             elif dq_desc.block_type.shape[3] == HEAD_D:  # the consumers take the steps' dQ in turns
                 if i % 2 == C:
                     _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, C,
-                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M, LAST_CAST)
-                    if LAST_CAST:
-                        sig = issued2  # landed: its reduce-add is two steps old (_bulk_landed)
-                        issued2 = issued1
-                        issued1 = _dq_block(off_z, off_h, start_m, N_Q, GROUP, BLOCK_M, BLOCKS_LAST)
-                        old, told = _dq_settle(DQ32, DQ_OUT, DQ_CNT, old, told, sig, _heads(GROUP, BLOCKS_LAST),
-                                               stride_dqz, stride_dqh, stride_dqm, N_Q, N_K, HEAD_D, BLOCK_M,
-                                               CONSUMERS * HALF_N_C, 1, CAUSAL, SYNC)
+                             (i // 2) & 1, sm_scale, 0, HEAD_D, 0, BLOCK_M)
             else:  # each consumer its half of dQ's columns, every step
                 _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
-                         (i // 2) & 1, sm_scale, C * (HEAD_D // 2), HEAD_D, C * (HEAD_D // 2), BLOCK_M, LAST_CAST)
-                if LAST_CAST:
-                    sig = issued2  # landed: its reduce-add is two steps old (_bulk_landed)
-                    issued2 = issued1
-                    issued1 = _dq_block(off_z, off_h, start_m, N_Q, GROUP, BLOCK_M, BLOCKS_LAST)
-                    old, told = _dq_settle(DQ32, DQ_OUT, DQ_CNT, old, told, sig, _heads(GROUP, BLOCKS_LAST), stride_dqz,
-                                           stride_dqh, stride_dqm, N_Q, N_K, HEAD_D, BLOCK_M, CONSUMERS * HALF_N_C, 2,
-                                           CAUSAL, SYNC)
+                         (i // 2) & 1, sm_scale, C * (HEAD_D // 2), HEAD_D, C * (HEAD_D // 2), BLOCK_M)
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
         s += 1
         phase = gl.where(s == STAGES, phase ^ 1, phase)
         s = gl.where(s == STAGES, 0, s)
     if FUSED_DQ:
-        if LAST_CAST:  # the last reduce-adds land and are signalled, then those signals are checked
-            _bulk_landed(N_Q, True)
-            _barrier()
-            SHARES: gl.constexpr = 1 if dq_desc.block_type.shape[3] == HEAD_D else 2
-            heads = _heads(GROUP, BLOCKS_LAST)
-            old, told = _dq_settle(DQ32, DQ_OUT, DQ_CNT, old, told, issued2, heads, stride_dqz, stride_dqh,
-                                   stride_dqm, N_Q, N_K, HEAD_D, BLOCK_M, CONSUMERS * HALF_N_C, SHARES, CAUSAL, SYNC)
-            old, told = _dq_settle(DQ32, DQ_OUT, DQ_CNT, old, told, issued1, heads, stride_dqz, stride_dqh, stride_dqm,
-                                   N_Q, N_K, HEAD_D, BLOCK_M, CONSUMERS * HALF_N_C, SHARES, CAUSAL, SYNC)
-            _dq_settle(DQ32, DQ_OUT, DQ_CNT, old, told, told * 0 - 1, heads, stride_dqz, stride_dqh, stride_dqm, N_Q,
-                       N_K, HEAD_D, BLOCK_M, CONSUMERS * HALF_N_C, SHARES, CAUSAL, SYNC)
         tma.store_wait(0)
 
     dk = dk * sm_scale
@@ -570,18 +405,15 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
 
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "stride_dqz", "stride_dqh", "win_left",
-                               "win_right"])
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
 def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
-                  do1_desc, dq1_desc, DK, DV, DQ32, DQ_OUT, DQ_CNT,
-                  stride_dkz, stride_dkh, stride_dkn, stride_dqz, stride_dqh, stride_dqm, N_Q, N_K, sm_scale,
-                  qk_scale, win_left, win_right,
+                  do1_desc, dq1_desc, DK, DV,
+                  stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, LAST_CAST: gl.constexpr,
-                  SYNC: gl.constexpr = 0):
+                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
     H_KV, B), or with BLOCKS_LAST (H_KV, B, cdiv(N_K, 64 CONSUMERS)). q_desc, do_desc: 4-D
     descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M, HEAD_D]; k_desc, v_desc over k,
@@ -602,11 +434,6 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     sm_scale in turns, each added into a zeroed float32 (B, H, N_Q, HEAD_D) buffer by one TMA
     reduce-add (dq_desc, box [1, 1, BLOCK_M, HEAD_D]): the order of those adds varies from run to
     run, so dQ's last bits do (dK, dV too where KV_ADD > 2). Otherwise dq_desc is None.
-    LAST_CAST (one column block, no WINDOW): that buffer is DQ32, zero at the launch and left zero
-    again, with DQ_CNT's int32 counters (128 per query block, zero likewise): each block's last
-    contributor casts it into DQ_OUT (q's dtype; DQ32's strides stride_dqz/h/m) - see
-    :func:`_dq_settle`. A query block that no program visits (causal, N_Q − N_K ≥ BLOCK_M: its
-    rows see no key) is not written: DQ_OUT must hold zeros there. Otherwise those three are None.
 
     KV_SPLIT > 1 spreads each k/v head's GQA group over that many programs (as the Triton kernel:
     H_KV and GROUP are then per part, H_KV parts of GROUP query heads): part p of k/v head
@@ -672,16 +499,14 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             DK, DV, dq_desc, dq1_desc, DQ32, DQ_OUT, DQ_CNT, stride_dkz, stride_dkh, stride_dkn,
-                             stride_dqz, stride_dqh, stride_dqm, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
-                             0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
-                             KV_ADD, BLOCKS_LAST, LAST_CAST, SYNC)),
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             DK, DV, dq_desc, dq1_desc, DQ32, DQ_OUT, DQ_CNT, stride_dkz, stride_dkh, stride_dkn,
-                             stride_dqz, stride_dqh, stride_dqm, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
-                             1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
-                             KV_ADD, BLOCKS_LAST, LAST_CAST, SYNC)),
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                              do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
                              lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
@@ -692,10 +517,9 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             DK, DV, dq_desc, dq1_desc, DQ32, DQ_OUT, DQ_CNT, stride_dkz, stride_dkh, stride_dkn,
-                             stride_dqz, stride_dqh, stride_dqm, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
-                             0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
-                             KV_ADD, BLOCKS_LAST, LAST_CAST, SYNC)),
+                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
+                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                              do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
                              lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
