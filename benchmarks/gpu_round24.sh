@@ -7,8 +7,9 @@
 #                                           # full + causal) against Flex and cuDNN with --metrics (every
 #                                           # provider's kernels, GPU time per call) and model_profile.py for
 #                                           # qwen2 at 1b (flash vs SDPA, kernel by kernel)
-#   bash benchmarks/gpu_round24.sh why      # the same two on this code, with llama too, and the forward at
-#                                           # N = 512 and 1024 causal against cuDNN (not run: no device time left)
+#   bash benchmarks/gpu_round24.sh rest     # the forward at N = 512 and 1024 causal against cuDNN; model_profile.py
+#                                           # for llama at 1b
+#   bash benchmarks/gpu_round24.sh why      # last's two runs and rest's in one (more than one call's time: not run)
 # The first build ran as `OLD=<6d96c73> bash benchmarks/gpu_round24.sh cast` and `bash
 # benchmarks/gpu_round24.sh sync` at 298c39c, which holds those modes and cast_probe.py; it was
 # reverted in 882d4d2.
@@ -41,6 +42,14 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/model_profile.py --arch qwen2 --reps 6 --out "$OUT/model-profile" \
       > "$OUT/model-profile.txt" 2>&1
     echo "model profile rc $?"; tail -40 "$OUT/model-profile.txt" | cut -c1-160 ;;
+  rest)  # what `last` left of `why`: the forward at N = 512 and 1024 causal; llama's profile
+    timeout 110 python3 -m flashrun bench -k flash -p sdpa-cudnn --mode fwd --set bench.rep_ms=30 \
+      --dtype fp16,bf16 --seq-lens 512,1024 --head-dims 64,128 --causal yes --out "$OUT/fwd-short" \
+      > "$OUT/fwd-short.txt" 2>&1
+    echo "fwd short rc $?"; grep -E "^(B[0-9]|flash |sdpa-cudnn )" "$OUT/fwd-short.txt" | head -30
+    timeout 150 python3 benchmarks/model_profile.py --arch llama --reps 6 --out "$OUT/model-profile" \
+      > "$OUT/model-profile-llama.txt" 2>&1
+    echo "model profile rc $?"; grep -E "^llama|train kernels|^ +[-+][0-9]" "$OUT/model-profile-llama.txt" | head -30 ;;
   *)
-    echo "usage: bash benchmarks/gpu_round24.sh why" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round24.sh last|rest|why" >&2; exit 2 ;;
 esac
