@@ -132,8 +132,6 @@ def mask_label(mask) -> str:
 def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
     """The Gluon kernel itself, as hopper_bwd launches it, with dK/dV poisoned (NaN) first; ``dq``
     (a zeroed float32 buffer): with dQ inside, added there."""
-    from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
-
     z, h_kv, n_k, d = k.shape
     out_dtype = k.dtype if split == 1 else torch.float32
     dk = torch.full((z, h_kv * split, n_k, d), float("nan"), dtype=out_dtype, device=k.device)
@@ -141,7 +139,7 @@ def gluon_dkdv(q, k, v, do, lse, delta, sm_scale, mask, cfg, split=1, dq=None):
     window = mask if isinstance(mask, tuple) else None
     grid, args, constexprs, options = hopper_bwd.launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale,
                                                              window is None and mask, cfg, split, dq, window)
-    _fa3_bwd_dkdv[grid](*args, **constexprs, **options)
+    cfg.kernel[grid](*args, **constexprs, **options)
     if split > 1:
         dk = dk.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)
         dv = dv.view(z, h_kv, split, n_k, d).sum(2).to(k.dtype)

@@ -50,8 +50,6 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     ``fused``: with dQ; ``adds``: a split's parts add into one float32 head)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
-
     z, h_kv, n, d = 1, 2, 256, cfg.head_dim
     q = torch.empty(z, h_kv * group, n, d, dtype=dtype)
     k = torch.empty(z, h_kv, n, d, dtype=dtype)
@@ -63,14 +61,14 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq,
                                                           window, adds)
     signature, constants = {}, {}
-    params = list(_fa3_bwd_dkdv.params)
+    params = list(cfg.kernel.params)
     for p, value in zip(params, list(args) + [None] * len(params)):
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             constants[(params.index(p),)] = constexprs[p.name]
         else:
             signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
-    src = GluonASTSource(_fa3_bwd_dkdv, signature, constants)
+    src = GluonASTSource(cfg.kernel, signature, constants)
     return triton.compile(src, target=TARGET, options=options)
 
 
@@ -137,7 +135,8 @@ def check_one(job) -> tuple[bool, str]:
     # the kernel waits twice per step and consumer (Sᵀ and dPᵀ; dV and dK), and with dQ once more
     # per consumer's dQ step: a wait ptxas adds serializes wgmmas the kernel meant to overlap (as
     # an accumulator written mid-stage made it)
-    waits = (3 if fused else 2) * cfg.consumers
+    # (the transposed kernel: once per dQ tile of its dQ steps, hopper_bwd.DQ_COLS columns each)
+    waits = (2 + (cfg.head_dim // hopper_bwd.DQ_COLS if cfg.transposed else 1) * fused) * cfg.consumers
     if info["waits"] is not None and info["waits"] > waits:
         problems.append(f"{info['waits']} wgmma waits in the SASS, the kernel has {waits}")
     spill = (f"{info['spill_stores']}/{info['spill_loads']}" if info["spill_stores"] is not None else "?")

@@ -65,6 +65,12 @@ CASES = [
     (2, 8, 2, 1025, 1025, 96, BF16, True),
     (1, 6, 1, 97, 130, 80, FP16, True),
     (1, 2, 2, 1, 1, 96, BF16, False),
+    # the Gluon backward's transposed kernel (192 = 128 + 64): GQA, ragged, N = 1 and 17, Nq > Nk
+    (2, 8, 2, 1025, 1025, 192, FP16, False),
+    (1, 6, 1, 97, 130, 192, BF16, True),
+    (1, 2, 2, 17, 17, 192, FP16, True),
+    (1, 2, 2, 1, 1, 192, BF16, False),
+    (1, 4, 2, 3000, 1000, 192, FP16, True),
 ]
 
 
@@ -114,8 +120,9 @@ def test_flash_on_gpu(case):  # the atomic backward: on sm_90 the Gluon kernel w
 
 
 # The deterministic backward on the shapes that stress it most: GQA 8:1 at 16384, rows with no
-# key, head_dim 256, split head dims (80 = 64 + 16, 192 = 128 + 64), float32.
-@pytest.mark.parametrize("case", [CASES[i] for i in (4, 6, 9, 16, 21, 22)], ids=_case_id)
+# key, head_dim 256, split head dims (80 = 64 + 16, 192 = 128 + 64), float32, the transposed Gluon
+# dK/dV (192: GQA 4:1 ragged, GQA 6:1 causal with Nq != Nk).
+@pytest.mark.parametrize("case", [CASES[i] for i in (4, 6, 9, 16, 21, 22, 29, 30)], ids=_case_id)
 def test_deterministic_on_gpu(case):
     *shape, dtype, causal = case
     _check(*_inputs(*shape, dtype), causal, launch=_defaults(shape[-1], dtype), deterministic=True)
@@ -279,7 +286,7 @@ def test_variants_on_gpu(name, shape, dtype, causal, variants, q_scale):
     _check(q, k, v, do, causal, launch=_defaults(shape[-1], dtype), **variants)
 
 
-# Windows alone take the Gluon backward on sm_90 (fp16/bf16, head_dim 64/80/96/128): both backwards,
+# Windows alone take the Gluon backward on sm_90 (fp16/bf16, head_dim 64/80/96/128/192): both backwards,
 # sliding and two-sided, Nq != Nk both ways (rows that see no key, whole query blocks skipped on
 # either side of a key block), GQA, a window wider than one side
 GLUON_WINDOW_CASES = [
@@ -288,6 +295,8 @@ GLUON_WINDOW_CASES = [
     ("window0x0-d128", (1, 4, 4, 777, 777, 128), FP16, {"window": (0, 0)}),
     ("window3000x5-gqa6-d64", (2, 12, 2, 2048, 2048, 64), BF16, {"window": (3000, 5)}),
     ("sliding300-gqa4-d96", (2, 8, 2, 1500, 1500, 96), BF16, {"window": (300, 0)}),
+    ("sliding300-gqa4-d192", (2, 8, 2, 1500, 1500, 192), BF16, {"window": (300, 0)}),
+    ("window500x100-nq<nk-d192", (1, 4, 2, 1000, 3000, 192), FP16, {"window": (500, 100)}),
 ]
 
 
@@ -602,17 +611,18 @@ def test_the_default_backward_lays_gradients_out_like_a_models_inputs(heads):
         assert (got.float() - ref.float()).abs().max().item() <= hopper_bwd.CHECK_ATOL[BF16]
 
 
+@pytest.mark.parametrize("head_dim", [128, 192])
 @pytest.mark.parametrize("fused", [False, True], ids=["dkdv", "dkdv+dq"])
-def test_gluon_backward_plans_launch_lean_and_agree(fused):
+def test_gluon_backward_plans_launch_lean_and_agree(fused, head_dim):
     """The Gluon backward keeps a plan per layout too: its first call goes through Triton and keeps
     the compiled kernel, later calls on other tensors of the same layout launch it directly; dK and
     dV come out with the same bits (dQ's reduce-adds land in any order) and agree with the
     portable backward."""
     if flash_hopper.gluon_api():
         pytest.skip(flash_hopper.gluon_api())
-    cfg = hopper_bwd.KERNELS[hopper_bwd.kernel_for(128, fused)]
+    cfg = hopper_bwd.KERNELS[hopper_bwd.kernel_for(head_dim, fused)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(2, 1000, h, 128, device="cuda", generator=gen).to(BF16).transpose(1, 2)
+    q, k, v, do = (torch.randn(2, 1000, h, head_dim, device="cuda", generator=gen).to(BF16).transpose(1, 2)
                    for h in (8, 2, 2, 8))
     variant = flash.Variant(causal=True)
     o, lse = flash._attn_forward(q, k, v, 0.1, variant, "default", try_gluon=False)

@@ -128,7 +128,8 @@ def test_on_still_needs_an_sm90_gpu(monkeypatch):
 
 @pytest.mark.parametrize("change,why", [
     (dict(dtype=torch.float32), "dtype"), (dict(d=96), None), (dict(d=80, causal=True), None),
-    (dict(d=112), "head_dim 112"), (dict(d=192), "head_dim 192"), (dict(d=256), "head_dim 256"),
+    (dict(d=112), "head_dim 112"), (dict(d=192), None), (dict(d=160), "head_dim 160"),
+    (dict(d=256), "head_dim 256"),
     (dict(window=(8, 0)), None), (dict(window=(3, 5), causal=False), None),
     (dict(softcap=5.0), "softcap"), (dict(alibi=True), "ALiBi"),
     (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
@@ -425,6 +426,9 @@ def test_every_fused_kernel_fits_an_sm(name):
     cfg = hopper_bwd.KERNELS[name]
     assert hopper_bwd.fusable(cfg)
     assert cfg.consumers == 2
+    if cfg.transposed:  # whole steps in turns, DQ_COLS columns at a time, tiling both column blocks
+        assert cfg.dq_cols == (hopper_bwd.DQ_COLS,) and all(b % hopper_bwd.DQ_COLS == 0 for b in cfg.blocks)
+        return
     # whole steps in turns, half the columns each, or (a head dim of two blocks) a block each
     assert cfg.dq_cols in ((cfg.head_dim,), (cfg.head_dim // 2,) * 2, cfg.blocks)
     assert cfg.blocks[1] == 0 or cfg.dq_cols == cfg.blocks
@@ -436,7 +440,8 @@ def test_every_fused_kernel_fits_an_sm(name):
     ((2, 8, 1000, 128), 2, (8, 4, 2)),
     ((1, 2, 17, 64), 1, (1, 2, 1)),
     ((2, 8, 1000, 96), 2, (8, 4, 2)),  # two column blocks, 64 + 32
-    ((1, 2, 300, 80), 1, (3, 2, 1))])
+    ((1, 2, 300, 80), 1, (3, 2, 1)),
+    ((2, 8, 1000, 192), 2, (16, 4, 2))])  # 128 + 64, transposed: 64-key blocks of two 32-key consumers
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_launch_grid_and_descriptors(shape, split, grid, causal):
     # (key blocks, k/v heads x split, batch); causal: the key blocks last, so that the programs
@@ -451,12 +456,13 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     assert got == ((*grid[1:], grid[0]) if causal else grid)
     assert constexprs["GROUP"] == h // k.shape[1] // split and constexprs["KV_SPLIT"] == split
     d0, d1 = cfg.blocks
-    assert (d0, d1) == {64: (64, 0), 128: (128, 0), 96: (64, 32), 80: (64, 16)}[d]
-    assert [list(a.block_shape) for a in args[:6]] == [[1, 1, 64, d0], [1, 1, 64, d0], [1, 1, 64, d0],
+    assert (d0, d1) == {64: (64, 0), 128: (128, 0), 96: (64, 32), 80: (64, 16), 192: (128, 64)}[d]
+    keys = 32 if d == 192 else 64  # each consumer's K and V rows
+    assert [list(a.block_shape) for a in args[:6]] == [[1, 1, 64, d0], [1, 1, keys, d0], [1, 1, keys, d0],
                                                        [1, 1, 64, d0], [1, 1, 64], [1, 1, 64]]
     # the second column block's q, k, v, dO (loaded from column HEAD_D), and no dQ
     assert [a if a is None else list(a.block_shape) for a in args[7:12]] == (
-        [[1, 1, 64, d1]] * 4 + [None] if d1 else [None] * 5)
+        [[1, 1, 64, d1], [1, 1, keys, d1], [1, 1, keys, d1], [1, 1, 64, d1], None] if d1 else [None] * 5)
     assert all(a.base is t for a, t in zip(args[7:11], (q, k, k, q)) if d1)
     assert (constexprs["HEAD_D"], constexprs["HEAD_D1"]) == (d0, d1)
     assert args[12] is dk and args[13] is dk and len(args) - 9 == hopper_bwd.PER_CALL
@@ -475,8 +481,12 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     _, args, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.1, True, fused, split, dq)
     assert constexprs["FUSED_DQ"] is True and list(args[6].block_shape) == [1, 1, 64, fused.dq_cols[0]]
     assert list(args[6].shape) == list(shape)
-    # a head dim of two blocks: consumer 1 adds dQ's second block through its own descriptor
-    assert (list(args[11].block_shape) == [1, 1, 64, d1] and args[11].base is dq) if d1 else args[11] is None
+    # a head dim of two blocks: consumer 1 adds dQ's second block through its own descriptor (the
+    # transposed kernel: one DQ_COLS-column descriptor tiles both)
+    if d1 and not fused.transposed:
+        assert list(args[11].block_shape) == [1, 1, 64, d1] and args[11].base is dq
+    else:
+        assert args[11] is None
 
 
 def test_compiles_for_hopper(python):

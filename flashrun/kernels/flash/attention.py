@@ -30,7 +30,7 @@ Forward on Hopper (sm_90) with Triton 3.6: where :mod:`flashrun.kernels.flash.ho
 (plain or causal fp16/bf16 at head_dim 128, or 64 with long keys), an FA3-style Gluon kernel
 runs instead of ``_attn_fwd``, checked against it on its first use in the process. The deterministic
 backward's dK/dV runs an FA3-layout Gluon kernel there (:mod:`flashrun.kernels.flash.hopper_bwd`:
-plain, causal or windowed fp16/bf16 at head_dim 64, 80, 96 and 128, checked on first use; ``FLASHRUN_HOPPER_BWD=0``
+plain, causal or windowed fp16/bf16 at head_dim 64, 80, 96, 128 and 192, checked on first use; ``FLASHRUN_HOPPER_BWD=0``
 turns it off), dQ staying with ``_attn_bwd_dq``.
 First calls: every launch goes through :func:`flashrun.kernels.tuning.launch`, so a call can be
 made in compile-only mode; the first call of each kind in a process compiles the forward's and

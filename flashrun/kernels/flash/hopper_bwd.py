@@ -14,7 +14,8 @@ where :data:`DEFAULT_ON` is False.
 When it runs (:func:`eligible`): turned on, compiling (not the interpreter), a CUDA device of
 capability (9, 0), Triton's Gluon Hopper API (the forward's feature check,
 :func:`flashrun.kernels.flash.hopper.gluon_api`), float16/bfloat16, head_dim 64 or 128 (or 80 and 96
-as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192), dense
+as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192; and 192 = 128 + 64 on the
+transposed kernel below), dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
 aligned (TMA descriptors), plain, causal or a window (bottom-right aligned when Nq != Nk), any GQA
 group; no softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
@@ -35,11 +36,14 @@ of 2 (``d128-s3``: 3) stages. Shared memory, K + V (128 rows) + STAGES x (Q + dO
   head_dim  96: 48 KB + 2 x 24 KB + 1 KB = 97 KB (each tile as a 64- and a 32-column box)
 With dQ inside add 32 KB of dSᵀ stages and one float32 dQ tile per consumer (64 rows; at head_dim
 96 consumer 0 adds dQ's first 64 columns, consumer 1 its last 32).
-One program per SM either way (the registers), so the grid is cdiv(N_K, 128) x H_KV x B programs
+head_dim 192 (``d192``, :func:`hopper_bwd_jit._fa3_bwd_dkdv_t`): dK and dV transposed, two consumers of
+32 keys (64-key blocks), dQ's steps in turns in 64-column tiles: K + V 48 KB, 2 x (Q + dO) 96 KB, P
+and two dS stages 24 KB, 2 float32 dQ tiles 32 KB, LSE and delta 1 KB (202 KB; NOTES v25).
+One program per SM either way (the registers), so the grid is cdiv(N_K, block_n) x H_KV x B programs
 (x the GQA split, :func:`dkdv`: :data:`SPLIT_WAVES`; the parts add into one float32 head where the
 backward need not be repeatable, ``args.split_outputs``). Causal or windowed, where all heads' Q
 and dO are few enough (``args.across_heads``), the key blocks go on the grid's last axis, H_KV x B
-x cdiv(N_K, 128), so that every head's first key blocks, the heaviest, start first.
+x cdiv(N_K, block_n), so that every head's first key blocks, the heaviest, start first.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 
 DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = (64, 80, 96, 128)  # 80 and 96 as two column blocks, 64 + 16 and 64 + 32 (:func:`BwdConfig.blocks`)
+HEAD_DIMS = (64, 80, 96, 128, 192)  # 80, 96 and 192 as two column blocks, 64 + 16, 64 + 32 and 128 + 64
+# (:func:`BwdConfig.blocks`); 192 on the transposed kernel (:attr:`BwdConfig.transposed`)
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
@@ -76,6 +81,12 @@ class BwdConfig:
     dq_split: bool = False  # dQ inside (non-deterministic): each consumer half its columns every
     # step (a head dim of two column blocks: consumer c block c), else the consumers take whole
     # steps in turns
+    keys: int = 64  # keys per consumer; below 64 the kernel is _fa3_bwd_dkdv_t (dK, dV transposed,
+    # keys as wgmma's N), which takes the steps' dQ in turns, DQ_COLS columns at a time
+
+    @property
+    def transposed(self) -> bool:
+        return self.keys < 64
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -87,16 +98,26 @@ class BwdConfig:
     def dq_cols(self) -> tuple[int, ...]:
         """The widths of the dQ tiles the consumers add (one per consumer, or one both take in turns)."""
         d0, d1 = self.blocks
+        if self.transposed:
+            return (DQ_COLS,)
         if not self.dq_split:
             return (self.head_dim,)
         return (d0, d1) if d1 else (d0 // 2, d0 // 2)
 
     @property
     def block_n(self) -> int:
-        return 64 * self.consumers
+        return self.keys * self.consumers
+
+    @property
+    def kernel(self):
+        """The Gluon kernel this config launches."""
+        from flashrun.kernels.flash import hopper_bwd_jit
+
+        return hopper_bwd_jit._fa3_bwd_dkdv_t if self.transposed else hopper_bwd_jit._fa3_bwd_dkdv
 
 
 SMEM_LIMIT = hopper.SMEM_LIMIT
+DQ_COLS = 64  # hopper_bwd_jit.DQ_COLS (kept here so that the configs need no Triton import)
 
 KERNELS = {
     "d64": BwdConfig(64),
@@ -108,13 +129,14 @@ KERNELS = {
     "d96": BwdConfig(96),
     "d80-dqs": BwdConfig(80, dq_split=True),
     "d96-dqs": BwdConfig(96, dq_split=True),
+    "d192": BwdConfig(192, keys=32),
 }
 # what the path runs; benchmarks/gluon_bwd_probe.py times the rest
-DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128"}
+DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128", 192: "d192"}
 # with dQ inside (the non-deterministic backward's), NOTES v10: at head_dim 64 the consumers take
 # whole steps' dQ in turns (d64 399 TFLOP/s against d64-dqs 359, causal N8192), at 128 each takes
 # half the columns every step (whole-width tiles spill), at 80 and 96 each its column block (NOTES v19)
-FUSED = {64: "d64", 80: "d80-dqs", 96: "d96-dqs", 128: "d128-dqs"}
+FUSED = {64: "d64", 80: "d80-dqs", 96: "d96-dqs", 128: "d128-dqs", 192: "d192"}
 OVERRIDE: BwdConfig | None = None  # the probe runs its variants through the path with this
 
 
@@ -129,19 +151,23 @@ def _config(head_dim: int, fused: bool) -> BwdConfig:
 def smem_bytes(cfg: BwdConfig, fused: bool = False) -> int:
     """K and V (block_n rows), STAGES x (Q + dO) (block_m rows) of 2-byte elements, and STAGES x
     (LSE + delta) (block_m float32 each); ``fused`` (dQ inside): 2 x 2 dSᵀ tiles (64 x block_m,
-    2-byte) and the float32 dQ tiles (block_m x dq_cols); the barriers aside."""
+    2-byte) and the float32 dQ tiles (block_m x dq_cols); the barriers aside. Transposed
+    (:attr:`BwdConfig.transposed`): a P and 2 dS tiles per consumer (block_m x keys) always, and
+    with dQ each consumer's float32 dQ tile (block_m x DQ_COLS)."""
+    base = 2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
+    if cfg.transposed:
+        dq = cfg.block_m * DQ_COLS * 4 if fused else 0
+        return base + cfg.consumers * (3 * cfg.block_m * cfg.keys * 2 + dq)
     tiles = cfg.dq_cols if cfg.dq_split else cfg.dq_cols * cfg.consumers  # (in turns: one each, whole width)
-    dq = 4 * 64 * cfg.block_m * 2 + cfg.block_m * sum(tiles) * 4 if fused else 0
-    return (2 * cfg.head_dim * (2 * cfg.block_n + cfg.stages * 2 * cfg.block_m) + cfg.stages * 2 * cfg.block_m * 4
-            + dq)
+    return base + (4 * 64 * cfg.block_m * 2 + cfg.block_m * sum(tiles) * 4 if fused else 0)
 
 
 def fusable(cfg: BwdConfig) -> bool:
     """Whether the kernel can take dQ inside: two consumers (dQ's steps are shared between them),
     dQ tiles of at most 64 columns (a 64 x 128 float32 accumulator, 64 registers a thread beside
     dK and dV, spilled 68-132 B: tests/compile_hopper_bwd.py), each consumer its own column block
-    where the head dim has two, and shared memory for them."""
-    return (cfg.consumers == 2 and max(cfg.dq_cols) <= 64 and (cfg.dq_split or not cfg.blocks[1])
+    where the head dim has two (transposed: 64-column tiles in turns), and shared memory for them."""
+    return (cfg.consumers == 2 and max(cfg.dq_cols) <= 64 and (cfg.dq_split or cfg.transposed or not cfg.blocks[1])
             and smem_bytes(cfg, fused=True) <= SMEM_LIMIT - 2048)
 
 
@@ -222,13 +248,12 @@ PER_CALL = 14
 
 def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
     """The launch's first PER_CALL arguments: descriptors over q, k, v, dO (boxes of BLOCK_M query
-    rows or HALF_N keys, HEAD_D columns), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`),
-    dQ's float32 buffer (or None), the same over q, k, v, dO and dQ with the second column block's
+    rows or cfg.keys keys, HEAD_D columns), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`),
+    dQ's float32 buffer (or None; the transposed kernel's: DQ_COLS columns), the same over q, k, v, dO
+    and dQ (not the transposed kernel's) with the second column block's
     HEAD_D1 columns (the kernel loads them from column HEAD_D; None with one block), and the dK,
     dV outputs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from flashrun.kernels.flash.hopper_bwd_jit import HALF_N
 
     def desc(t, rows, cols):
         if t is None or not cols:
@@ -239,10 +264,11 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
     def row_desc(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_m], _row_layout())
 
-    m, (d0, d1), dq_cols = cfg.block_m, cfg.blocks, cfg.dq_cols
-    return (desc(q, m, d0), desc(k, HALF_N, d0), desc(v, HALF_N, d0), desc(do, m, d0), row_desc(lse),
-            row_desc(delta), desc(dq, m, dq_cols[0]), desc(q, m, d1), desc(k, HALF_N, d1), desc(v, HALF_N, d1),
-            desc(do, m, d1), desc(dq, m, d1 and dq_cols[-1]), dk, dv)
+    m, n, (d0, d1), dq_cols = cfg.block_m, cfg.keys, cfg.blocks, cfg.dq_cols
+    dq1_cols = 0 if cfg.transposed else d1 and dq_cols[-1]
+    return (desc(q, m, d0), desc(k, n, d0), desc(v, n, d0), desc(do, m, d0), row_desc(lse),
+            row_desc(delta), desc(dq, m, dq_cols[0]), desc(q, m, d1), desc(k, n, d1), desc(v, n, d1),
+            desc(do, m, d1), desc(dq, m, dq1_cols), dk, dv)
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
@@ -304,8 +330,6 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
     """(dk, dv), laid out like k (a model's layout: its backward reshapes them without a copy).
     ``kv_out``: float32 (dK, dV) buffers laid out like k and zeroed, that a split group's parts
     add into, returned as they are (:func:`fused` casts them with dQ); else made here."""
-    from flashrun.kernels.flash.hopper_bwd_jit import _fa3_bwd_dkdv
-
     if kv_out is not None:
         dk = dv = None
         dk_out, dv_out, adds = *kv_out, True
@@ -324,12 +348,12 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk_out, dv_out, sm_scale, causal,
                                                       cfg, split, dq, window, adds)
         if lean:
-            ordered = list(args) + [constexprs[name] for name in _fa3_bwd_dkdv.arg_names[len(args):]]
-            plan = keep(_plans, key, _Plan(_Launch(_fa3_bwd_dkdv, grid, tuple(ordered[PER_CALL:]), options),
+            ordered = list(args) + [constexprs[name] for name in cfg.kernel.arg_names[len(args):]]
+            plan = keep(_plans, key, _Plan(_Launch(cfg.kernel, grid, tuple(ordered[PER_CALL:]), options),
                                            tuple(template(d) for d in args[:PER_CALL - 2])))
             plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
         else:
-            launch(_fa3_bwd_dkdv, grid, *args, **constexprs, **options)
+            launch(cfg.kernel, grid, *args, **constexprs, **options)
     if kv_out is not None:
         return kv_out
     if split > 1:

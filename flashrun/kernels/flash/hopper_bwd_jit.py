@@ -91,6 +91,8 @@ LOG2E = 1.4426950408889634
 HALF_N = 64  # keys per consumer warpgroup (wgmma's M is 64 per warpgroup)
 LOG2E_C = gl.constexpr(LOG2E)
 HALF_N_C = gl.constexpr(HALF_N)
+DQ_COLS = 64  # the transposed kernel's dQ tiles (_fa3_bwd_dkdv_t)
+DQ_COLS_C = gl.constexpr(DQ_COLS)
 
 
 @gluon.jit
@@ -115,8 +117,8 @@ def _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _key_tile(CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    """This program's (first key, k/v head or GQA part, batch entry). BLOCKS_LAST: the launcher put
+def _key_tile(BLOCK_N: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+    """This program's (first key of its BLOCK_N, k/v head or GQA part, batch entry). BLOCKS_LAST: the launcher put
     the key blocks on the grid's last axis (``hopper_bwd.launch_args``, causal or windowed where
     the heads' Q and dO are few enough, ``args.across_heads``): programs start x fastest, so the first key blocks of every
     head, seen by the most queries, start first and the grid ends on light programs. (Indices from
@@ -130,7 +132,7 @@ def _key_tile(CONSUMERS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
         block = gl.program_id(0)
         off_hkv = gl.program_id(1)
         off_z = gl.program_id(2)
-    return block * (CONSUMERS * HALF_N_C), off_hkv, off_z
+    return block * BLOCK_N, off_hkv, off_z
 
 
 @gluon.jit
@@ -149,10 +151,11 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr):
-    start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]  # each consumer's keys
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS * KEYS, BLOCKS_LAST)
     # each consumer's K and V rows, once: they stay in shared memory for the whole loop
     for c in gl.static_range(CONSUMERS):
-        key = start_n + c * HALF_N_C
+        key = start_n + c * KEYS
         if HEAD_D1 > 0:  # the second column block from column HEAD_D, on the same barrier
             mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes
                             + k1_desc.block_type.nbytes + v1_desc.block_type.nbytes)
@@ -162,7 +165,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
             mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [off_z, off_hkv // KV_SPLIT, key, 0], kv_bars.index(c), k_smem.index(c))
         _tma_load(v_desc, [off_z, off_hkv // KV_SPLIT, key, 0], kv_bars.index(c), v_smem.index(c))
-    first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * HALF_N_C, CAUSAL, WINDOW)
+    first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * KEYS, CAUSAL, WINDOW)
     off_h = off_hkv * GROUP
     start_m = first * BLOCK_M
     for i in range(GROUP * n_m):
@@ -190,16 +193,19 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
 
 
 @gluon.jit
-def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.constexpr):
+def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+           KEY_AXIS: gl.constexpr = 0):
     """Pᵀ = exp2(Sᵀ · qk_scale − lse2) for keys (Sᵀ's rows) x queries start_m + offs_m (its
     columns); MASKED: 0 where query i does not see key j, i.e. where offs_m (per column) < ``lo``
     (per key: causal j − shift − start_m, right of the diagonal; WINDOW j − shift − right −
-    start_m) or, WINDOW, offs_m > ``hi`` (j − shift + left − start_m: past the window's left side)."""
-    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse2, 0))
+    start_m) or, WINDOW, offs_m > ``hi`` (j − shift + left − start_m: past the window's left side).
+    KEY_AXIS = 1: the keys are the columns, i.e. P = exp2(S · qk_scale − lse2) with S (queries, keys)."""
+    QUERY_AXIS: gl.constexpr = 1 - KEY_AXIS
+    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse2, KEY_AXIS))
     if MASKED:
-        keep = gl.expand_dims(lo, 1) <= gl.expand_dims(offs_m, 0)
+        keep = gl.expand_dims(lo, QUERY_AXIS) <= gl.expand_dims(offs_m, KEY_AXIS)
         if WINDOW:
-            keep = keep & (gl.expand_dims(offs_m, 0) <= gl.expand_dims(hi, 1))
+            keep = keep & (gl.expand_dims(offs_m, KEY_AXIS) <= gl.expand_dims(hi, QUERY_AXIS))
         pT = gl.where(keep, pT, 0.0)
     return pT
 
@@ -265,7 +271,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
     query_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    start_n, off_hkv, off_z = _key_tile(CONSUMERS, BLOCKS_LAST)
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS * HALF_N_C, BLOCKS_LAST)
     key0 = start_n + C * HALF_N_C  # this consumer's first key
     keys = key0 + gl.arange(0, HALF_N_C, layout=key_s)
     offs_m = gl.arange(0, BLOCK_M, layout=query_s)
@@ -526,3 +532,226 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
                              win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
                              WINDOW, BLOCKS_LAST)),
         ], [1], [PRODUCER_REGS])
+
+
+# -- head dims past 128: dK and dV transposed ------------------------------------------------------
+
+
+@gluon.jit
+def _store_cols(DST, base, keys, n_keys, stride_n, accT, COL0: gl.constexpr, layout: gl.constexpr,
+                ADD: gl.constexpr):
+    """Store accT (WIDTH head-dim columns from COL0 x keys: a gradient transposed) to DST's rows
+    ``keys`` below n_keys, as :func:`_store_rows` (ADD: add it into DST, float32)."""
+    WIDTH: gl.constexpr = accT.shape[0]
+    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(1, layout))
+    ptrs = DST + base + gl.expand_dims(keys.to(gl.int64) * stride_n, 0) + gl.expand_dims(cols, 1)
+    if ADD:
+        gl.atomic_add(ptrs, accT, mask=gl.expand_dims(keys < n_keys, 0), sem="relaxed")
+    else:
+        gl.store(ptrs, accT.to(DST.dtype.element_ty), mask=gl.expand_dims(keys < n_keys, 0))
+
+
+@gluon.jit
+def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
+                    ds_smem, dq_smem, p_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc,
+                    stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
+                    C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
+                    KEYS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr,
+                    BLOCKS_LAST: gl.constexpr):
+    # S, dP: (BLOCK_M queries, KEYS keys); dKᵀ, dVᵀ: (HEAD_D, KEYS) and (HEAD_D1, KEYS); one layout
+    # (wgmma's N is this consumer's keys in all four), M = 64 per instruction, repeated
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS_C, 16])
+    query_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    key_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    start_n, off_hkv, off_z = _key_tile(CONSUMERS * KEYS, BLOCKS_LAST)
+    key0 = start_n + C * KEYS  # this consumer's first key
+    keys = key0 + gl.arange(0, KEYS, layout=key_s)
+    offs_m = gl.arange(0, BLOCK_M, layout=query_s)
+    shift = N_K - N_Q  # bottom-right alignment: query i faces key i + shift
+    full_from = key0 + KEYS - 1 - shift  # as _bwd_consumer's
+    first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * KEYS, CAUSAL, WINDOW)
+    ragged = key0 + KEYS > N_K  # keys past N_K: P (so dS) zeroed there, before dQ sees them
+
+    k = k_smem.index(C).reshape([KEYS, HEAD_D])
+    v = v_smem.index(C).reshape([KEYS, HEAD_D])
+    k1 = k1_smem.index(C).reshape([KEYS, HEAD_D1])
+    v1 = v1_smem.index(C).reshape([KEYS, HEAD_D1])
+    s_zero = gl.zeros([BLOCK_M, KEYS], gl.float32, layout=s_layout)
+    dk = gl.zeros([HEAD_D, KEYS], gl.float32, layout=s_layout)
+    dv = gl.zeros([HEAD_D, KEYS], gl.float32, layout=s_layout)
+    dk1 = gl.zeros([HEAD_D1, KEYS], gl.float32, layout=s_layout)
+    dv1 = gl.zeros([HEAD_D1, KEYS], gl.float32, layout=s_layout)
+    start_m = first * BLOCK_M
+    off_h = off_hkv * GROUP
+    s = 0
+    phase = 0
+    mbarrier.wait(kv_bars.index(C), 0)
+    for i in range(GROUP * n_m):
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_D])
+        q1 = q1_smem.index(s).reshape([BLOCK_M, HEAD_D1])
+        do1 = do1_smem.index(s).reshape([BLOCK_M, HEAD_D1])
+        mbarrier.wait(do_bars.index(s), phase)
+        delta = delta_smem.index(s).reshape([BLOCK_M]).load(query_s)
+        dp_init = s_zero - gl.expand_dims(delta, 1)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), dp_init, is_async=True)  # dP − delta = dO V_cᵀ − delta
+        dp_tok = warpgroup_mma(do1, v1.permute((1, 0)), dp_tok, is_async=True)
+        mbarrier.wait(q_bars.index(s), phase)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # S = Q K_cᵀ
+        s_tok = warpgroup_mma(q1, k1.permute((1, 0)), s_tok, is_async=True)
+        lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+        dp, sc = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
+        if WINDOW:
+            if (start_m + right < full_from) | (start_m + (BLOCK_M + KEYS - 2) - left > full_from):  # an edge
+                diag = keys - shift - start_m
+                p = _probs(sc, lse2, offs_m, diag - right, diag + left, qk_scale, True, True, 1)
+            else:
+                p = _probs(sc, lse2, offs_m, keys, keys, qk_scale, False, False, 1)
+        elif CAUSAL:
+            if start_m < full_from:  # the diagonal
+                p = _probs(sc, lse2, offs_m, keys - shift - start_m, keys, qk_scale, True, False, 1)
+            else:
+                p = _probs(sc, lse2, offs_m, keys, keys, qk_scale, False, False, 1)
+        else:
+            p = _probs(sc, lse2, offs_m, keys, keys, qk_scale, False, False, 1)
+        if ragged:  # past N_K, K = V = 0 but P may be inf against a very negative LSE
+            p = gl.where(gl.expand_dims(keys < N_K, 0), p, 0.0)
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        dv_tok = warpgroup_mma(do.permute((1, 0)), p_smem, dv, is_async=True)  # dVᵀ_c += dOᵀ P
+        dv1_tok = warpgroup_mma(do1.permute((1, 0)), p_smem, dv1, is_async=True)
+        ds_dst = ds_smem.index(2 * (i % 2) + C)
+        ds_dst.store((p * dp).to(dtype))  # dS = P ∘ (dP − delta), while dV's wgmmas run
+        fence_async_shared()
+        if FUSED_DQ:
+            mbarrier.arrive(ds_bars.index(i % 2), count=1)
+        dk_tok = warpgroup_mma(q.permute((1, 0)), ds_dst, dk, is_async=True)  # dKᵀ_c += Qᵀ dS (scaled at the end)
+        dk1_tok = warpgroup_mma(q1.permute((1, 0)), ds_dst, dk1, is_async=True)
+        dv, dk, dv1, dk1 = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dv1_tok, dk1_tok))
+        mbarrier.arrive(empty_bars.index(s), count=1)  # this consumer is done with stage s
+        if FUSED_DQ:
+            if i % 2 == C:  # the consumers take the steps' dQ in turns, DQ_COLS columns at a time
+                mbarrier.wait(ds_bars.index(i % 2), (i // 2) & 1)
+                for j in gl.static_range((HEAD_D + HEAD_D1) // DQ_COLS_C):
+                    dq = gl.zeros([BLOCK_M, DQ_COLS_C], gl.float32, layout=dq_layout)
+                    for c in gl.static_range(CONSUMERS):  # dQ = Σ_c dS_c K_c
+                        if j * DQ_COLS_C < HEAD_D:
+                            kc = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(j * DQ_COLS_C, DQ_COLS_C, dim=1)
+                        else:
+                            kc = k1_smem.index(c).reshape([KEYS, HEAD_D1]).slice(j * DQ_COLS_C - HEAD_D, DQ_COLS_C,
+                                                                                 dim=1)
+                        dq = warpgroup_mma(ds_smem.index(2 * (i % 2) + c), kc, dq, use_acc=c > 0, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                    tma.store_wait(0)  # the previous reduce-add has read the tile
+                    dq_smem.index(C).reshape([BLOCK_M, DQ_COLS_C]).store(dq * sm_scale)
+                    fence_async_shared()
+                    _tma_add(dq_desc, [off_z, off_h, start_m, j * DQ_COLS_C], dq_smem.index(C))
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
+        s += 1
+        phase = gl.where(s == STAGES, phase ^ 1, phase)
+        s = gl.where(s == STAGES, 0, s)
+    if FUSED_DQ:
+        tma.store_wait(0)
+
+    off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
+    base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
+    _store_cols(DK, base, keys, N_K, stride_dkn, dk * sm_scale, 0, s_layout, KV_ADD > 0)
+    _store_cols(DV, base, keys, N_K, stride_dkn, dv, 0, s_layout, KV_ADD > 0)
+    _store_cols(DK, base, keys, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, s_layout, KV_ADD > 0)
+    _store_cols(DV, base, keys, N_K, stride_dkn, dv1, HEAD_D, s_layout, KV_ADD > 0)
+
+
+@gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
+def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
+                    do1_desc, dq1_desc, DK, DV,
+                    stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
+                    GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
+                    BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                    FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+    """:func:`_fa3_bwd_dkdv` for head dims of two column blocks past 128 (192 = 128 + 64), as
+    FlashAttention-3 runs them: dK and dV transposed. Arguments, grid and launch as
+    :func:`_fa3_bwd_dkdv`'s, but for the keys per consumer: k_desc's box rows (KEYS, e.g. 32), so
+    the grid's key blocks are CONSUMERS x KEYS; dq_desc's box is [1, 1, BLOCK_M, 64] and dq1_desc
+    None.
+
+    Why: _fa3_bwd_dkdv holds dK_c and dV_c as (64 keys, head dim) float32 in registers (wgmma's M
+    is 64 per warpgroup), 192 a thread at head_dim 192 before Sᵀ and dPᵀ: it spills (NOTES v19).
+    Here a consumer owns KEYS < 64 keys, the N of every wgmma:
+        S = Q K_cᵀ, dP − delta = dO V_cᵀ − delta     (BLOCK_M, KEYS), from shared memory
+        P = exp2(S · qk_scale − LSE · log2 e), dS = P ∘ (dP − delta)   (per-query LSE and delta:
+                                                     two registers a thread in this layout)
+        dVᵀ_c += dOᵀ P, dKᵀ_c += Qᵀ dS              (head dim, KEYS): P and dS go through shared
+                                                     memory, the B operand
+    so dKᵀ_c + dVᵀ_c are 2 x 192 x KEYS / 128 registers a thread (96 at KEYS = 32; register tensors
+    and TMA boxes are powers of two, so not FA3's 48). FUSED_DQ: the consumers take the steps' dQ in
+    turns, dQ = Σ_c dS_c K_c (both consumers' dS from the step's dS stage), 64 columns at a time,
+    each added by one TMA reduce-add through the consumer's float32 dQ tile (shared memory at
+    head_dim 192, KEYS = 32: K + V 48 KB, two stages of Q and dO 96 KB, P and dS 24 KB, the dQ
+    tiles 32 KB).
+    The edges are _fa3_bwd_dkdv's (zero-filled boxes, -inf LSE, keys past N_K), and so are the
+    masks, with keys on S's columns."""
+    gl.static_assert(CONSUMERS == 2)
+    gl.static_assert(STAGES >= 2)
+    gl.static_assert(HEAD_D == 128 and HEAD_D1 == 64)  # 192: the dQ tiles' 64 columns tile both blocks
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    q1_smem = gl.allocate_shared_memory(dtype, [STAGES] + q1_desc.block_type.shape, q1_desc.layout)
+    do1_smem = gl.allocate_shared_memory(dtype, [STAGES] + do1_desc.block_type.shape, do1_desc.layout)
+    k1_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k1_desc.block_type.shape, k1_desc.layout)
+    v1_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v1_desc.block_type.shape, v1_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # P: [consumer], dS: [parity][consumer], (BLOCK_M, KEYS) each; with dQ, each consumer's float32
+    # (BLOCK_M, DQ_COLS) tile for its reduce-adds
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, KEYS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, KEYS], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, BLOCK_M, KEYS], p_layout)
+    if FUSED_DQ:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem = ds_smem  # never read
+    for p in gl.static_range(2):
+        mbarrier.init(ds_bars.index(p), count=CONSUMERS)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(kv_bars.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_bars.index(s), count=1)
+        mbarrier.init(do_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_bwd_consumer_t, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
+                           ds_smem, dq_smem, p_smem.index(0), kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
+                           dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left,
+                           win_right, 0, GROUP, HEAD_D, HEAD_D1, KEYS, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
+                           KV_ADD, BLOCKS_LAST)),
+        (_bwd_consumer_t, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
+                           ds_smem, dq_smem, p_smem.index(1), kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
+                           dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left,
+                           win_right, 1, GROUP, HEAD_D, HEAD_D1, KEYS, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
+                           KV_ADD, BLOCKS_LAST)),
+        (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
+                         do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
+                         lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
+                         win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
+                         WINDOW, BLOCKS_LAST)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
