@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# H200 runs of round 25 (results/h200-v25-*, NOTES v25), each within one 10-minute device call; from
+# the repo root, results under $OUT (or ./gpu-session):
+#   bash benchmarks/gpu_round25.sh d192     # the transposed Gluon dK/dV at head_dim 192: the GPU tests that
+#                                           # reach it, then the backward against Flex and cuDNN (fp16 + bf16,
+#                                           # 4096 keys, full + causal, with --metrics; bf16 at 1024 and 16384),
+#                                           # and the portable backward it replaces (FLASHRUN_HOPPER_BWD=0)
+# On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=120
+
+bwd() { python3 -m flashrun bench -k flash -p flex,sdpa-cudnn --mode bwd --set bench.rep_ms=30 "$@"; }
+
+case "${1:-}" in
+  d192)
+    gpu_tests gpu-tests-d192 220 "192 or backward_plans"
+    grep -E "FAILED|Error" "$OUT/gpu-tests-d192.log" | head -20
+    timeout 170 bash -c "$(declare -f bwd); bwd --dtype fp16,bf16 --seq-lens 4096 --head-dims 192 --causal both \
+      --metrics --out '$OUT/bwd-d192'" > "$OUT/bwd-d192.txt" 2>&1
+    echo "bench rc $?"; grep -E "^(B[0-9]|flash |flex |sdpa-cudnn )" "$OUT/bwd-d192.txt" | head -24
+    timeout 100 bash -c "$(declare -f bwd); bwd --dtype bf16 --seq-lens 1024,16384 --head-dims 192 --causal both \
+      --out '$OUT/bwd-d192-ends'" > "$OUT/bwd-d192-ends.txt" 2>&1
+    echo "bench rc $?"; grep -E "^(B[0-9]|flash |flex |sdpa-cudnn )" "$OUT/bwd-d192-ends.txt" | head -24
+    FLASHRUN_HOPPER_BWD=0 timeout 60 python3 -m flashrun bench -k flash -p sdpa-cudnn --mode bwd --set bench.rep_ms=30 \
+      --dtype bf16 --seq-lens 4096 --head-dims 192 --causal both --out "$OUT/bwd-d192-portable" \
+      > "$OUT/bwd-d192-portable.txt" 2>&1
+    echo "portable bench rc $?"; grep -E "^(B[0-9]|flash |sdpa-cudnn )" "$OUT/bwd-d192-portable.txt" ;;
+  *)
+    echo "usage: bash benchmarks/gpu_round25.sh d192" >&2; exit 2 ;;
+esac
