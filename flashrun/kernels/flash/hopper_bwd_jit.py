@@ -60,8 +60,6 @@ the window's edges.
 
 from __future__ import annotations
 
-import os
-
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -92,7 +90,6 @@ _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 LOG2E = 1.4426950408889634
 HALF_N = 64  # keys per consumer warpgroup (wgmma's M is 64 per warpgroup)
 LOG2E_C = gl.constexpr(LOG2E)
-PROBE_C = gl.constexpr(int(os.environ.get('FLASHRUN_BWD_PROBE', '0')))  # 1 no epilogue stores, 2 no dQ adds, 4 rotate
 HALF_N_C = gl.constexpr(HALF_N)
 DQ_COLS = 64  # the transposed kernel's dQ tiles (_fa3_bwd_dkdv_t)
 DQ_COLS_C = gl.constexpr(DQ_COLS)
@@ -148,23 +145,6 @@ def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _rot_start(start_n, first, n_m, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-               WINDOW: gl.constexpr):
-    if (PROBE_C & 4) and not CAUSAL and not WINDOW:
-        r = (start_n // BLOCK_N) % gl.maximum(n_m, 1)
-    else:
-        r = start_n * 0
-    return (first + r) * BLOCK_M
-
-
-@gluon.jit
-def _next_rot(off_h, start_m, first_m, end_m, rot_m, BLOCK_M: gl.constexpr):
-    start_m += BLOCK_M
-    start_m = gl.where(start_m >= end_m, first_m, start_m)
-    return gl.where(start_m == rot_m, off_h + 1, off_h), start_m
-
-
-@gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
                   q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
                   lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
@@ -187,8 +167,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
         _tma_load(v_desc, [off_z, off_hkv // KV_SPLIT, key, 0], kv_bars.index(c), v_smem.index(c))
     first, n_m = _query_blocks(start_n, N_Q, N_K, left, right, BLOCK_M, CONSUMERS * KEYS, CAUSAL, WINDOW)
     off_h = off_hkv * GROUP
-    rot_m = _rot_start(start_n, first, n_m, CONSUMERS * KEYS, BLOCK_M, CAUSAL, WINDOW)
-    start_m = rot_m
+    start_m = first * BLOCK_M
     for i in range(GROUP * n_m):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before 0: the first lap passes
@@ -210,7 +189,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
             mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
-        off_h, start_m = _next_rot(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, rot_m, BLOCK_M)
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
 
 
 @gluon.jit
@@ -267,8 +246,7 @@ def _dq_step(ds_smem, k_smem, dq_tile, ds_bars, dq_desc, off_z, off_h, start_m, 
     tma.store_wait(0)  # the previous reduce-add has read dq_tile
     dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq * sm_scale)
     fence_async_shared()
-    if (PROBE_C & 2) == 0 or start_m < 0:
-        _tma_add(dq_desc, [off_z, off_h, start_m, OUT_COL], dq_tile)
+    _tma_add(dq_desc, [off_z, off_h, start_m, OUT_COL], dq_tile)
 
 
 @gluon.jit
@@ -325,8 +303,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
     # dPᵀ's accumulator. That wgmma is issued first: ptxas waits for every wgmma in flight before
     # one whose accumulator registers other instructions defined after the step's first wgmma (the
     # broadcast's register copies, here), which would serialize Sᵀ and dPᵀ
-    rot_m = _rot_start(start_n, first, n_m, CONSUMERS * HALF_N_C, BLOCK_M, CAUSAL, WINDOW)
-    start_m = rot_m
+    start_m = first * BLOCK_M
     off_h = off_hkv * GROUP
     s = 0  # the ring's stage and its phase, carried (i % STAGES costs registers when STAGES is not 2^k)
     phase = 0
@@ -412,7 +389,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
             else:  # each consumer its half of dQ's columns, every step
                 _dq_step(ds_smem, k_smem, dq_smem.index(C), ds_bars, dq_desc, off_z, off_h, start_m, i % 2,
                          (i // 2) & 1, sm_scale, C * (HEAD_D // 2), HEAD_D, C * (HEAD_D // 2), BLOCK_M)
-        off_h, start_m = _next_rot(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, rot_m, BLOCK_M)
+        off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
         s += 1
         phase = gl.where(s == STAGES, phase ^ 1, phase)
         s = gl.where(s == STAGES, 0, s)
@@ -424,9 +401,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
     # DV shares DK's (contiguous) strides; KV_ADD parts of a split group add into one head
     off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
     base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
-    if (PROBE_C & 1) == 0 or N_K < 0:
-        _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, 0, HEAD_D, acc_layout, KV_ADD > 0)
-        _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, 0, HEAD_D, acc_layout, KV_ADD > 0)
+    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, 0, HEAD_D, acc_layout, KV_ADD > 0)
+    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, 0, HEAD_D, acc_layout, KV_ADD > 0)
     if HEAD_D1 > 0:
         rows_kv1 = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc1_layout))
         _store_rows(DK, base, rows_kv1, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, D1, acc1_layout, KV_ADD > 0)
