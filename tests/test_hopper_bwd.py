@@ -465,7 +465,13 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
         [[1, 1, 64, d1], [1, 1, keys, d1], [1, 1, keys, d1], [1, 1, 64, d1], None] if d1 else [None] * 5)
     assert all(a.base is t for a, t in zip(args[7:11], (q, k, k, q)) if d1)
     assert (constexprs["HEAD_D"], constexprs["HEAD_D1"]) == (d0, d1)
-    assert args[12] is dk and args[13] is dk and len(args) - 9 == hopper_bwd.PER_CALL
+    # the gradients themselves (split 1, k's dtype): the producer stores them through dK's and dV's
+    # descriptors, boxes as K's (TMA_OUT); float32 partials go out by the consumers' stores
+    out = split == 1
+    assert constexprs["TMA_OUT"] is out
+    assert [a if a is None else (list(a.block_shape), a.base is dk) for a in args[12:16]] == (
+        [([1, 1, keys, d0], True)] * 2 + [([1, 1, keys, d1], True) if d1 else None] * 2 if out else [None] * 4)
+    assert args[16] is dk and args[17] is dk and len(args) - 9 == hopper_bwd.PER_CALL
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
     assert args[6] is None and constexprs["FUSED_DQ"] is False and constexprs["KV_ADD"] == 0

@@ -44,6 +44,9 @@ One program per SM either way (the registers), so the grid is cdiv(N_K, block_n)
 backward need not be repeatable, ``args.split_outputs``). Causal or windowed, where all heads' Q
 and dO are few enough (``args.across_heads``), the key blocks go on the grid's last axis, H_KV x B
 x cdiv(N_K, block_n), so that every head's first key blocks, the heaviest, start first.
+dK and dV, where they are the gradients themselves (:func:`tma_out`), leave through the consumers'
+K and V tiles by the producer's TMA stores: stored from the wgmma accumulators they cost the kernel
+14-23 % at 1024 keys (NOTES v25); float32 partials and a split group's adds keep the consumers' stores.
 """
 
 from __future__ import annotations
@@ -241,18 +244,29 @@ def _row_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
-# _fa3_bwd_dkdv's arguments that change from call to call: twelve descriptors (dQ's, and the second
-# column block's, or None), dK, dV
-PER_CALL = 14
+# _fa3_bwd_dkdv's arguments that change from call to call: sixteen descriptors (dQ's, dK's and dV's,
+# and the second column block's, or None), dK, dV
+PER_CALL = 18
 
 
-def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
+def tma_out(q, dk, dv, split: int, cfg: BwdConfig, fused: bool, window) -> bool:
+    """Whether the kernel's producer writes dK and dV by TMA stores (``TMA_OUT``): they are the
+    gradients themselves (one part per GQA group, q's dtype) and a descriptor can take them; not
+    the head_dim 128 kernel with dQ inside and a window, which then spills 24-28 B
+    (tests/compile_hopper_bwd.py) and keeps the consumers' stores."""
+    if window is not None and fused and cfg.blocks == (128, 0):
+        return False
+    return split == 1 and dk.dtype == dv.dtype == q.dtype and tma_aligned(dk) and tma_aligned(dv)
+
+
+def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, out: bool) -> tuple:
     """The launch's first PER_CALL arguments: descriptors over q, k, v, dO (boxes of BLOCK_M query
     rows or cfg.keys keys, HEAD_D columns), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`),
     dQ's float32 buffer (or None; the transposed kernel's: DQ_COLS columns), the same over q, k, v, dO
     and dQ (not the transposed kernel's) with the second column block's
-    HEAD_D1 columns (the kernel loads them from column HEAD_D; None with one block), and the dK,
-    dV outputs."""
+    HEAD_D1 columns (the kernel loads them from column HEAD_D; None with one block), with ``out``
+    (:func:`tma_out`) dK's and dV's as K's and the second block's (else None), and the dK, dV
+    outputs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def desc(t, rows, cols):
@@ -266,9 +280,11 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig) -> tuple:
 
     m, n, (d0, d1), dq_cols = cfg.block_m, cfg.keys, cfg.blocks, cfg.dq_cols
     dq1_cols = 0 if cfg.transposed else d1 and dq_cols[-1]
+    outs = (dk, dv, dk, dv) if out else (None,) * 4
     return (desc(q, m, d0), desc(k, n, d0), desc(v, n, d0), desc(do, m, d0), row_desc(lse),
             row_desc(delta), desc(dq, m, dq_cols[0]), desc(q, m, d1), desc(k, n, d1), desc(v, n, d1),
-            desc(do, m, d1), desc(dq, m, dq1_cols), dk, dv)
+            desc(do, m, d1), desc(dq, m, dq1_cols), *(desc(t, n, c) for t, c in zip(outs, (d0, d0, d1, d1))),
+            dk, dv)
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
@@ -289,13 +305,14 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
     if (h // h_kv) % split:
         raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
     left, right = window if window is not None else (0, 0)  # read only under WINDOW
-    args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg),
+    out = tma_out(q, dk, dv, split, cfg, dq is not None, window) and not adds
+    args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg, out),
             dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=cfg.blocks[0], HEAD_D1=cfg.blocks[1],
                       BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
                       FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs)
+                      PRODUCER_REGS=cfg.producer_regs, TMA_OUT=out)
     blocks = max(cdiv(n_k, cfg.block_n), 1)
     # causal or windowed, where all heads' Q and dO are few enough (args.across_heads): every
     # head's first key blocks (the heaviest) start first (_key_tile)
@@ -314,11 +331,12 @@ class _Plan:
 
     launch: _Launch
     descriptors: tuple  # the first call's descriptors of q, k, v, dO, LSE, delta, dQ and the second
-    # column block's of q, k, v, dO and dQ, as templates
+    # column block's of q, k, v, dO and dQ, then dK's, dV's and their second block's, as templates
 
     def __call__(self, stream, q, k, v, do, lse, delta, dq, dk, dv) -> None:
         self.launch(stream, *(None if d is None else rebased(d, t) for d, t in
-                              zip(self.descriptors, (q, k, v, do, lse, delta, dq, q, k, v, do, dq))), dk, dv)
+                              zip(self.descriptors, (q, k, v, do, lse, delta, dq, q, k, v, do, dq, dk, dv, dk, dv))),
+                    dk, dv)
 
 
 _plans: dict[tuple, _Plan] = {}

@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @builtin
@@ -146,11 +147,12 @@ def _next_block(off_h, start_m, first_m, end_m, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc, do1_desc,
+                  dk_desc, dv_desc, dk1_desc, dv1_desc,
                   q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                  lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, left, right,
+                  lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, out_bars, N_Q, N_K, left, right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+                  WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
     KEYS: gl.constexpr = k_desc.block_type.shape[2]  # each consumer's keys
     start_n, off_hkv, off_z = _key_tile(CONSUMERS * KEYS, BLOCKS_LAST)
     # each consumer's K and V rows, once: they stay in shared memory for the whole loop
@@ -190,6 +192,16 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
+    if TMA_OUT:  # the consumers' dK and dV out of their K and V tiles (_hand_over); rows past N_K clipped
+        mbarrier.wait(out_bars.index(1), 0)
+        for c in gl.static_range(CONSUMERS):
+            key = start_n + c * KEYS
+            _tma_store(dk_desc, [off_z, off_hkv, key, 0], k_smem.index(c))
+            _tma_store(dv_desc, [off_z, off_hkv, key, 0], v_smem.index(c))
+            if HEAD_D1 > 0:
+                _tma_store(dk1_desc, [off_z, off_hkv, key, HEAD_D], k1_smem.index(c))
+                _tma_store(dv1_desc, [off_z, off_hkv, key, HEAD_D], v1_smem.index(c))
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -250,12 +262,48 @@ def _dq_step(ds_smem, k_smem, dq_tile, ds_bars, dq_desc, off_z, off_h, start_m, 
 
 
 @gluon.jit
+def _hand_over(dk, dv, dk1, dv1, k_smem, v_smem, k1_smem, v1_smem, out_bars, C: gl.constexpr, HEAD_D: gl.constexpr,
+               HEAD_D1: gl.constexpr, WAIT_OTHERS: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """TMA_OUT: this consumer's dK (scaled) and dV, float32 (its keys x HEAD_D and x HEAD_D1;
+    TRANSPOSED: head dim x keys), into its own K and V tiles in the input dtype, for the producer
+    to store (:func:`_bwd_producer`): V's at once (only this consumer reads it), K's once every
+    consumer has arrived on ``out_bars[0]`` (WAIT_OTHERS: the other consumer's dQ steps read it),
+    then arrive on ``out_bars[1]``. (Stores from the wgmma accumulator layout write 16 bytes of a
+    row per thread and cost the kernel 14-23 % at 1024 keys; from the consumers, any global
+    addressing kept for the epilogue spilled the head_dim 128 kernel: NOTES v25.)"""
+    dtype: gl.constexpr = k_smem.dtype
+    KEYS: gl.constexpr = k_smem.shape[3]  # ([consumer, 1, 1, keys, HEAD_D])
+    v_smem.index(C).reshape([KEYS, HEAD_D]).store(_as_rows(dv.to(dtype), TRANSPOSED))
+    if HEAD_D1 > 0:
+        v1_smem.index(C).reshape([KEYS, HEAD_D1]).store(_as_rows(dv1.to(dtype), TRANSPOSED))
+    if WAIT_OTHERS:
+        mbarrier.arrive(out_bars.index(0), count=1)
+        mbarrier.wait(out_bars.index(0), 0)
+    k_smem.index(C).reshape([KEYS, HEAD_D]).store(_as_rows(dk.to(dtype), TRANSPOSED))
+    if HEAD_D1 > 0:
+        k1_smem.index(C).reshape([KEYS, HEAD_D1]).store(_as_rows(dk1.to(dtype), TRANSPOSED))
+    fence_async_shared()
+    mbarrier.arrive(out_bars.index(1), count=1)
+
+
+@gluon.jit
+def _as_rows(x, TRANSPOSED: gl.constexpr):
+    """x with keys as rows (TRANSPOSED: x is head dim x keys)."""
+    if TRANSPOSED:
+        return gl.permute(x, (1, 0))
+    else:
+        return x
+
+
+@gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                  ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc,
-                  dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
+                  ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, out_bars, DK, DV,
+                  dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q,
+                  N_K, sm_scale, qk_scale, left, right,
                   C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+                  WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr,
+                  TMA_OUT: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D) and, with a second column
     # block, (64 keys, HEAD_D1); Pᵀ, dSᵀ as their A operands
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
@@ -396,30 +444,33 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
     if FUSED_DQ:
         tma.store_wait(0)
 
-    dk = dk * sm_scale
-    rows_kv = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc_layout))
-    # DV shares DK's (contiguous) strides; KV_ADD parts of a split group add into one head
-    off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
-    base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
-    _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk, 0, HEAD_D, acc_layout, KV_ADD > 0)
-    _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, 0, HEAD_D, acc_layout, KV_ADD > 0)
-    if HEAD_D1 > 0:
-        rows_kv1 = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc1_layout))
-        _store_rows(DK, base, rows_kv1, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, D1, acc1_layout, KV_ADD > 0)
-        _store_rows(DV, base, rows_kv1, N_K, stride_dkn, dv1, HEAD_D, D1, acc1_layout, KV_ADD > 0)
+    if TMA_OUT:  # the gradients themselves: the producer stores them (_hand_over)
+        _hand_over(dk * sm_scale, dv, dk1 * sm_scale, dv1, k_smem, v_smem, k1_smem, v1_smem, out_bars, C, HEAD_D,
+                   HEAD_D1, FUSED_DQ, False)
+    else:  # float32 partials, or adds
+        rows_kv = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc_layout))
+        # DV shares DK's (contiguous) strides; KV_ADD parts of a split group add into one head
+        off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
+        base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
+        _store_rows(DK, base, rows_kv, N_K, stride_dkn, dk * sm_scale, 0, HEAD_D, acc_layout, KV_ADD > 0)
+        _store_rows(DV, base, rows_kv, N_K, stride_dkn, dv, 0, HEAD_D, acc_layout, KV_ADD > 0)
+        if HEAD_D1 > 0:
+            rows_kv1 = key0 + gl.arange(0, HALF_N_C, layout=gl.SliceLayout(1, acc1_layout))
+            _store_rows(DK, base, rows_kv1, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, D1, acc1_layout, KV_ADD > 0)
+            _store_rows(DV, base, rows_kv1, N_K, stride_dkn, dv1, HEAD_D, D1, acc1_layout, KV_ADD > 0)
 
 
 # lengths and DK's batch/head strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
 @gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
 def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
-                  do1_desc, dq1_desc, DK, DV,
+                  do1_desc, dq1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, DK, DV,
                   stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
     H_KV, B), or with BLOCKS_LAST (H_KV, B, cdiv(N_K, 64 CONSUMERS)). q_desc, do_desc: 4-D
     descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M, HEAD_D]; k_desc, v_desc over k,
@@ -428,7 +479,10 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     HEAD_D1 > 0: the head dim is HEAD_D + HEAD_D1, and q1_desc, k1_desc, v1_desc, do1_desc (and
     dq1_desc) are the same tensors' descriptors with HEAD_D1-column boxes, read from column HEAD_D;
     otherwise they are None. DK, DV: (B, H_KV, N_K, head dim), one layout, last dim contiguous,
-    written in their dtype.
+    written in their dtype. TMA_OUT (they are the gradients, in the inputs' dtype): dk_desc, dv_desc
+    (and dk1_desc, dv1_desc with a second block) are descriptors over them with K's boxes; the
+    consumers put their dK and dV in their K and V tiles and the producer stores those
+    (:func:`_hand_over`); otherwise they are None and the consumers store (or add) through DK, DV.
     qk_scale = sm_scale · log2 e. CAUSAL or WINDOW (or neither): WINDOW, query i sees keys [i +
     shift − win_left, i + shift + win_right] (shift = N_K − N_Q; an unbounded side comes as a value
     wider than any sequence), and only the query blocks that see some key of the program's are
@@ -491,6 +545,10 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         dq_smem = q_smem
         dq1_smem = q_smem
         ds_bars = q_bars
+    # TMA_OUT: [0] every consumer's loop is done (K's tiles are free), [1] every consumer's dK and dV are in its tiles
+    out_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(out_bars.index(b), count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(kv_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
@@ -498,39 +556,41 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         mbarrier.init(do_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=CONSUMERS)  # every consumer releases a stage
     fence_async_shared()
-
     # the argument tuples are written in the call: a tuple assigned to a variable first would
     # turn its constexprs (C, HEAD_D, ...) into tensors
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
-                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
+                             out_bars, DK, DV, dq_desc, dq1_desc, stride_dkz,
+                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP,
+                             HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
+                             BLOCKS_LAST, TMA_OUT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
-                             qk_scale, win_left, win_right, 1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
+                             out_bars, DK, DV, dq_desc, dq1_desc, stride_dkz,
+                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP,
+                             HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
+                             BLOCKS_LAST, TMA_OUT)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
-                             do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                             lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
-                             win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
-                             WINDOW, BLOCKS_LAST)),
+                             do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem,
+                             q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
+                             empty_bars, out_bars, N_Q, N_K, win_left, win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1,
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             DK, DV, dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale,
-                             qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                             CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST)),
+                             out_bars, DK, DV, dq_desc, dq1_desc, stride_dkz,
+                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP,
+                             HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
+                             BLOCKS_LAST, TMA_OUT)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
-                             do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                             lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
-                             win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
-                             WINDOW, BLOCKS_LAST)),
+                             do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem,
+                             q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
+                             empty_bars, out_bars, N_Q, N_K, win_left, win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1,
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -553,12 +613,13 @@ def _store_cols(DST, base, keys, n_keys, stride_n, accT, COL0: gl.constexpr, lay
 
 @gluon.jit
 def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                    ds_smem, dq_smem, p_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV, dq_desc,
-                    stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, left, right,
+                    ds_smem, dq_smem, p_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, out_bars, DK, DV,
+                    dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
+                    sm_scale, qk_scale, left, right,
                     C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                     KEYS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr,
-                    BLOCKS_LAST: gl.constexpr):
+                    BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
     # S, dP: (BLOCK_M queries, KEYS keys); dKᵀ, dVᵀ: (HEAD_D, KEYS) and (HEAD_D1, KEYS); one layout
     # (wgmma's N is this consumer's keys in all four), M = 64 per instruction, repeated
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -660,23 +721,27 @@ def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem,
     if FUSED_DQ:
         tma.store_wait(0)
 
-    off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
-    base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
-    _store_cols(DK, base, keys, N_K, stride_dkn, dk * sm_scale, 0, s_layout, KV_ADD > 0)
-    _store_cols(DV, base, keys, N_K, stride_dkn, dv, 0, s_layout, KV_ADD > 0)
-    _store_cols(DK, base, keys, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, s_layout, KV_ADD > 0)
-    _store_cols(DV, base, keys, N_K, stride_dkn, dv1, HEAD_D, s_layout, KV_ADD > 0)
+    if TMA_OUT:  # the gradients themselves: the producer stores them (_hand_over, transposed back)
+        _hand_over(dk * sm_scale, dv, dk1 * sm_scale, dv1, k_smem, v_smem, k1_smem, v1_smem, out_bars, C, HEAD_D,
+                   HEAD_D1, FUSED_DQ, True)
+    else:  # float32 partials, or adds
+        off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
+        base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
+        _store_cols(DK, base, keys, N_K, stride_dkn, dk * sm_scale, 0, s_layout, KV_ADD > 0)
+        _store_cols(DV, base, keys, N_K, stride_dkn, dv, 0, s_layout, KV_ADD > 0)
+        _store_cols(DK, base, keys, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, s_layout, KV_ADD > 0)
+        _store_cols(DV, base, keys, N_K, stride_dkn, dv1, HEAD_D, s_layout, KV_ADD > 0)
 
 
 @gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
 def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
-                    do1_desc, dq1_desc, DK, DV,
+                    do1_desc, dq1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, DK, DV,
                     stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
                     GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                     BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                     FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr):
+                    PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
     """:func:`_fa3_bwd_dkdv` for head dims of two column blocks past 128 (192 = 128 + 64), as
     FlashAttention-3 runs them: dK and dV transposed. Arguments, grid and launch as
     :func:`_fa3_bwd_dkdv`'s, but for the keys per consumer: k_desc's box rows (KEYS, e.g. 32), so
@@ -730,6 +795,10 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
         dq_smem = ds_smem  # never read
     for p in gl.static_range(2):
         mbarrier.init(ds_bars.index(p), count=CONSUMERS)
+    # TMA_OUT: [0] every consumer's loop is done (K's tiles are free), [1] every consumer's dK and dV are in its tiles
+    out_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(out_bars.index(b), count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(kv_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
@@ -740,18 +809,18 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
 
     gl.warp_specialize([
         (_bwd_consumer_t, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                           ds_smem, dq_smem, p_smem.index(0), kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
-                           dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left,
-                           win_right, 0, GROUP, HEAD_D, HEAD_D1, KEYS, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
-                           KV_ADD, BLOCKS_LAST)),
+                           ds_smem, dq_smem, p_smem.index(0), kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                           out_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn,
+                           N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, KEYS,
+                           BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT)),
         (_bwd_consumer_t, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
-                           ds_smem, dq_smem, p_smem.index(1), kv_bars, q_bars, do_bars, empty_bars, ds_bars, DK, DV,
-                           dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left,
-                           win_right, 1, GROUP, HEAD_D, HEAD_D1, KEYS, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ,
-                           KV_ADD, BLOCKS_LAST)),
+                           ds_smem, dq_smem, p_smem.index(1), kv_bars, q_bars, do_bars, empty_bars, ds_bars,
+                           out_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn,
+                           N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP, HEAD_D, HEAD_D1, KEYS,
+                           BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
-                         do1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem,
-                         lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, N_Q, N_K, win_left,
-                         win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL,
-                         WINDOW, BLOCKS_LAST)),
+                         do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem,
+                         do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars,
+                         out_bars, N_Q, N_K, win_left, win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
+                         CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
