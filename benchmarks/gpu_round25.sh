@@ -5,6 +5,9 @@
 #                                           # reach it, then the backward against Flex and cuDNN (fp16 + bf16,
 #                                           # 4096 keys, full + causal, with --metrics; bf16 at 1024 and 16384),
 #                                           # and the portable backward it replaces (FLASHRUN_HOPPER_BWD=0)
+#   bash benchmarks/gpu_round25.sh out      # dK and dV stored by the producer's TMA stores: the GPU backward
+#                                           # tests, then the backward against Flex and cuDNN at 1024 keys (fp16 +
+#                                           # bf16) and 4096 (bf16), D 64/128, full + causal
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -26,6 +29,16 @@ case "${1:-}" in
       --dtype bf16 --seq-lens 4096 --head-dims 192 --causal both --out "$OUT/bwd-d192-portable" \
       > "$OUT/bwd-d192-portable.txt" 2>&1
     echo "portable bench rc $?"; grep -E "^(B[0-9]|flash |sdpa-cudnn )" "$OUT/bwd-d192-portable.txt" ;;
+  out)
+    gpu_tests gpu-tests-out 210 \
+      "flash_on_gpu or deterministic_on_gpu or windows_on_the_gluon or backward_plans or lays_gradients or heads_do_not_leak or bitwise"
+    grep -E "FAILED|Error" "$OUT/gpu-tests-out.log" | head -20
+    timeout 170 bash -c "$(declare -f bwd); bwd --dtype fp16,bf16 --seq-lens 1024 --head-dims 64,128 --causal both \
+      --out '$OUT/bwd-out-n1024'" > "$OUT/bwd-out-n1024.txt" 2>&1
+    echo "bench rc $?"; grep -E "^(B[0-9]|flash |flex |sdpa-cudnn )" "$OUT/bwd-out-n1024.txt" | head -40
+    timeout 110 bash -c "$(declare -f bwd); bwd --dtype bf16 --seq-lens 4096 --head-dims 64,128 --causal both \
+      --out '$OUT/bwd-out-n4096'" > "$OUT/bwd-out-n4096.txt" 2>&1
+    echo "bench rc $?"; grep -E "^(B[0-9]|flash |flex |sdpa-cudnn )" "$OUT/bwd-out-n4096.txt" | head -24 ;;
   *)
-    echo "usage: bash benchmarks/gpu_round25.sh d192" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round25.sh d192|out" >&2; exit 2 ;;
 esac
