@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_round25.sh out      # dK and dV stored by the producer's TMA stores: the GPU backward
 #                                           # tests, then the backward against Flex and cuDNN at 1024 keys (fp16 +
 #                                           # bf16) and 4096 (bf16), D 64/128, full + causal
+#   bash benchmarks/gpu_round25.sh rest     # the rest of the default sweep after `out` (it ran as two device calls:
+#                                           # 2048/16384 and 8192 keys, then 4096 fp16)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -39,6 +41,16 @@ case "${1:-}" in
     timeout 110 bash -c "$(declare -f bwd); bwd --dtype bf16 --seq-lens 4096 --head-dims 64,128 --causal both \
       --out '$OUT/bwd-out-n4096'" > "$OUT/bwd-out-n4096.txt" 2>&1
     echo "bench rc $?"; grep -E "^(B[0-9]|flash |flex |sdpa-cudnn )" "$OUT/bwd-out-n4096.txt" | head -24 ;;
+  rest)
+    timeout 170 bash -c "$(declare -f bwd); bwd --dtype fp16,bf16 --seq-lens 2048,16384 --head-dims 64,128 --causal both \
+      --out '$OUT/bwd-out-rest1'" > "$OUT/bwd-out-rest1.txt" 2>&1
+    echo "bench rc $?"
+    timeout 130 bash -c "$(declare -f bwd); bwd --dtype fp16,bf16 --seq-lens 8192 --head-dims 64,128 --causal both \
+      --out '$OUT/bwd-out-rest2'" > "$OUT/bwd-out-rest2.txt" 2>&1
+    echo "bench rc $?"
+    timeout 100 bash -c "$(declare -f bwd); bwd --dtype fp16 --seq-lens 4096 --head-dims 64,128 --causal both \
+      --out '$OUT/bwd-out-rest3'" > "$OUT/bwd-out-rest3.txt" 2>&1
+    echo "bench rc $?"; grep -hE "^(B[0-9]|flash |flex |sdpa-cudnn )" "$OUT"/bwd-out-rest*.txt ;;
   *)
-    echo "usage: bash benchmarks/gpu_round25.sh d192|out" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/gpu_round25.sh d192|out|rest" >&2; exit 2 ;;
 esac
