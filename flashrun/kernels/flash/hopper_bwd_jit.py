@@ -224,15 +224,17 @@ def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.
 
 @gluon.jit
 def _store_rows(DST, base, rows, n_rows, stride_m, acc, COL0: gl.constexpr, WIDTH: gl.constexpr,
-                layout: gl.constexpr, ADD: gl.constexpr):
-    """Store acc (64 rows x WIDTH columns from COL0) to DST's rows below n_rows, in DST's dtype
-    (ADD: add it into DST, float32, in whatever order the programs land)."""
-    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    ptrs = DST + base + gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
+                layout: gl.constexpr, ADD: gl.constexpr, ROW_AXIS: gl.constexpr = 0):
+    """Store acc (its keys x WIDTH columns from COL0; ROW_AXIS = 1: WIDTH x keys, a gradient
+    transposed) to DST's rows ``rows`` below n_rows, in DST's dtype (ADD: add it into DST,
+    float32, in whatever order the programs land)."""
+    COL_AXIS: gl.constexpr = 1 - ROW_AXIS
+    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(ROW_AXIS, layout))
+    ptrs = DST + base + gl.expand_dims(rows.to(gl.int64) * stride_m, COL_AXIS) + gl.expand_dims(cols, ROW_AXIS)
     if ADD:
-        gl.atomic_add(ptrs, acc, mask=gl.expand_dims(rows < n_rows, 1), sem="relaxed")
+        gl.atomic_add(ptrs, acc, mask=gl.expand_dims(rows < n_rows, COL_AXIS), sem="relaxed")
     else:
-        gl.store(ptrs, acc.to(DST.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, 1))
+        gl.store(ptrs, acc.to(DST.dtype.element_ty), mask=gl.expand_dims(rows < n_rows, COL_AXIS))
 
 
 @gluon.jit
@@ -598,20 +600,6 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
 
 
 @gluon.jit
-def _store_cols(DST, base, keys, n_keys, stride_n, accT, COL0: gl.constexpr, layout: gl.constexpr,
-                ADD: gl.constexpr):
-    """Store accT (WIDTH head-dim columns from COL0 x keys: a gradient transposed) to DST's rows
-    ``keys`` below n_keys, as :func:`_store_rows` (ADD: add it into DST, float32)."""
-    WIDTH: gl.constexpr = accT.shape[0]
-    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(1, layout))
-    ptrs = DST + base + gl.expand_dims(keys.to(gl.int64) * stride_n, 0) + gl.expand_dims(cols, 1)
-    if ADD:
-        gl.atomic_add(ptrs, accT, mask=gl.expand_dims(keys < n_keys, 0), sem="relaxed")
-    else:
-        gl.store(ptrs, accT.to(DST.dtype.element_ty), mask=gl.expand_dims(keys < n_keys, 0))
-
-
-@gluon.jit
 def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                     ds_smem, dq_smem, p_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, out_bars, DK, DV,
                     dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
@@ -727,10 +715,10 @@ def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem,
     else:  # float32 partials, or adds
         off_out = off_hkv // KV_ADD if KV_ADD > 0 else off_hkv
         base = off_z.to(gl.int64) * stride_dkz + off_out * stride_dkh
-        _store_cols(DK, base, keys, N_K, stride_dkn, dk * sm_scale, 0, s_layout, KV_ADD > 0)
-        _store_cols(DV, base, keys, N_K, stride_dkn, dv, 0, s_layout, KV_ADD > 0)
-        _store_cols(DK, base, keys, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, s_layout, KV_ADD > 0)
-        _store_cols(DV, base, keys, N_K, stride_dkn, dv1, HEAD_D, s_layout, KV_ADD > 0)
+        _store_rows(DK, base, keys, N_K, stride_dkn, dk * sm_scale, 0, HEAD_D, s_layout, KV_ADD > 0, 1)
+        _store_rows(DV, base, keys, N_K, stride_dkn, dv, 0, HEAD_D, s_layout, KV_ADD > 0, 1)
+        _store_rows(DK, base, keys, N_K, stride_dkn, dk1 * sm_scale, HEAD_D, HEAD_D1, s_layout, KV_ADD > 0, 1)
+        _store_rows(DV, base, keys, N_K, stride_dkn, dv1, HEAD_D, HEAD_D1, s_layout, KV_ADD > 0, 1)
 
 
 @gluon.jit(do_not_specialize=["N_Q", "N_K", "stride_dkz", "stride_dkh", "win_left", "win_right"])
