@@ -446,6 +446,9 @@ def test_every_fused_kernel_fits_an_sm(name):
 def test_launch_grid_and_descriptors(shape, split, grid, causal):
     # (key blocks, k/v heads x split, batch); causal: the key blocks last, so that the programs
     # start every head's first (heaviest) blocks first
+    from flashrun.kernels.flash.hopper_bwd_jit import DQ_COLS
+
+    assert DQ_COLS == hopper_bwd.DQ_COLS  # (kept in both: the configs import no Triton)
     z, h, n, d = shape
     cfg = hopper_bwd.KERNELS[hopper_bwd.kernel_for(d)]
     q = torch.empty(shape, dtype=torch.bfloat16)
