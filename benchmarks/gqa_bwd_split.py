@@ -9,6 +9,7 @@ wall medians, which the backward's host time dominated at these shapes, NOTES v1
 entry the GPU time of each kernel (last round).
 
     OUT=DIR python benchmarks/gqa_bwd_split.py      # on an sm_90 GPU; writes $OUT/gqa_bwd_split.json
+    OUT=DIR python benchmarks/gqa_bwd_split.py --fused-only   # the fused backward's entries and cuDNN's
 """
 
 import json
@@ -53,7 +54,7 @@ def main() -> None:
         (q, k, v), do = leaves(h, h_kv, d)
         group = h // h_kv
         entries = {}
-        for det in (False, True):
+        for det in (False,) if "--fused-only" in sys.argv[1:] else (False, True):
             fn = backward_of(lambda q, k, v, det=det: flash.flash_attention(q, k, v, causal=True, deterministic=det),
                              (q, k, v), do)
             for split in (None, *(s for s in range(1, group + 1) if group % s == 0)):

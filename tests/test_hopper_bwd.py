@@ -496,6 +496,16 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
         assert list(args[11].block_shape) == [1, 1, 64, d1] and args[11].base is dq
     else:
         assert args[11] is None
+    if split > 1:  # with dQ inside, a split's parts add by TMA through each consumer's dQ tile
+        # (one column block, keys as rows: else by the consumers' atomics)
+        summed = torch.zeros(k.shape, dtype=torch.float32)
+        _, args, constexprs, _ = hopper_bwd.launch_args(q, k, k, q, lse, lse, summed, summed, 0.1, True, fused,
+                                                        split, dq, adds=True)
+        by_tma = not d1 and not fused.transposed
+        assert constexprs["TMA_OUT"] is by_tma and constexprs["KV_ADD"] == split
+        assert [a if a is None else (list(a.block_shape), a.base is summed) for a in args[12:16]] == (
+            [([1, 1, 64, fused.dq_cols[0]], True)] * 2 + [None] * 2 if by_tma else [None] * 4)
+        assert not by_tma or args[12].layout == args[6].layout  # (the tile's layout is dQ's)
 
 
 def test_compiles_for_hopper(python):

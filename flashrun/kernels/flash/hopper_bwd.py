@@ -46,7 +46,9 @@ and dO are few enough (``args.across_heads``), the key blocks go on the grid's l
 x cdiv(N_K, block_n), so that every head's first key blocks, the heaviest, start first.
 dK and dV, where they are the gradients themselves (:func:`tma_out`), leave through the consumers'
 K and V tiles by the producer's TMA stores: stored from the wgmma accumulators they cost the kernel
-14-23 % at 1024 keys (NOTES v25); float32 partials and a split group's adds keep the consumers' stores.
+14-23 % at 1024 keys (NOTES v25). With dQ inside, a split group's float32 adds go by TMA reduce-adds
+through each consumer's dQ tile (one column block, keys as rows; NOTES v26); float32 partials, and
+the adds of the deterministic backward and of the other kernels, keep the consumers' stores.
 """
 
 from __future__ import annotations
@@ -249,17 +251,28 @@ def _row_layout():
 PER_CALL = 18
 
 
-def tma_out(q, dk, dv, split: int, cfg: BwdConfig, fused: bool, window) -> bool:
-    """Whether the kernel's producer writes dK and dV by TMA stores (``TMA_OUT``): they are the
-    gradients themselves (one part per GQA group, q's dtype) and a descriptor can take them; not
-    the head_dim 128 kernel with dQ inside and a window, which then spills 24-28 B
-    (tests/compile_hopper_bwd.py) and keeps the consumers' stores."""
+def tma_out(q, dk, dv, split: int, cfg: BwdConfig, fused: bool, window, adds: bool = False) -> bool:
+    """Whether dK and dV leave the kernel by TMA (``TMA_OUT``) where a descriptor can take them:
+    the gradients themselves (one part per GQA group, q's dtype), stored by the producer - not the
+    head_dim 128 kernel with dQ inside and a window, which then spills 24-28 B
+    (tests/compile_hopper_bwd.py) and keeps the consumers' stores; or, ``adds`` (a split group's
+    parts adding into float32 dK and dV), reduce-adds by each consumer through its dQ tile, so
+    with dQ inside, one column block and keys as rows (:func:`_out_cols`)."""
+    aligned = tma_aligned(dk) and tma_aligned(dv)
+    if adds:
+        return fused and not cfg.transposed and not cfg.blocks[1] and aligned
     if window is not None and fused and cfg.blocks == (128, 0):
         return False
-    return split == 1 and dk.dtype == dv.dtype == q.dtype and tma_aligned(dk) and tma_aligned(dv)
+    return split == 1 and dk.dtype == dv.dtype == q.dtype and aligned
 
 
-def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, out: bool) -> tuple:
+def _out_cols(cfg: BwdConfig, adds: bool) -> tuple[int, int]:
+    """The columns of dK's and dV's TMA boxes per column block: K's, or where the consumers add
+    through their dQ tiles, a dQ tile's."""
+    return (cfg.dq_cols[0], 0) if adds else cfg.blocks
+
+
+def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, out: bool, adds: bool = False) -> tuple:
     """The launch's first PER_CALL arguments: descriptors over q, k, v, dO (boxes of BLOCK_M query
     rows or cfg.keys keys, HEAD_D columns), LSE and delta (rows of BLOCK_M; both :func:`rows_aligned`),
     dQ's float32 buffer (or None; the transposed kernel's: DQ_COLS columns), the same over q, k, v, dO
@@ -281,9 +294,10 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, out: bool) ->
     m, n, (d0, d1), dq_cols = cfg.block_m, cfg.keys, cfg.blocks, cfg.dq_cols
     dq1_cols = 0 if cfg.transposed else d1 and dq_cols[-1]
     outs = (dk, dv, dk, dv) if out else (None,) * 4
+    o0, o1 = _out_cols(cfg, adds)
     return (desc(q, m, d0), desc(k, n, d0), desc(v, n, d0), desc(do, m, d0), row_desc(lse),
             row_desc(delta), desc(dq, m, dq_cols[0]), desc(q, m, d1), desc(k, n, d1), desc(v, n, d1),
-            desc(do, m, d1), desc(dq, m, dq1_cols), *(desc(t, n, c) for t, c in zip(outs, (d0, d0, d1, d1))),
+            desc(do, m, d1), desc(dq, m, dq1_cols), *(desc(t, n, c) for t, c in zip(outs, (o0, o0, o1, o1))),
             dk, dv)
 
 
@@ -305,8 +319,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
     if (h // h_kv) % split:
         raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
     left, right = window if window is not None else (0, 0)  # read only under WINDOW
-    out = tma_out(q, dk, dv, split, cfg, dq is not None, window) and not adds
-    args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg, out),
+    out = tma_out(q, dk, dv, split, cfg, dq is not None, window, adds)
+    args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg, out, adds),
             dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=cfg.blocks[0], HEAD_D1=cfg.blocks[1],
                       BLOCK_M=cfg.block_m, STAGES=cfg.stages,

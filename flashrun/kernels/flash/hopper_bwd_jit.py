@@ -152,7 +152,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
                   lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars, out_bars, N_Q, N_K, left, right,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
+                  WINDOW: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr, KV_ADD: gl.constexpr):
     KEYS: gl.constexpr = k_desc.block_type.shape[2]  # each consumer's keys
     start_n, off_hkv, off_z = _key_tile(CONSUMERS * KEYS, BLOCKS_LAST)
     # each consumer's K and V rows, once: they stay in shared memory for the whole loop
@@ -192,7 +192,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
-    if TMA_OUT:  # the consumers' dK and dV out of their K and V tiles (_hand_over); rows past N_K clipped
+    if TMA_OUT and KV_ADD == 0:  # the consumers' dK and dV out of their K and V tiles (_hand_over); rows past N_K clipped
         mbarrier.wait(out_bars.index(1), 0)
         for c in gl.static_range(CONSUMERS):
             key = start_n + c * KEYS
@@ -289,6 +289,37 @@ def _hand_over(dk, dv, dk1, dv1, k_smem, v_smem, k1_smem, v1_smem, out_bars, C: 
 
 
 @gluon.jit
+def _add_out(dk, dv, tile, dk_desc, dv_desc, off_z, off_h, key0):
+    """TMA_OUT with KV_ADD (a split GQA group's parts adding into float32 dK and dV): add this
+    consumer's dK (scaled) and dV, float32 (its keys x the head dim), into dk_desc's and dv_desc's
+    head ``off_h`` from row key0 by TMA reduce-adds of the box's columns at a time, each through
+    ``tile``, the consumer's dQ tile (free once its last dQ add has read it); rows past N_K are
+    clipped. (From the accumulator layout the adds write 8 bytes of a row per thread: NOTES v26.)"""
+    COLS: gl.constexpr = dk_desc.block_type.shape[3]
+    KEYS: gl.constexpr = dk_desc.block_type.shape[2]
+    gl.static_assert(dk.shape[1] == COLS or dk.shape[1] == 2 * COLS)
+    if dk.shape[1] == COLS:
+        _add_tile(dk, tile, dk_desc, off_z, off_h, key0, 0)
+        _add_tile(dv, tile, dv_desc, off_z, off_h, key0, 0)
+    else:  # two column halves, split in registers (the accumulator holds a row's halves in separate registers)
+        dk0, dk1 = gl.split(gl.permute(gl.reshape(dk, [KEYS, 2, COLS]), (0, 2, 1)))
+        dv0, dv1 = gl.split(gl.permute(gl.reshape(dv, [KEYS, 2, COLS]), (0, 2, 1)))
+        _add_tile(dv0, tile, dv_desc, off_z, off_h, key0, 0)
+        _add_tile(dv1, tile, dv_desc, off_z, off_h, key0, COLS)
+        _add_tile(dk0, tile, dk_desc, off_z, off_h, key0, 0)
+        _add_tile(dk1, tile, dk_desc, off_z, off_h, key0, COLS)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _add_tile(x, tile, desc, off_z, off_h, key0, COL: gl.constexpr):
+    tma.store_wait(0)  # the previous add has read the tile
+    tile.reshape(x.shape).store(x)
+    fence_async_shared()
+    _tma_add(desc, [off_z, off_h, key0, COL], tile)
+
+
+@gluon.jit
 def _as_rows(x, TRANSPOSED: gl.constexpr):
     """x with keys as rows (TRANSPOSED: x is head dim x keys)."""
     if TRANSPOSED:
@@ -300,7 +331,7 @@ def _as_rows(x, TRANSPOSED: gl.constexpr):
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                   ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, out_bars, DK, DV,
-                  dq_desc, dq1_desc, stride_dkz, stride_dkh, stride_dkn, N_Q,
+                  dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz, stride_dkh, stride_dkn, N_Q,
                   N_K, sm_scale, qk_scale, left, right,
                   C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
@@ -446,7 +477,9 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
     if FUSED_DQ:
         tma.store_wait(0)
 
-    if TMA_OUT:  # the gradients themselves: the producer stores them (_hand_over)
+    if TMA_OUT and KV_ADD > 0:  # a split group's float32 adds, through this consumer's dQ tile
+        _add_out(dk * sm_scale, dv, dq_smem.index(C), dk_desc, dv_desc, off_z, off_hkv // KV_ADD, key0)
+    elif TMA_OUT:  # the gradients themselves: the producer stores them (_hand_over)
         _hand_over(dk * sm_scale, dv, dk1 * sm_scale, dv1, k_smem, v_smem, k1_smem, v1_smem, out_bars, C, HEAD_D,
                    HEAD_D1, FUSED_DQ, False)
     else:  # float32 partials, or adds
@@ -564,13 +597,13 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             out_bars, DK, DV, dq_desc, dq1_desc, stride_dkz,
+                             out_bars, DK, DV, dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz,
                              stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP,
                              HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
                              BLOCKS_LAST, TMA_OUT)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             out_bars, DK, DV, dq_desc, dq1_desc, stride_dkz,
+                             out_bars, DK, DV, dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz,
                              stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP,
                              HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
                              BLOCKS_LAST, TMA_OUT)),
@@ -578,13 +611,13 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
                              do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem,
                              q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
                              empty_bars, out_bars, N_Q, N_K, win_left, win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT, KV_ADD)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
-                             out_bars, DK, DV, dq_desc, dq1_desc, stride_dkz,
+                             out_bars, DK, DV, dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz,
                              stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP,
                              HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
                              BLOCKS_LAST, TMA_OUT)),
@@ -592,7 +625,7 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
                              do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem,
                              q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
                              empty_bars, out_bars, N_Q, N_K, win_left, win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1,
-                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT)),
+                             BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT, KV_ADD)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -810,5 +843,5 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
                          do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem,
                          do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars,
                          out_bars, N_Q, N_K, win_left, win_right, GROUP, KV_SPLIT, HEAD_D, HEAD_D1, BLOCK_M, STAGES,
-                         CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT)),
+                         CONSUMERS, CAUSAL, WINDOW, BLOCKS_LAST, TMA_OUT, KV_ADD)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# H200 runs of round 26 (results/h200-v26-*, NOTES v26), each within one 10-minute device call; from
+# the repo root, results under $OUT (or ./gpu-session):
+#   OLD=<a checkout of 25be553> bash benchmarks/gpu_round26.sh adds
+#       # a split GQA group's float32 dK/dV adds by TMA through the consumers' dQ tiles: the GPU backward
+#       # tests, then gqa_bwd_split.py --fused-only (llama-1b's and qwen2-1b's backward, every split, against
+#       # cuDNN) in this checkout and $OLD in turns, twice
+#   bash benchmarks/gpu_round26.sh models
+#       # after SPLIT_WAVES' change: gqa_bwd_split.py --fused-only once more (the rule's split), then llama,
+#       # qwen2 and mistral at 1b against SDPA, speed only (model_speed)
+# On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
+set -u
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=120
+
+case "${1:-}" in
+  adds)
+    gpu_tests gpu-tests-adds 230 \
+      "flash_on_gpu or deterministic_on_gpu or windows_on_the_gluon or backward_plans or lays_gradients or heads_do_not_leak or bitwise"
+    grep -E "FAILED|Error" "$OUT/gpu-tests-adds.log" | head -20
+    cp benchmarks/gqa_bwd_split.py "$OLD/benchmarks/"
+    for run in this-1 old-1 this-2 old-2; do
+      (cd "$(tree_of "$run")" && OUT="$OUT/split-$run" timeout 90 python3 benchmarks/gqa_bwd_split.py --fused-only) \
+        > "$OUT/split-$run.txt" 2>&1
+      echo "split $run rc $?"; grep -E '^(llama|qwen2) ' "$OUT/split-$run.txt" | cut -c1-700
+    done ;;
+  models)
+    OUT="$OUT/split-this-3" timeout 90 python3 benchmarks/gqa_bwd_split.py --fused-only > "$OUT/split-this-3.txt" 2>&1
+    echo "split this-3 rc $?"; grep -E '^(llama|qwen2) ' "$OUT/split-this-3.txt" | cut -c1-300
+    model_speed v26 "qwen2 llama mistral" ;;
+  *)
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round26.sh adds | bash benchmarks/gpu_round26.sh models" >&2
+    exit 2 ;;
+esac
