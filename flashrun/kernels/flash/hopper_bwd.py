@@ -398,9 +398,10 @@ RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 
 
 # programs per SM below which a GQA group is split: with dQ inside (the default backward) the parts
-# add into one float32 head, so a split costs the kernel little and the portable kernel's rule
-# holds; the deterministic backward sums float32 partials, which cost this faster kernel more
-SPLIT_WAVES = {True: 4, False: 2}  # with dQ inside or not
+# add into one float32 head by TMA, yet more programs than the SMs need still cost (NOTES v26:
+# qwen2-1b best split 2, llama-1b best unsplit, in :func:`dkdv`'s measurements); the deterministic
+# backward sums float32 partials, which cost this faster kernel more
+SPLIT_WAVES = {True: 1.5, False: 2}  # with dQ inside or not
 
 
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
@@ -409,11 +410,12 @@ def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
     has dQ inside); call only where :func:`eligible` and :func:`ensure_checked` allow it.
     ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA group
     (``attention._kv_split``, here with :data:`SPLIT_WAVES`); None: one. On the H200 at 4 x 2048
-    tokens, bf16 causal (NOTES v15, GPU time of the whole backward), with dQ inside: qwen2-1b's
-    group of 6 over 2 k/v heads 0.522 ms unsplit, 0.475 split 2, 0.436 split 3, 0.424 split 6
-    (partials: 0.493, 0.457, 0.458); llama-1b's 4 over 8 heads 0.617 unsplit, 0.604 split 2
-    (partials 0.635), 0.623 split 4. Deterministic: qwen2 0.463 split 2 (adds), 0.461 split 3,
-    0.477 split 6; llama 0.613 unsplit, 0.620 split 2 (adds)."""
+    tokens, bf16 causal (GPU time of the whole backward), with dQ inside and the adds by TMA
+    (NOTES v26): qwen2-1b's group of 6 over 2 k/v heads 0.518 ms unsplit, **0.326** split 2, 0.341
+    split 3, 0.345 split 6 (partials: 0.367, 0.393, 0.447; cuDNN 0.347); llama-1b's 4 over 8
+    heads **0.494** unsplit, 0.527 split 2, 0.621 split 4 (cuDNN 0.543). Deterministic (NOTES
+    v15, before the dK/dV TMA stores): qwen2 0.463 split 2 (adds), 0.461 split 3, 0.477 split 6;
+    llama 0.613 unsplit, 0.620 split 2 (adds)."""
     cfg = _config(q.shape[-1], False)
     return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split, False), None, window)
 
