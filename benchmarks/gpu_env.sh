@@ -22,9 +22,9 @@ model_speed() {
   done
 }
 
-checks() {  # every family's six checks at 1b, batch 1 (64 greedy tokens in float32 among them)
+checks() {  # every family's (or those in $1) six checks at 1b, batch 1 (64 greedy tokens in float32 among them)
   mkdir -p "$OUT/model"
-  for arch in llama mistral qwen2 gemma2; do
+  for arch in ${1:-llama mistral qwen2 gemma2}; do
     start=$(date +%s)
     timeout 110 python3 -m flashrun model --size 1b --arch "$arch" --batch 1 --no-speed --json \
       --set "logging.log_dir='$OUT/model'" --set "model.out='$OUT/model'" \

@@ -6,8 +6,9 @@
 #       # tests, then gqa_bwd_split.py --fused-only (llama-1b's and qwen2-1b's backward, every split, against
 #       # cuDNN) in this checkout and $OLD in turns, twice
 #   bash benchmarks/gpu_round26.sh models
-#       # after SPLIT_WAVES' change: gqa_bwd_split.py --fused-only once more (the rule's split), then llama,
-#       # qwen2 and mistral at 1b against SDPA, speed only (model_speed)
+#       # after SPLIT_WAVES' change: gqa_bwd_split.py --fused-only once more (the rule's split), then qwen2,
+#       # llama and mistral at 1b against SDPA, speed only (model_speed)
+#   bash benchmarks/gpu_round26.sh checks   # the six checks at 1b of the families whose backward changed
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -28,7 +29,9 @@ case "${1:-}" in
     OUT="$OUT/split-this-3" timeout 90 python3 benchmarks/gqa_bwd_split.py --fused-only > "$OUT/split-this-3.txt" 2>&1
     echo "split this-3 rc $?"; grep -E '^(llama|qwen2) ' "$OUT/split-this-3.txt" | cut -c1-300
     model_speed v26 "qwen2 llama mistral" ;;
+  checks)
+    checks "qwen2 llama mistral" ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round26.sh adds | bash benchmarks/gpu_round26.sh models" >&2
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round26.sh adds | bash benchmarks/gpu_round26.sh models|checks" >&2
     exit 2 ;;
 esac
