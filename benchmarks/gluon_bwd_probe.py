@@ -389,7 +389,7 @@ def timed_split(b, h, h_kv, n, d) -> int:
     (hopper_bwd.dkdv's rule)."""
     programs = hopper_bwd.cdiv(n, 128) * b * h_kv
     return flash._kv_split(programs, h // h_kv, torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu"),
-                           hopper_bwd.SPLIT_WAVES[False])
+                           hopper_bwd.SPLIT_WAVES)
 
 
 def use_path(name: str | None) -> None:

@@ -6,7 +6,7 @@
 #       # tests, then gqa_bwd_split.py --fused-only (llama-1b's and qwen2-1b's backward, every split, against
 #       # cuDNN) in this checkout and $OLD in turns, twice
 #   bash benchmarks/gpu_round26.sh models
-#       # after SPLIT_WAVES' change: gqa_bwd_split.py --fused-only once more (the rule's split), then qwen2,
+#       # after SPLIT_WAVES' change: gqa_bwd_split.py once more (the rule's split, and the deterministic backward), then qwen2,
 #       # llama and mistral at 1b against SDPA, speed only (model_speed)
 #   bash benchmarks/gpu_round26.sh checks   # the six checks at 1b of the families whose backward changed
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
@@ -26,7 +26,7 @@ case "${1:-}" in
       echo "split $run rc $?"; grep -E '^(llama|qwen2) ' "$OUT/split-$run.txt" | cut -c1-700
     done ;;
   models)
-    OUT="$OUT/split-this-3" timeout 90 python3 benchmarks/gqa_bwd_split.py --fused-only > "$OUT/split-this-3.txt" 2>&1
+    OUT="$OUT/split-this-3" timeout 120 python3 benchmarks/gqa_bwd_split.py > "$OUT/split-this-3.txt" 2>&1
     echo "split this-3 rc $?"; grep -E '^(llama|qwen2) ' "$OUT/split-this-3.txt" | cut -c1-300
     model_speed v26 "qwen2 llama mistral" ;;
   checks)

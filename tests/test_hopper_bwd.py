@@ -184,7 +184,7 @@ def test_variable_set_takes_the_path_after_its_check(monkeypatch, caplog, shape)
     assert hopper_bwd.LAST_PATH == flash_hopper.GLUON_PATH
     # the first-use check's two cases (full, then causal through the GQA split), then the call itself,
     # its group spread by the portable kernel's rule with the Gluon kernel's threshold
-    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES[False])
+    split = flash._kv_split(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.device, hopper_bwd.SPLIT_WAVES)
     assert [(c[1], c[3], c[4], c[5]) for c in calls] == [(False, 1, False, None), (True, 2, False, None),
                                                          (True, split, False, None)]
     assert calls[-1][0] == tuple(q.shape) and calls[-1][2] == hopper_bwd.KERNELS["d64"]

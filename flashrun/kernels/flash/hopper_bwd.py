@@ -397,11 +397,10 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
 RUN = _run_gluon  # the kernel the path calls; the tests swap in a failing one
 
 
-# programs per SM below which a GQA group is split: with dQ inside (the default backward) the parts
-# add into one float32 head by TMA, yet more programs than the SMs need still cost (NOTES v26:
-# qwen2-1b best split 2, llama-1b best unsplit, in :func:`dkdv`'s measurements); the deterministic
-# backward sums float32 partials, which cost this faster kernel more
-SPLIT_WAVES = {True: 1.5, False: 2}  # with dQ inside or not
+# programs per SM below which a GQA group is split, in both backwards: the fewest parts that fill
+# the SMs win (NOTES v26, :func:`dkdv`'s measurements: qwen2-1b best at split 2, llama-1b unsplit,
+# with dQ inside or not), more parts cost their adds or partials and their programs' prologues
+SPLIT_WAVES = 1.5
 
 
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
@@ -413,18 +412,18 @@ def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
     tokens, bf16 causal (GPU time of the whole backward), with dQ inside and the adds by TMA
     (NOTES v26): qwen2-1b's group of 6 over 2 k/v heads 0.518 ms unsplit, **0.326** split 2, 0.341
     split 3, 0.345 split 6 (partials: 0.367, 0.393, 0.447; cuDNN 0.347); llama-1b's 4 over 8
-    heads **0.494** unsplit, 0.527 split 2, 0.621 split 4 (cuDNN 0.543). Deterministic (NOTES
-    v15, before the dK/dV TMA stores): qwen2 0.463 split 2 (adds), 0.461 split 3, 0.477 split 6;
-    llama 0.613 unsplit, 0.620 split 2 (adds)."""
+    heads **0.494** unsplit, 0.527 split 2, 0.621 split 4 (cuDNN 0.543). Deterministic: qwen2
+    **0.373** split 2 (its two parts add: exact in either order), 0.415 split 3, 0.471 split 6
+    (partials); llama **0.510** unsplit, 0.594 split 2."""
     cfg = _config(q.shape[-1], False)
-    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split, False), None, window)
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split), None, window)
 
 
-def _split(q, k, cfg: BwdConfig, kv_split, fused: bool) -> int:
+def _split(q, k, cfg: BwdConfig, kv_split) -> int:
     if kv_split is None:
         return 1
     programs = cdiv(k.shape[2], cfg.block_n) * k.shape[0] * k.shape[1]
-    return kv_split(programs, q.shape[1] // k.shape[1], q.device, SPLIT_WAVES[fused])
+    return kv_split(programs, q.shape[1] // k.shape[1], q.device, SPLIT_WAVES)
 
 
 def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
@@ -434,7 +433,7 @@ def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
     (``args.split_outputs``), dK and dV; one cast turns it into the three gradients: two launches
     where separate buffers took six (three zero fills, three casts)."""
     cfg = _config(q.shape[-1], True)
-    split = _split(q, k, cfg, kv_split, True)
+    split = _split(q, k, cfg, kv_split)
     adds = split_adds(split, repeatable=False)  # (else one part, or float32 partials that RUN sums)
     like = (q, k, k) if adds else (q,)
     buffer, views = _carved(like, torch.float32)
