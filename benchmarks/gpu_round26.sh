@@ -9,10 +9,6 @@
 #       # after SPLIT_WAVES' change: gqa_bwd_split.py once more (the rule's split, and the deterministic backward), then qwen2,
 #       # llama and mistral at 1b against SDPA, speed only (model_speed)
 #   bash benchmarks/gpu_round26.sh checks   # the six checks at 1b of the families whose backward changed
-#   bash benchmarks/gpu_round26.sh probe-o  # at the probe commit only: short_forward_probe.py --cells causal with the
-#                                           # Gluon forward's O stored as shipped, by TMA through the last stage's K tile
-#                                           # (FLASHRUN_PROBE_TMA_O=1) and not at all (FLASHRUN_PROBE_NO_O=1, timing
-#                                           # only), in turns: store, tma, skip, store, tma
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -35,14 +31,6 @@ case "${1:-}" in
     model_speed v26 "qwen2 llama mistral" ;;
   checks)
     checks "qwen2 llama mistral" ;;
-  probe-o)
-    for run in store-1 tma-1 skip-1 store-2 tma-2; do
-      (case "$run" in skip-*) export FLASHRUN_PROBE_NO_O=1 ;; tma-*) export FLASHRUN_PROBE_TMA_O=1 ;; esac
-       OUT="$OUT/probe-o-$run" timeout 100 python3 benchmarks/short_forward_probe.py --cells causal) \
-        > "$OUT/probe-o-$run.txt" 2>&1
-      echo "probe $run rc $?"; tail -1 "$OUT/probe-o-$run.txt" | cut -c1-200
-    done
-    tar czf "$OUT/probe-o.tgz" -C "$OUT" $(cd "$OUT" && ls -d probe-o-*) && rm -rf "$OUT"/probe-o-* ;;
   *)
     echo "usage: OLD=<checkout> bash benchmarks/gpu_round26.sh adds | bash benchmarks/gpu_round26.sh models|checks" >&2
     exit 2 ;;

@@ -319,25 +319,21 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     z, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     d0, d1 = split_head_dim(d)
-    tma_o = (os.environ.get("FLASHRUN_PROBE_TMA_O") == "1" and cfg.overlap and not d1  # PROBE (timing only)
-             and cfg.block_n >= cfg.block_m and tma_aligned(o))
-    o_desc = _descriptors(o, HALF_M, d0, 0)[0] if tma_o else None
     args = (*_descriptors(q, HALF_M, d0, d1), *_descriptors(k, cfg.block_n, d0, d1),
-            *_descriptors(v, cfg.block_n, d0, d1), o, lse, o_desc, o.stride(0), o.stride(1), o.stride(2),
+            *_descriptors(v, cfg.block_n, d0, d1), o, lse, o.stride(0), o.stride(1), o.stride(2),
             lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
-                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")),
-                      STORE_O=os.environ.get("FLASHRUN_PROBE_NO_O") != "1", TMA_O=tma_o)  # PROBE (timing only)
+                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")))
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))
     return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
-PER_CALL = 9  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE, O's descriptor
+PER_CALL = 8  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE
 
 
 @dataclass(frozen=True)
@@ -351,7 +347,6 @@ class _Plan:
 
     launch: _Launch
     descriptors: tuple  # the first call's (first, second) column-block descriptors of q, k and v, as templates
-    o_descriptor: object = None  # O's, as a template (PROBE)
 
     def run(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = _outputs(q)
@@ -359,8 +354,7 @@ class _Plan:
         for t, (first, second) in zip((q, k, v), self.descriptors):
             d0 = rebased(first, t)
             args += (d0, d0 if second is first else rebased(second, t))  # one column block: the first twice
-        self.launch(_current_stream(q.device), *args, o, lse,
-                    None if self.o_descriptor is None else rebased(self.o_descriptor, o))
+        self.launch(_current_stream(q.device), *args, o, lse)
         return o, lse
 
 
@@ -392,7 +386,7 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
     ordered = list(args) + [constexprs[name] for name in _fa3_fwd.arg_names[len(args):]]
     kept = {id(d): template(d) for d in args[:6]}  # (a descriptor given twice stays one template)
     plan = _Plan(_Launch(_fa3_fwd, grid, tuple(ordered[PER_CALL:]), options),
-                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)), template(args[8]))
+                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)))
     plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
     keep(_plans, key, plan)
     return o, lse
