@@ -9,6 +9,9 @@
 #       # after SPLIT_WAVES' change: gqa_bwd_split.py once more (the rule's split, and the deterministic backward), then qwen2,
 #       # llama and mistral at 1b against SDPA, speed only (model_speed)
 #   bash benchmarks/gpu_round26.sh checks   # the six checks at 1b of the families whose backward changed
+#   bash benchmarks/gpu_round26.sh tma-o    # the Gluon forward's O stored by TMA (hopper_jit._store_through_k): its GPU
+#                                           # tests, then the short causal forward against cuDNN (N 512/1024, D 64/128,
+#                                           # fp16 + bf16). (The probe before it: at b0d1590, probe-o, since reverted)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -31,7 +34,13 @@ case "${1:-}" in
     model_speed v26 "qwen2 llama mistral" ;;
   checks)
     checks "qwen2 llama mistral" ;;
+  tma-o)
+    gpu_tests gpu-tests-tma-o 120 "gluon_kernels or gluon_forward or forward_routes"
+    grep -E "FAILED|Error" "$OUT/gpu-tests-tma-o.log" | head -20
+    timeout 110 python3 -m flashrun bench -k flash -p sdpa-cudnn --mode fwd --set bench.rep_ms=25 --dtype fp16,bf16 \
+      --seq-lens 512,1024 --head-dims 64,128 --causal yes --out "$OUT/fwd-short" > "$OUT/fwd-short.txt" 2>&1
+    echo "fwd short rc $?"; grep -E "^(B[0-9]|flash |sdpa-cudnn )" "$OUT/fwd-short.txt" | head -30 ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round26.sh adds | bash benchmarks/gpu_round26.sh models|checks" >&2
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round26.sh adds | bash benchmarks/gpu_round26.sh models|checks|tma-o" >&2
     exit 2 ;;
 esac

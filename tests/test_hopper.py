@@ -250,7 +250,8 @@ def test_tma_alignment():
     (128, 2048, 1, False, None), (128, 4096, 1, True, None),
     (128, 2048, 1, True, None), (128, 1024, 4096, True, None),
     (128, 1024, 4095, True, "fewer than 4096 query tiles of 128 rows at 1024 keys"),
-    (128, 512, 4096, True, "fewer than 1024 keys"), (64, 1024, 1024, False, None),
+    (128, 512, 4096, True, None), (128, 512, 4095, True, "fewer than 4096 query tiles of 128 rows at 512 keys"),
+    (128, 256, 4096, True, "fewer than 512 keys"), (64, 1024, 1024, False, None),
     (64, 1024, 1023, False, "fewer than 1024 query tiles"), (64, 2048, 1, False, None),
     (64, 512, 1024, False, "fewer than 1024 keys"), (64, 2048, 8191, True, "fewer than 8192 query tiles"),
     (64, 2048, 8192, True, None), (64, 4096, 8191, True, "fewer than 8192 query tiles of 128 rows at 4096 keys"),
@@ -261,7 +262,7 @@ def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
     # at every length; round 12's (NOTES v12): 128 causal from 2048 keys (was 4096); round 14's
     # (NOTES v14): with 1024 query tiles or more, 128 from 512 keys and 64 from 1024; round 22's (NOTES
     # v22): causal on the persistent kernels, 128 from 1024 keys with 4096 tiles, 64 from 2048 keys
-    # with 8192 tiles
+    # with 8192 tiles; round 26's (NOTES v26): 128 causal from 512 keys with 4096 tiles
     q = torch.empty(1, tiles, 128, head_dim, dtype=torch.float16)  # one 128-row tile per head
     k = torch.empty(1, 1, n_k, head_dim, dtype=torch.float16)
     assert flash_hopper.query_tiles(q) == tiles
@@ -314,7 +315,8 @@ def test_split_head_dim(head_dim, blocks):
     ("d128-persistent", (2, 4, 1000, 128), 4, None, 4),
     ("d128-persistent", (2, 4, 1000, 128), 132, 3, 3),  # the first-use check's cap
     ("d128-m64-persistent", (2, 4, 1000, 128), 4, None, 8),  # 64-row tiles, two programs per SM
-    ("d192", (1, 2, 17, 192), 132, None, 2)])
+    ("d192", (1, 2, 17, 192), 132, None, 2),
+    ("d256-base", (1, 2, 17, 256), 132, None, 2)])  # (no overlap: O by its pointer)
 def test_launch_grid_and_column_blocks(name, shape, sms, programs, grid):
     cfg = flash_hopper.KERNELS[name]
     q = torch.empty(shape, dtype=torch.bfloat16)
@@ -326,3 +328,10 @@ def test_launch_grid_and_column_blocks(name, shape, sms, programs, grid):
     q_desc, q1_desc = args[:2]
     assert list(q_desc.block_shape) == [1, 1, 64, d0]
     assert list(q1_desc.block_shape) == ([1, 1, 64, d1] if d1 else [1, 1, 64, d0])
+    # O leaves by TMA through a K tile (64 rows of a consumer, as Q's box) where the overlapped loop
+    # runs one column block with key blocks of at least the tile's rows; else by its pointer
+    out = cfg.overlap and not d1 and cfg.block_n >= cfg.block_m
+    assert constexprs["TMA_O"] is out and args[6] is o and args[7] is lse
+    assert (args[8].base is o and list(args[8].block_shape) == [1, 1, 64, d0] and args[8].layout == q_desc.layout
+            if out else args[8] is None)
+    assert flash_hopper.PER_CALL == 9

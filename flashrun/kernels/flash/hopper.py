@@ -5,7 +5,7 @@ When it runs (:func:`eligible`): compiling (not the interpreter), a CUDA device 
 (9, 0), Triton's Gluon Hopper API with the names and ``warp_specialize`` signature the kernel uses
 (checked by feature, :func:`gluon_api`), float16/bfloat16, a (head_dim, causal, key count) that
 :data:`GATE` gives a kernel (today head_dim 128 from 2048 keys, or from 512 with 1024 query tiles
-of 128 rows, causal from 2048, or 1024 with 4096 tiles; 64 from 2048, or 1024 with 1024 tiles,
+of 128 rows, causal from 2048, or 512 with 4096 tiles; 64 from 2048, or 1024 with 1024 tiles,
 causal from 2048 with 8192 tiles, from 8192 at any count; 192 and 256 at any length), dense (B, H, N, D) inputs whose last dim is contiguous and whose other strides and
 base are 16-byte aligned, plain or causal (bottom-right aligned when Nq != Nk), any GQA group, and
 not a flash-decoding shape (few queries, many keys); no window, softcap, ALiBi or packed sequences
@@ -160,10 +160,13 @@ GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     # tiles in a serpentine order: causal at 64 from 2048 keys with 8192 tiles (1.00-1.03x the
     # portable at 2048 keys, 1.04-1.07x at 4096; llama-1b's 2048 tiles: 0.96x; 8192 keys keep "d64",
     # not re-timed); at 128 from 1024 keys with 4096 tiles (1.03-1.06x the portable) and from 2048
-    # keys with 768 (1.07x "d128"; qwen2-1b's prefill, 768 tiles: 1.11x)
+    # keys with 768 (1.07x "d128"; qwen2-1b's prefill, 768 tiles: 1.11x). Round 26's (--cells causal,
+    # NOTES v26, with O stored by TMA): at 128 from 512 keys with 4096 tiles the one-consumer
+    # persistent kernel (0.92-0.94x cuDNN, the portable kernel 0.80)
     (64, True): ((2048, 8192, "d64-persistent"), (8192, 0, "d64")),
     (128, False): ((512, 1024, "d128-persistent"), (2048, 0, "d128-persistent"), (4096, 0, "d128")),
-    (128, True): ((1024, 4096, "d128-persistent"), (2048, 0, "d128"), (2048, 768, "d128-persistent")),
+    (128, True): ((512, 4096, "d128-m64-persistent"), (1024, 4096, "d128-persistent"), (2048, 0, "d128"),
+                  (2048, 768, "d128-persistent")),
     (192, False): ((0, 0, "d192-persistent"),),
     (192, True): ((0, 0, "d192"),),
     (256, False): ((0, 0, "d256-base"),),
@@ -319,21 +322,32 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     z, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     d0, d1 = split_head_dim(d)
+    out = tma_out(o, cfg)
     args = (*_descriptors(q, HALF_M, d0, d1), *_descriptors(k, cfg.block_n, d0, d1),
-            *_descriptors(v, cfg.block_n, d0, d1), o, lse, o.stride(0), o.stride(1), o.stride(2),
+            *_descriptors(v, cfg.block_n, d0, d1), o, lse, _descriptors(o, HALF_M, d0, 0)[0] if out else None,
+            o.stride(0), o.stride(1), o.stride(2),
             lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
-                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")))
+                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")), TMA_O=out)
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))
     return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
-PER_CALL = 8  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE
+PER_CALL = 9  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE, O's descriptor
+
+
+def tma_out(o: torch.Tensor, cfg: HopperConfig) -> bool:
+    """Whether the kernel stores O by TMA through the last stage's K tile (``TMA_O``,
+    ``hopper_jit._store_through_k``): the overlapped loop, one head_dim block, key blocks of at
+    least the tile's rows, and a descriptor can take O. H200, every Gluon kernel at every causal
+    cell of short_forward_probe.py, 2-16 % faster than stores from the accumulator (NOTES v26)."""
+    return (cfg.overlap and not split_head_dim(cfg.head_dim)[1] and cfg.block_n >= cfg.block_m
+            and tma_aligned(o))
 
 
 @dataclass(frozen=True)
@@ -347,6 +361,7 @@ class _Plan:
 
     launch: _Launch
     descriptors: tuple  # the first call's (first, second) column-block descriptors of q, k and v, as templates
+    out: object  # O's descriptor (tma_out), as a template, or None
 
     def run(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = _outputs(q)
@@ -354,7 +369,7 @@ class _Plan:
         for t, (first, second) in zip((q, k, v), self.descriptors):
             d0 = rebased(first, t)
             args += (d0, d0 if second is first else rebased(second, t))  # one column block: the first twice
-        self.launch(_current_stream(q.device), *args, o, lse)
+        self.launch(_current_stream(q.device), *args, o, lse, None if self.out is None else rebased(self.out, o))
         return o, lse
 
 
@@ -386,7 +401,7 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
     ordered = list(args) + [constexprs[name] for name in _fa3_fwd.arg_names[len(args):]]
     kept = {id(d): template(d) for d in args[:6]}  # (a descriptor given twice stays one template)
     plan = _Plan(_Launch(_fa3_fwd, grid, tuple(ordered[PER_CALL:]), options),
-                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)))
+                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)), template(args[8]))
     plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
     keep(_plans, key, plan)
     return o, lse

@@ -34,7 +34,9 @@ wgmmas (K = 128 and K = 64), O is two accumulators ([64, 128] and [64, 64], two 
 Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, HEAD_D0 or HEAD_D1]:
 the copy engine zero-fills rows past a head's sequence, so a neighbouring head's rows (NaN
 included) never reach the tile. Keys past N_K are masked to -inf in the last block; query rows
-past N_Q are computed on zeros and never stored (masked pointer stores of O and LSE).
+past N_Q are computed on zeros and never stored (masked pointer stores of LSE, and of O; or
+``TMA_O``, one head_dim block and key blocks of at least the tile's rows: O leaves by a TMA store
+through the last stage's K tile, whose descriptor clips rows past N_Q, :func:`_store_through_k`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from flashrun.kernels.flash.jit import tile_of
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 LOG2E = 1.4426950408889634
 HALF_M = 64  # rows of the tile per consumer warpgroup (wgmma's M is 64 per warpgroup)
 LOG2E_C = gl.constexpr(LOG2E)
@@ -212,11 +215,11 @@ def _store_rows(O, base, rows, n_q, stride_om, acc, COL0: gl.constexpr, WIDTH: g
 
 
 @gluon.jit
-def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, O, LSE,
-              stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, k_done,
+              O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
               C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              ACROSS: gl.constexpr):
+              ACROSS: gl.constexpr, TMA_O: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -287,13 +290,18 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
+                if TMA_O:
+                    mbarrier.arrive(k_done, count=1)  # ... and has read the last stage's K
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
-                mbarrier.arrive(empty_bars.index(last), count=1)
+                if not TMA_O:  # (else the stage goes back once O has left it, below)
+                    mbarrier.arrive(empty_bars.index(last), count=1)
             else:
                 mbarrier.arrive(q_empty.index(C), count=1)
+                if TMA_O:
+                    mbarrier.arrive(k_done, count=1)
         else:
             for i in range(n_blocks):
                 s = (it + i) % STAGES
@@ -321,8 +329,17 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         gl.store(LSE + off_z64 * stride_lz + off_h * stride_lh + rows, lse, mask=rows < N_Q)
         base = off_z64 * stride_oz + off_h * stride_oh
         acc = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-        _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
-                    0, HEAD_D0, o_layout, dtype)
+        if TMA_O:
+            mbarrier.wait(k_done, tile_i & 1)  # every consumer's last S has read the last stage's K
+            if n_blocks > 0:
+                _store_through_k(acc, k_smem, empty_bars, o_desc, off_z, off_h, first_row, (it + n_blocks - 1) % STAGES,
+                                 C)
+            else:  # a tile that sees no key: zeros, and no stage to store them through
+                _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
+                            0, HEAD_D0, o_layout, dtype)
+        else:
+            _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
+                        0, HEAD_D0, o_layout, dtype)
         if HEAD_D1 > 0:
             acc1 = acc1 * gl.expand_dims(gl.convert_layout(inv_l, row_o1), 1)
             _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o1), N_Q, stride_om, acc1,
@@ -331,15 +348,35 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         tile_i += 1
 
 
+@gluon.jit
+def _store_through_k(acc, k_smem, empty_bars, o_desc, off_z, off_h, first_row, last, C: gl.constexpr):
+    """TMA_O: this consumer's 64 rows of O (``acc``, normalized, float32) out by a TMA store through
+    rows [64 C, 64 C + 64) of the K tile of the tile's last stage ``last`` (once every consumer's
+    last S has read it: the caller waits on ``k_done``, which each consumer arrives on with Q's
+    release), then the stage back to the producer (``empty_bars``) once the store has read it.
+    Rows past N_Q are clipped by the copy engine. (From the wgmma accumulator's layout a thread
+    stores 2 elements of a row per 8-column group, half of each 32-byte sector a warp touches:
+    those stores cost every Gluon forward 2-16 % more than these, more at short lengths: NOTES v26.)"""
+    HEAD_D0: gl.constexpr = acc.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[3]
+    k_tile = k_smem.index(last)
+    # (a reshaped subslice is not implemented: the rows are sliced twice, as O's box and as a 2-D view)
+    k_tile.reshape([BLOCK_N, HEAD_D0]).slice(C * HALF_M_C, HALF_M_C, dim=0).store(acc.to(k_smem.dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [off_z, off_h, first_row, 0], k_tile.slice(C * HALF_M_C, HALF_M_C, dim=2))
+    tma.store_wait(0)
+    mbarrier.arrive(empty_bars.index(last), count=1)
+
+
 # lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
 @gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "stride_lz", "stride_lh"])
-def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
+def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
              Z, H, N_Q, N_K, qk_scale,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
@@ -347,6 +384,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     pid, pid + programs, ... of the cdiv(N_Q, 64 CONSUMERS) x B x H tiles; CAUSAL with ACROSS,
     every head's heaviest tiles first (``jit.tile_of``). Launch with num_warps=4 (the default
     partition, consumer 0)."""
+    gl.static_assert(not TMA_O or (OVERLAP and HEAD_D1 == 0 and BLOCK_N >= CONSUMERS * HALF_M_C))
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     SPLIT: gl.constexpr = HEAD_D1 > 0
@@ -367,6 +405,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # TMA_O: every consumer's last S is done
+    mbarrier.init(k_done, count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
@@ -381,11 +421,11 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
+                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
+                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
@@ -393,8 +433,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE,
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         O, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS)),
+                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
+                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
