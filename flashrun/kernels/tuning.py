@@ -43,6 +43,23 @@ log = logging.getLogger("flashrun.tuning")
 INTERPRETED = interpreting()  # fixed when the kernels are defined, as Triton fixes it
 
 
+def _interpret_as_compiled() -> None:
+    """Triton's interpreter checks every 32-bit integer add, subtract and multiply for overflow
+    (its builder's ``sanitize_overflow``, on there; a compiled kernel checks only when built with
+    debug): a device assert on 64-bit copies per operation, about a third of the interpreter's
+    time in flashrun's kernels (NOTES v26). Off, as the GPU runs them."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is not None and getattr(options, "sanitize_overflow", False):
+        builder.options = replace(options, sanitize_overflow=False)
+
+
+if INTERPRETED:
+    _interpret_as_compiled()
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """BLOCK_M x BLOCK_N tile (queries x keys), warps per program, software-pipelining depth,
