@@ -192,7 +192,8 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc
         _tma_load(do_desc, [off_z, off_h, start_m, 0], do_bars.index(s), do_smem.index(s))
         _tma_load(delta_desc, [off_z, off_h, start_m], do_bars.index(s), delta_smem.index(s))
         off_h, start_m = _next_block(off_h, start_m, first * BLOCK_M, (first + n_m) * BLOCK_M, BLOCK_M)
-    if TMA_OUT and KV_ADD == 0:  # the consumers' dK and dV out of their K and V tiles (_hand_over); rows past N_K clipped
+    if TMA_OUT and KV_ADD == 0:  # the consumers' dK and dV out of their K and V tiles (_hand_over), rows
+        # past N_K clipped (with KV_ADD the consumers add theirs themselves: _add_out)
         mbarrier.wait(out_bars.index(1), 0)
         for c in gl.static_range(CONSUMERS):
             key = start_n + c * KEYS

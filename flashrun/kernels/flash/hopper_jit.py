@@ -405,7 +405,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # TMA_O: every consumer's last S is done
+    # TMA_O: every consumer's last S of the tile is done (the last stage's K is free for O)
+    k_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(k_done, count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
@@ -421,11 +422,11 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
+                         qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
+                         qk_scale, 1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
@@ -433,8 +434,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-                         0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
+                         qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
