@@ -328,10 +328,27 @@ def test_launch_grid_and_column_blocks(name, shape, sms, programs, grid):
     q_desc, q1_desc = args[:2]
     assert list(q_desc.block_shape) == [1, 1, 64, d0]
     assert list(q1_desc.block_shape) == ([1, 1, 64, d1] if d1 else [1, 1, 64, d0])
-    # O leaves by TMA through a K tile (64 rows of a consumer, as Q's box) where the overlapped loop
-    # runs one column block with key blocks of at least the tile's rows; else by its pointer
-    out = cfg.overlap and not d1 and cfg.block_n >= cfg.block_m
+    # O leaves by TMA through a K or V tile (64 rows of a consumer, as Q's boxes, a descriptor per
+    # column block) where the overlapped loop runs key blocks of at least 64 rows; else by its pointer
+    out = cfg.overlap and cfg.block_n >= 64
     assert constexprs["TMA_O"] is out and args[6] is o and args[7] is lse
-    assert (args[8].base is o and list(args[8].block_shape) == [1, 1, 64, d0] and args[8].layout == q_desc.layout
-            if out else args[8] is None)
-    assert flash_hopper.PER_CALL == 9
+    if out:
+        assert args[8].base is o and list(args[8].block_shape) == [1, 1, 64, d0] and args[8].layout == q_desc.layout
+        assert (args[9].base is o and list(args[9].block_shape) == [1, 1, 64, d1] and args[9].layout == q1_desc.layout
+                if d1 else args[9] is args[8])
+    else:
+        assert args[8] is None and args[9] is None
+    assert flash_hopper.PER_CALL == 10
+
+
+@pytest.mark.skipif(flash_hopper.gluon_api() is not None, reason="this Triton lacks the Gluon Hopper API")
+@pytest.mark.parametrize("n_q,n_k,causal,out", [(300, 300, True, True), (300, 299, True, False),
+                                                (300, 299, False, True), (17, 4000, True, True)])
+def test_o_by_tma_only_where_every_tile_sees_a_key(n_q, n_k, causal, out):
+    """The kernel's TMA store of O goes through the tile's last K/V stage, which a tile with no key
+    lacks: bottom-right causal with fewer keys than queries leaves the first rows keyless."""
+    q = torch.empty(1, 2, n_q, 192, dtype=torch.float16)
+    k = torch.empty(1, 2, n_k, 192, dtype=torch.float16)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    _, args, constexprs, _ = flash_hopper.launch_args(q, k, k, o, lse, 0.1, causal, flash_hopper.KERNELS["d192"], 132)
+    assert constexprs["TMA_O"] is out and (args[8] is not None) is out

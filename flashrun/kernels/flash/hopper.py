@@ -322,9 +322,9 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     z, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     d0, d1 = split_head_dim(d)
-    out = tma_out(o, cfg)
+    out = tma_out(o, cfg, n_q, n_k, causal)
     args = (*_descriptors(q, HALF_M, d0, d1), *_descriptors(k, cfg.block_n, d0, d1),
-            *_descriptors(v, cfg.block_n, d0, d1), o, lse, _descriptors(o, HALF_M, d0, 0)[0] if out else None,
+            *_descriptors(v, cfg.block_n, d0, d1), o, lse, *(_descriptors(o, HALF_M, d0, d1) if out else (None, None)),
             o.stride(0), o.stride(1), o.stride(2),
             lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
@@ -338,16 +338,18 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
 
 
-PER_CALL = 9  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE, O's descriptor
+PER_CALL = 10  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE, O's two
 
 
-def tma_out(o: torch.Tensor, cfg: HopperConfig) -> bool:
-    """Whether the kernel stores O by TMA through the last stage's K tile (``TMA_O``,
-    ``hopper_jit._store_through_k``): the overlapped loop, one head_dim block, key blocks of at
-    least the tile's rows, and a descriptor can take O. H200, every Gluon kernel at every causal
-    cell of short_forward_probe.py, 2-16 % faster than stores from the accumulator (NOTES v26)."""
-    return (cfg.overlap and not split_head_dim(cfg.head_dim)[1] and cfg.block_n >= cfg.block_m
-            and tma_aligned(o))
+def tma_out(o: torch.Tensor, cfg: HopperConfig, n_q: int, n_k: int, causal: bool) -> bool:
+    """Whether the kernel stores O by TMA through the tile's last stage (``TMA_O``,
+    ``hopper_jit._store_through``): the overlapped loop, key blocks of at least a consumer's 64
+    rows, a descriptor can take O, and every tile sees a key (a stage to store through: some
+    key, and causal no fewer keys than queries). A consumer's rows go through the K tile, or
+    where it holds fewer than the tile's rows (head_dim 192 and 256: 64 keys, two consumers),
+    the second's through the V tile. H200, every one-block Gluon kernel at every causal cell of
+    short_forward_probe.py, 2-16 % faster than stores from the accumulator (NOTES v26)."""
+    return cfg.overlap and cfg.block_n >= 64 and tma_aligned(o) and n_k >= (n_q if causal else 1)
 
 
 @dataclass(frozen=True)
@@ -361,16 +363,22 @@ class _Plan:
 
     launch: _Launch
     descriptors: tuple  # the first call's (first, second) column-block descriptors of q, k and v, as templates
-    out: object  # O's descriptor (tma_out), as a template, or None
+    out: tuple | None  # O's (first, second) descriptors (tma_out), as templates, or None
 
     def run(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = _outputs(q)
-        args = []
-        for t, (first, second) in zip((q, k, v), self.descriptors):
-            d0 = rebased(first, t)
-            args += (d0, d0 if second is first else rebased(second, t))  # one column block: the first twice
-        self.launch(_current_stream(q.device), *args, o, lse, None if self.out is None else rebased(self.out, o))
+        args = [d for t, pair in zip((q, k, v), self.descriptors) for d in _rebased_pair(pair, t)]
+        out = (None, None) if self.out is None else _rebased_pair(self.out, o)
+        self.launch(_current_stream(q.device), *args, o, lse, *out)
         return o, lse
+
+
+def _rebased_pair(pair: tuple, t: torch.Tensor) -> tuple:
+    """A plan's (first, second) column-block descriptor templates over ``t`` (one column block:
+    the first twice)."""
+    first, second = pair
+    d0 = rebased(first, t)
+    return d0, d0 if second is first else rebased(second, t)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -399,9 +407,10 @@ def _run_gluon(q, k, v, sm_scale: float, causal: bool, cfg: HopperConfig,
         launch(_fa3_fwd, grid, *args, **constexprs, **options)
         return o, lse
     ordered = list(args) + [constexprs[name] for name in _fa3_fwd.arg_names[len(args):]]
-    kept = {id(d): template(d) for d in args[:6]}  # (a descriptor given twice stays one template)
+    kept = {id(d): template(d) for d in (*args[:6], *args[8:10])}  # (a descriptor given twice stays one template)
     plan = _Plan(_Launch(_fa3_fwd, grid, tuple(ordered[PER_CALL:]), options),
-                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)), template(args[8]))
+                 tuple((kept[id(args[i])], kept[id(args[i + 1])]) for i in (0, 2, 4)),
+                 (kept[id(args[8])], kept[id(args[9])]) if args[8] is not None else None)
     plan.launch(_current_stream(q.device), *args[:PER_CALL])  # through Triton: compiles, keeps the kernel
     keep(_plans, key, plan)
     return o, lse

@@ -35,8 +35,8 @@ Descriptors are 4-D over (batch, heads, seq, head_dim) with boxes [1, 1, rows, H
 the copy engine zero-fills rows past a head's sequence, so a neighbouring head's rows (NaN
 included) never reach the tile. Keys past N_K are masked to -inf in the last block; query rows
 past N_Q are computed on zeros and never stored (masked pointer stores of LSE, and of O; or
-``TMA_O``, one head_dim block and key blocks of at least the tile's rows: O leaves by a TMA store
-through the last stage's K tile, whose descriptor clips rows past N_Q, :func:`_store_through_k`).
+``TMA_O``, the overlapped loop where every tile sees a key: O leaves by TMA stores through the
+tile's last stage, whose descriptors clip rows past N_Q, :func:`_store_through`).
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ def _store_rows(O, base, rows, n_q, stride_om, acc, COL0: gl.constexpr, WIDTH: g
 
 @gluon.jit
 def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, k_done,
-              O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K, qk_scale,
-              C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
+              v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
+              qk_scale, C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               ACROSS: gl.constexpr, TMA_O: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
@@ -234,6 +234,12 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_o1: gl.constexpr = gl.SliceLayout(1, o1_layout)
     dtype: gl.constexpr = q_smem.dtype
+    # TMA_O: where this consumer's rows of O leave (_store_through): rows [64 C, 64 C + 64) of the
+    # last stage's K tile, or where that tile holds fewer than the tile's rows (192: 64 keys, two
+    # consumers), consumer 0 through K's tile and consumer 1 through V's
+    K_AND_V: gl.constexpr = TMA_O and BLOCK_N < CONSUMERS * HALF_M_C
+    VIA_V: gl.constexpr = K_AND_V and C == 1
+    O_ROW0: gl.constexpr = 0 if K_AND_V else C * HALF_M_C
 
     q = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
     if HEAD_D1 > 0:
@@ -296,12 +302,12 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                 mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                if K_AND_V:  # ... and its last P V has read the last stage's V
+                    mbarrier.arrive(v_done, count=1)
                 if not TMA_O:  # (else the stage goes back once O has left it, below)
                     mbarrier.arrive(empty_bars.index(last), count=1)
             else:
                 mbarrier.arrive(q_empty.index(C), count=1)
-                if TMA_O:
-                    mbarrier.arrive(k_done, count=1)
         else:
             for i in range(n_blocks):
                 s = (it + i) % STAGES
@@ -327,45 +333,57 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) / LOG2E_C, float("-inf"))
         off_z64 = off_z.to(gl.int64)
         gl.store(LSE + off_z64 * stride_lz + off_h * stride_lh + rows, lse, mask=rows < N_Q)
-        base = off_z64 * stride_oz + off_h * stride_oh
-        acc = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-        # (the pointer store written twice: one `if not TMA_O or n_blocks == 0` after the TMA branch
-        # kept the cast O beside the float32 one and spilled 20/32 B on Triton 3.9, NOTES v26)
-        if TMA_O:
-            mbarrier.wait(k_done, tile_i & 1)  # every consumer's last S has read the last stage's K
-            if n_blocks > 0:
-                _store_through_k(acc, k_smem, empty_bars, o_desc, off_z, off_h, first_row, (it + n_blocks - 1) % STAGES,
-                                 C)
-            else:  # a tile that sees no key: zeros, and no stage to store them through
-                _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
-                            0, HEAD_D0, o_layout, dtype)
+        if TMA_O:  # (only where every tile sees a key, n_blocks > 0: a stage to store through)
+            # every consumer's last S has read the last stage's K (its last P V the stage's V)
+            last = (it + n_blocks - 1) % STAGES
+            if VIA_V:
+                mbarrier.wait(v_done, tile_i & 1)
+                _store_through(acc, acc1, inv_l, v_smem, v1_smem, empty_bars, o_desc, o1_desc, off_z, off_h,
+                               first_row, last, O_ROW0, HEAD_D1)
+            else:
+                mbarrier.wait(k_done, tile_i & 1)
+                _store_through(acc, acc1, inv_l, k_smem, k1_smem, empty_bars, o_desc, o1_desc, off_z, off_h,
+                               first_row, last, O_ROW0, HEAD_D1)
         else:
+            base = off_z64 * stride_oz + off_h * stride_oh
+            acc = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
             _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
                         0, HEAD_D0, o_layout, dtype)
-        if HEAD_D1 > 0:
-            acc1 = acc1 * gl.expand_dims(gl.convert_layout(inv_l, row_o1), 1)
-            _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o1), N_Q, stride_om, acc1,
-                        HEAD_D0, HEAD_D1, o1_layout, dtype)
+            if HEAD_D1 > 0:
+                acc1 = acc1 * gl.expand_dims(gl.convert_layout(inv_l, row_o1), 1)
+                _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o1), N_Q, stride_om, acc1,
+                            HEAD_D0, HEAD_D1, o1_layout, dtype)
         it += n_blocks
         tile_i += 1
 
 
 @gluon.jit
-def _store_through_k(acc, k_smem, empty_bars, o_desc, off_z, off_h, first_row, last, C: gl.constexpr):
-    """TMA_O: this consumer's 64 rows of O (``acc``, normalized, float32) out by a TMA store through
-    rows [64 C, 64 C + 64) of the K tile of the tile's last stage ``last`` (once every consumer's
-    last S has read it: the caller waits on ``k_done``, which each consumer arrives on with Q's
-    release), then the stage back to the producer (``empty_bars``) once the store has read it.
+def _store_through(acc, acc1, inv_l, ring, ring1, empty_bars, o_desc, o1_desc, off_z, off_h, first_row, last,
+                   ROW0: gl.constexpr, HEAD_D1: gl.constexpr):
+    """TMA_O: this consumer's 64 rows of O (float32 ``acc`` and, with a second column block,
+    ``acc1``; normalized here by ``inv_l``, the second block once the first has left its
+    registers: normalized before the wait both at once spilled on Triton 3.9) out by TMA stores
+    through rows [ROW0, ROW0 + 64) of the tile's last stage ``last`` of ``ring`` and ``ring1``
+    (the K or the V blocks; once every consumer is done with them: the caller waits on
+    ``k_done`` or ``v_done``, which each consumer arrives on with Q's release or after its last
+    P V), then the stage back to the producer (``empty_bars``) once the stores have read it.
     Rows past N_Q are clipped by the copy engine. (From the wgmma accumulator's layout a thread
     stores 2 elements of a row per 8-column group, half of each 32-byte sector a warp touches:
     those stores cost every Gluon forward 2-16 % more than these, more at short lengths: NOTES v26.)"""
     HEAD_D0: gl.constexpr = acc.shape[1]
-    BLOCK_N: gl.constexpr = k_smem.shape[3]
-    k_tile = k_smem.index(last)
+    BLOCK_N: gl.constexpr = ring.shape[3]
+    tile = ring.index(last)
+    acc = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, acc.type.layout)), 1)
     # (a reshaped subslice is not implemented: the rows are sliced twice, as O's box and as a 2-D view)
-    k_tile.reshape([BLOCK_N, HEAD_D0]).slice(C * HALF_M_C, HALF_M_C, dim=0).store(acc.to(k_smem.dtype))
+    tile.reshape([BLOCK_N, HEAD_D0]).slice(ROW0, HALF_M_C, dim=0).store(acc.to(ring.dtype))
+    if HEAD_D1 > 0:
+        acc1 = acc1 * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, acc1.type.layout)), 1)
+        tile1 = ring1.index(last)
+        tile1.reshape([BLOCK_N, HEAD_D1]).slice(ROW0, HALF_M_C, dim=0).store(acc1.to(ring.dtype))
     fence_async_shared()
-    _tma_store(o_desc, [off_z, off_h, first_row, 0], k_tile.slice(C * HALF_M_C, HALF_M_C, dim=2))
+    _tma_store(o_desc, [off_z, off_h, first_row, 0], tile.slice(ROW0, HALF_M_C, dim=2))
+    if HEAD_D1 > 0:
+        _tma_store(o1_desc, [off_z, off_h, first_row, HEAD_D0], tile1.slice(ROW0, HALF_M_C, dim=2))
     tma.store_wait(0)
     mbarrier.arrive(empty_bars.index(last), count=1)
 
@@ -373,7 +391,7 @@ def _store_through_k(acc, k_smem, empty_bars, o_desc, off_z, off_h, first_row, l
 # lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
 # one compile serves every N
 @gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "stride_lz", "stride_lh"])
-def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
+def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, o1_desc,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
              Z, H, N_Q, N_K, qk_scale,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -386,7 +404,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     pid, pid + programs, ... of the cdiv(N_Q, 64 CONSUMERS) x B x H tiles; CAUSAL with ACROSS,
     every head's heaviest tiles first (``jit.tile_of``). Launch with num_warps=4 (the default
     partition, consumer 0)."""
-    gl.static_assert(not TMA_O or (OVERLAP and HEAD_D1 == 0 and BLOCK_N >= CONSUMERS * HALF_M_C))
+    # TMA_O: a consumer's 64 rows of O go through a K or V tile (two consumers: one each where a tile holds 64 rows)
+    gl.static_assert(not TMA_O or (OVERLAP and BLOCK_N >= HALF_M_C))
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     SPLIT: gl.constexpr = HEAD_D1 > 0
@@ -407,9 +426,11 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # TMA_O: every consumer's last S of the tile is done (the last stage's K is free for O)
+    # TMA_O: every consumer's last S (P V) of the tile is done: the last stage's K (V) is free for O
     k_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(k_done, count=CONSUMERS)
+    mbarrier.init(v_done, count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
@@ -424,11 +445,13 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
-                         qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
+                         stride_lh, Z, H, N_Q, N_K, qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
+                         CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
-                         qk_scale, 1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
+                         stride_lh, Z, H, N_Q, N_K, qk_scale, 1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
+                         CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
@@ -436,8 +459,9 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc,
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, O, LSE, o_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
-                         qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
+                         stride_lh, Z, H, N_Q, N_K, qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
+                         CAUSAL, OVERLAP, ACROSS, TMA_O)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
