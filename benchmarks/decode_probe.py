@@ -276,7 +276,8 @@ def config_sweep(started) -> list[dict]:
                 break
             decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS = cfg, w, c
             decode._plans.clear()
-            attention._forward_plans.clear()  # flash_attention's routes hold the plans too
+            attention._forward_plans.clear()  # flash_attention's routes and checked calls hold the plans too
+            attention._checked_calls.clear()
             shape = f"B{b} H{h}/{h_kv} N{n} bf16"
             try:
                 err = max_err(flash_attention(q, k, v), ref)
@@ -299,6 +300,7 @@ def config_sweep(started) -> list[dict]:
     decode.DECODE, decode.WAVES, decode.MIN_CHUNK_BLOCKS = default, waves, chunk
     decode._plans.clear()
     attention._forward_plans.clear()
+    attention._checked_calls.clear()
     return out
 
 

@@ -48,6 +48,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     if attention is not None:  # flash's lean-launch plans keep the kernel and launch of the test that made them
         monkeypatch.setattr(attention, "_forward_plans", {})
         monkeypatch.setattr(attention, "_delta_plans", {})
+        monkeypatch.setattr(attention, "_checked_calls", {})  # (and flash-decoding's, with the checked calls)
     monkeypatch.chdir(tmp_path)
     yield tmp_path
     logging.getLogger("flashrun").handlers.clear()  # the CLI bound them to a now-closed stream

@@ -516,24 +516,29 @@ def test_gluon_forward_plans_launch_lean_and_agree(name):
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
 def test_forward_routes_run_each_path_lean_and_agree():
     """A forward's first call with a new layout keeps its path's plan as the route (the Gluon
-    kernel, flash-decoding or the portable one); a later call on other tensors of that layout
-    runs the route, gives the same bits and records the same path."""
+    kernel or the portable one; flash-decoding's, without autograd, with the checked call); a
+    later call on other tensors of that layout runs it, gives the same bits and records the same
+    path."""
     if flash_hopper.gluon_api():
         pytest.skip(flash_hopper.gluon_api())
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = {"gluon": ((2, 2048, 2048, 128), flash._GluonRoute, "gluon-sm90"),
-             "decode": ((2, 1, 4096, 128), flash._DecodeRoute, "triton"),
+             "decode": ((2, 1, 4096, 128), None, "triton"),
              "portable": ((2, 300, 300, 80), flash._ForwardPlan, "triton")}
     for name, ((batch, n_q, n_k, d), route, path) in cases.items():
         q = torch.randn(batch, n_q, 8, d, device="cuda", generator=gen).to(BF16).transpose(1, 2)
         k, v = (torch.randn(batch, n_k, 2, d, device="cuda", generator=gen).to(BF16).transpose(1, 2) for _ in "kv")
         flash._forward_plans.clear()
+        flash._checked_calls.clear()
         first = flash_attention(q, k, v, causal=True)
-        (kept,) = flash._forward_plans.values()
-        assert type(kept) is route, name
+        if route is None:
+            assert not flash._forward_plans and [bool(c.decoding) for c in flash._checked_calls.values()] == [True]
+        else:
+            (kept,) = flash._forward_plans.values()
+            assert type(kept) is route, name
         flash_hopper.LAST_PATH = None
         second = flash_attention(*(t.clone() for t in (q, k, v)), causal=True)
-        assert flash_hopper.LAST_PATH == path and len(flash._forward_plans) == 1, name
+        assert flash_hopper.LAST_PATH == path and len(flash._forward_plans) == (route is not None), name
         assert torch.equal(first, second), name
 
 

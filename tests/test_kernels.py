@@ -585,7 +585,9 @@ def test_a_descriptor_template_holds_no_tensor_and_rebases_to_what_the_construct
 def test_a_forward_route_skips_the_path_checks_until_a_switch_changes(monkeypatch):
     """The first call of a layout decides the path (flash-decoding, Gluon or portable) and keeps
     its plan as the route; repeat calls run it without deciding again, until a switch of the Gluon
-    path changes (FLASHRUN_HOPPER, a reset) - then the path is decided anew."""
+    path changes (FLASHRUN_HOPPER, a reset) - then the path is decided anew. Flash-decoding reads
+    no switch: a call without autograd keeps its plan with the checked call (no route key at all),
+    one with autograd as a route."""
     decided = []
     real = flash.decode.applies
     monkeypatch.setattr(flash.decode, "applies", lambda *a: decided.append(a[0].shape) or real(*a))
@@ -596,12 +598,16 @@ def test_a_forward_route_skips_the_path_checks_until_a_switch_changes(monkeypatc
     decided.clear()
     again = [flash_attention(*(t.clone() for t in inputs), causal=True) for inputs in (dense, decoding)]
     assert decided == [] and all(torch.equal(a, b) for a, b in zip(first, again))
-    assert [type(route) for route in flash._forward_plans.values()] == [flash._ForwardPlan, flash._DecodeRoute]
+    assert [type(route) for route in flash._forward_plans.values()] == [flash._ForwardPlan]
+    assert [list(call.decoding) for call in flash._checked_calls.values() if call.decoding] == [[flash.decode.PDL]]
     monkeypatch.setenv("FLASHRUN_HOPPER", "0")
     flash_attention(*dense, causal=True)
     flash.hopper.reset()
-    flash_attention(*decoding, causal=True)
-    assert set(decided) == {dense[0].shape, decoding[0].shape} and len(flash._forward_plans) == 4
+    assert torch.equal(flash_attention(*decoding, causal=True), first[1])
+    assert set(decided) == {dense[0].shape} and len(flash._forward_plans) == 2
+    with torch.enable_grad():
+        flash_attention(*(t.requires_grad_() for t in decoding), causal=True)
+    assert [type(route) for route in flash._forward_plans.values()][-1] is flash._DecodeRoute
 
 
 def test_packed_alibi_and_compile_only_calls_make_no_plan():

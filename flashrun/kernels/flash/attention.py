@@ -540,15 +540,27 @@ def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
 
 
-# the (variant, scale) of calls whose arguments passed the checks, by everything those read (:func:`_checked_call`)
-_checked_calls: dict[tuple, tuple[Variant, float]] = {}
+class _CheckedCall:
+    """A call's arguments, checked (:func:`_checked_call`): its variant and scale, q's, k's and v's
+    :func:`.launch._meta` where the call is plain (else None), and ``decoding``: for a plain call of
+    flash-decoding's shapes (:func:`.decode.applies`), its plans for calls without autograd by
+    :data:`.decode.PDL`, kept by the first such call (else None). Flash-decoding's route reads no
+    switch (neither tuning nor the Gluon path's), so those calls skip :func:`_route_key`: on the
+    H200's host a decode call's Python outlasted its ~16-25 µs of kernels (NOTES v22, v23)."""
+
+    __slots__ = ("variant", "scale", "metas", "decoding")
+
+    def __init__(self, variant: Variant, scale: float, metas: tuple | None, decodes: bool) -> None:
+        self.variant, self.scale, self.metas = variant, scale, metas
+        self.decoding: dict[bool, decode._Plan] | None = {} if decodes else None
 
 
-def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes
-                  ) -> tuple[Variant, float, tuple | None]:
-    """``(variant, scale, metas)`` of a call's arguments, checked (:func:`check_inputs`,
-    :func:`_variant`); ``metas``: q's, k's and v's :func:`.launch._meta` where the call is plain
-    (below), for :func:`_route_key` to reuse, else None.
+# the plain calls whose arguments passed the checks, by everything those read (:func:`_checked_call`)
+_checked_calls: dict[tuple, _CheckedCall] = {}
+
+
+def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes) -> _CheckedCall:
+    """The call's arguments checked (:func:`check_inputs`, :func:`_variant`).
     A call whose tensors have the layouts, dtype, device and alignment of one checked before, with
     the same plain-typed arguments (bool, a tuple of two ints, a number, no ALiBi), skips the checks
     (10.7 µs of Python against 4.7 for the lookup on a 2-core CPU, where a B1 decode call's kernels
@@ -562,12 +574,13 @@ def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes
         key = (*metas, causal, window, softcap, sm_scale)
         found = _checked_calls.get(key)
         if found is not None:
-            return (*found, metas)
+            return found
     check_inputs(q, k, v)
-    found = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes), _scale(q, sm_scale)
+    variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
+    call = _CheckedCall(variant, _scale(q, sm_scale), metas, plain and decode.applies(q, k, variant))
     if plain:
-        keep(_checked_calls, key, found)
-    return (*found, metas)
+        keep(_checked_calls, key, call)
+    return call
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -575,9 +588,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only, no autograd: returns ``(o, lse)``, lse in natural log, float32, (B, H, Nq)."""
-    variant, scale, metas = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
-    return _attn_forward(q, k, v, scale, variant, launch, key=_route_key(q, k, v, scale, variant, launch, True,
-                                                                         metas=metas))
+    call = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
+    return _attn_forward(q, k, v, call.scale, call.variant, launch,
+                         key=_route_key(q, k, v, call.scale, call.variant, launch, True, metas=call.metas))
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -595,12 +608,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     float32 atomics in whatever order they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``,
     the default) the faster per call: the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
     (benchmarks/NOTES.md v10)."""
-    variant, scale, metas = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
+    call = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # no graph to record: no autograd
-        key = _route_key(q, k, v, scale, variant, launch, True, want_lse=False, metas=metas)
-        return _attn_forward(q, k, v, scale, variant, launch, key=key, want_lse=False)[0]
-    return FlashAttention.apply(q, k, v, scale, variant, launch, deterministic)
+        if call.decoding is not None:  # flash-decoding's plan, at once (_CheckedCall)
+            plan = call.decoding.get(decode.PDL)
+            if plan is None:
+                plan = call.decoding[decode.PDL] = decode.plan(q, k, v, call.scale, call.variant, write_lse=False)
+            hopper.LAST_PATH = hopper.TRITON_PATH
+            return plan.run(q, k, v, k.shape[2])[0]
+        key = _route_key(q, k, v, call.scale, call.variant, launch, True, want_lse=False, metas=call.metas)
+        return _attn_forward(q, k, v, call.scale, call.variant, launch, key=key, want_lse=False)[0]
+    return FlashAttention.apply(q, k, v, call.scale, call.variant, launch, deterministic)
 
 
 def _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,

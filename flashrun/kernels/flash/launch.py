@@ -131,12 +131,16 @@ class _CLaunch:
         return cls(launch, grid, fixed, tail, expanders)
 
     def __call__(self, stream: int | None, args: tuple) -> None:
+        if not self.expanders:  # (no descriptor arguments: decode's kernels)
+            self.launch(*self.grid, stream, *self.fixed, *[a.data_ptr() if isinstance(a, _TENSOR) else a for a in args],
+                        *self.tail)
+            return
         expanded = []
         for index, arg in enumerate(args):
             if index in self.expanders:
                 expanded += self.expanders[index](arg)
             else:
-                expanded.append(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg)
+                expanded.append(arg.data_ptr() if isinstance(arg, _TENSOR) else arg)
         self.launch(*self.grid, stream, *self.fixed, *expanded, *self.tail)
 
 
