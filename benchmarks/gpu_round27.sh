@@ -5,6 +5,13 @@
 #       # the Gluon forward's O by TMA at head_dim 192 (hopper_jit._store_through): its GPU tests, then the
 #       # forward at head_dim 192 and 256 against cuDNN (N 1024/4096/8192, fp16 + bf16, causal and not) in this
 #       # checkout and $OLD in turns, twice
+#   OLD=<a checkout of 987d792> bash benchmarks/gpu_round27.sh decode
+#       # decode's host path (the plan kept with the checked call): the GPU tests of decode and the KV cache, then
+#       # the decode grid through flashrun bench against cuDNN, MQA in this checkout and $OLD in turns, twice, and
+#       # GQA 32/8 once each
+#   OLD=<a checkout of 987d792> bash benchmarks/gpu_round27.sh long
+#       # "nothing else slower": the forward at 4k-16k keys, head_dim 64 and 128, bf16, causal and not, in this
+#       # checkout and $OLD in turns; then qwen2-1b against SDPA, speed only (model_speed)
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -18,6 +25,22 @@ fwd_bench() {  # $1: run label (this-N / old-N), $2: name, $3: seconds, then fla
   echo "$name $run rc $?"; grep -E "^(B[0-9]|flash )" "$OUT/$name-$run.txt" | paste - - | tr -s " " | cut -c1-110
 }
 
+summary() {  # flash / cuDNN over a bench JSON's cells: median, min, cells below 0.85
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+ms = {}
+for r in rows:
+    if r.get("ms"):
+        cell = tuple(str(r.get(k)) for k in ("dtype", "causal", "batch", "seq_len_k", "page_size", "cache_seqlens"))
+        ms.setdefault(cell, {})[r["provider"]] = r["ms"]
+ratios = sorted(c["sdpa-cudnn"] / c["flash"] for c in ms.values() if "flash" in c and "sdpa-cudnn" in c)
+if ratios:
+    print(f"  flash/cuDNN over {len(ratios)} cells: median {statistics.median(ratios):.3f}, min {ratios[0]:.3f}, "
+          f"below 0.85: {sum(r < 0.85 for r in ratios)}")
+PY
+}
+
 case "${1:-}" in
   d192)
     gpu_tests gpu-tests-d192 170 "gluon_kernels or gluon_forward or forward_routes"
@@ -25,7 +48,23 @@ case "${1:-}" in
     for run in this-1 old-1 this-2 old-2; do
       fwd_bench "$run" fwd-d192 95 --dtype bf16,fp16 --seq-lens 1024,4096,8192 --head-dims 192,256 --causal both
     done ;;
+  decode)
+    gpu_tests gpu-tests-decode 120 "decode or kvcache or forward_routes or c_launches"
+    grep -E "FAILED|Error" "$OUT/gpu-tests-decode.log" | head -20
+    for run in this-1 old-1 this-2 old-2; do
+      (cd "$(tree_of "$run")" && OUT=$OUT decode_grid 1 bench-decode-mqa-$run 100)
+      summary "$OUT/bench-decode-mqa-$run.json"
+    done
+    for run in this-1 old-1; do
+      (cd "$(tree_of "$run")" && OUT=$OUT decode_grid 8 bench-decode-gqa-$run 100)
+      summary "$OUT/bench-decode-gqa-$run.json"
+    done ;;
+  long)
+    for run in this-1 old-1; do
+      fwd_bench "$run" fwd-long 110 --dtype bf16 --seq-lens 4096,8192,16384 --head-dims 64,128 --causal both
+    done
+    model_speed v27 qwen2 ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192" >&2
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long" >&2
     exit 2 ;;
 esac
