@@ -11,7 +11,7 @@
 #       # GQA 32/8 once each
 #   OLD=<a checkout of 987d792> bash benchmarks/gpu_round27.sh long
 #       # "nothing else slower": the forward at 4k-16k keys, head_dim 64 and 128, bf16, causal and not, in this
-#       # checkout and $OLD in turns; then qwen2-1b against SDPA, speed only (model_speed)
+#       # checkout and $OLD in turns; then qwen2-1b against SDPA, speed (model_speed), then its six checks
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -63,7 +63,8 @@ case "${1:-}" in
     for run in this-1 old-1; do
       fwd_bench "$run" fwd-long 110 --dtype bf16 --seq-lens 4096,8192,16384 --head-dims 64,128 --causal both
     done
-    model_speed v27 qwen2 ;;
+    model_speed v27 qwen2
+    checks qwen2 ;;
   *)
     echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long" >&2
     exit 2 ;;
