@@ -12,6 +12,9 @@
 #   OLD=<a checkout of 987d792> bash benchmarks/gpu_round27.sh long
 #       # "nothing else slower": the forward at 4k-16k keys, head_dim 64 and 128, bf16, causal and not, in this
 #       # checkout and $OLD in turns; then qwen2-1b against SDPA, speed (model_speed), then its six checks
+#   OLD=<a checkout of 987d792> bash benchmarks/gpu_round27.sh final
+#       # decode_probe.py --quick in this checkout and $OLD (back-to-back host time per call, graph replay), then the
+#       # decode grid once more in this checkout (MQA twice, GQA 32/8 once): the committed decode results
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -53,11 +56,11 @@ case "${1:-}" in
     grep -E "FAILED|Error" "$OUT/gpu-tests-decode.log" | head -20
     for run in this-1 old-1 this-2 old-2; do
       (cd "$(tree_of "$run")" && OUT=$OUT decode_grid 1 bench-decode-mqa-$run 100)
-      summary "$OUT/bench-decode-mqa-$run.json"
+      summary "$(ls "$OUT/bench-decode-mqa-$run"/*.json)"
     done
     for run in this-1 old-1; do
       (cd "$(tree_of "$run")" && OUT=$OUT decode_grid 8 bench-decode-gqa-$run 100)
-      summary "$OUT/bench-decode-gqa-$run.json"
+      summary "$(ls "$OUT/bench-decode-gqa-$run"/*.json)"
     done ;;
   long)
     for run in this-1 old-1; do
@@ -65,7 +68,18 @@ case "${1:-}" in
     done
     model_speed v27 qwen2
     checks qwen2 ;;
+  final)
+    cp benchmarks/decode_probe.py "$OLD/benchmarks/"
+    for run in this-1 old-1; do
+      (cd "$(tree_of "$run")" && OUT="$OUT/decode-probe-$run" timeout 100 python3 benchmarks/decode_probe.py --quick \
+        --budget-s 60) > "$OUT/decode-probe-$run.txt" 2>&1
+      echo "decode probe $run rc $?"; sed -n '/^shape /,$p' "$OUT/decode-probe-$run.txt" | head -12
+    done
+    for grid in mqa-final-1:1 gqa-final-1:8 mqa-final-2:1; do
+      decode_grid "${grid#*:}" "bench-decode-${grid%:*}" 100
+      summary "$(ls "$OUT/bench-decode-${grid%:*}"/*.json)"
+    done ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long" >&2
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long|final" >&2
     exit 2 ;;
 esac
