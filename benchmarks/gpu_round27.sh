@@ -15,6 +15,8 @@
 #   OLD=<a checkout of 987d792> bash benchmarks/gpu_round27.sh final
 #       # decode_probe.py --quick in this checkout and $OLD (back-to-back host time per call, graph replay), then the
 #       # decode grid once more in this checkout (MQA twice, GQA 32/8 once): the committed decode results
+#   bash benchmarks/gpu_round27.sh gate192
+#       # short_forward_probe.py --cells d192: both Gluon 192 kernels at every mask, 1024-8192 keys, against cuDNN
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -79,7 +81,10 @@ case "${1:-}" in
       decode_grid "${grid#*:}" "bench-decode-${grid%:*}" 100
       summary "$(ls "$OUT/bench-decode-${grid%:*}"/*.json)"
     done ;;
+  gate192)
+    OUT="$OUT/probe-d192" timeout 300 python3 benchmarks/short_forward_probe.py --cells d192 > "$OUT/probe-d192.txt" 2>&1
+    echo "probe d192 rc $?"; tail -17 "$OUT/probe-d192.txt" | cut -c1-250 ;;
   *)
-    echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long|final" >&2
+    echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long|final|gate192" >&2
     exit 2 ;;
 esac

@@ -17,11 +17,15 @@ head_dim 128 causal the 64x64 tile with and without TMA; each entry timed three 
 cells below: shipped, cuDNN and every Gluon kernel at that head_dim (the persistent ones' causal
 tile order, round 22), three times in turns.
 
+``--cells d192`` times head_dim 192 (the bench sweep's 10 heads), full and causal, 1024 to 8192
+keys, fp16 and bf16: shipped, cuDNN and both Gluon 192 kernels (one tile per program and
+persistent), three times in turns - which kernel the gate should send each mask to.
+
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
 cuDNN, for A/Bs of one commit against another in separate processes.
 
-    OUT=DIR python benchmarks/short_forward_probe.py [--cells short|gate|tiles|causal|prefill]   # writes $OUT/short_fwd_<cells>.json
+    OUT=DIR python benchmarks/short_forward_probe.py [--cells short|gate|tiles|causal|d192|prefill]   # writes $OUT/short_fwd_<cells>.json
 """
 
 import argparse
@@ -90,6 +94,12 @@ def causal_cells():
     yield from prefill_cells()
 
 
+def d192_cells():
+    for n, causal, dtype in itertools.product((1024, 2048, 4096, 8192), (False, True), (torch.float16, torch.bfloat16)):
+        yield {"b": 32768 // n, "h": 2048 // 192, "h_kv": 2048 // 192, "n": n, "d": 192, "causal": causal,
+               "dtype": dtype, "layout": "dense"}
+
+
 def prefill_cells():
     for h, h_kv, d in ((32, 8, 64), (12, 2, 128)):
         yield {"b": 4, "h": h, "h_kv": h_kv, "n": 2048, "d": d, "causal": True, "dtype": torch.bfloat16,
@@ -118,7 +128,7 @@ def launches(cell, q, k, v, cells: str) -> dict:
             calls[f"cfg {cfg}"] = lambda cfg=cfg: flash.flash_attention(q, k, v, causal=causal, launch={"fwd": cfg})
     elif cells == "gate":
         calls["portable"] = lambda: portable(q, k, v, causal)
-    if cells not in ("short", "causal"):
+    if cells not in ("short", "causal", "d192"):
         return calls
     if cells == "short":
         for cfg in dict.fromkeys([*tuning.candidates("fwd", cell["d"], cell["dtype"]), *EXTRA[cell["d"]]]):
@@ -148,11 +158,11 @@ def timed(fn, ref) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "prefill"), default="short")
+    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "d192", "prefill"), default="short")
     opts = parser.parse_args()
     cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells, "causal": causal_cells,
-                  "prefill": prefill_cells}[opts.cells]())
-    repeats = 3 if opts.cells in ("gate", "tiles", "causal") else 1
+                  "d192": d192_cells, "prefill": prefill_cells}[opts.cells]())
+    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d192") else 1
     prepared = [(cell, *inputs(cell)) for cell in cells]
     start = time.perf_counter()
     batch = warmup.Batch()
