@@ -271,6 +271,14 @@ def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
     assert reason == why if why is None else why in reason
 
 
+def test_head_dim_192_causal_runs_persistent_below_8192_keys():
+    # round 27's probe (NOTES v27): the persistent kernel's serpentine tiles 1.01-1.10x "d192" from
+    # 1024 to 4096 causal keys, 0.98x at 8192
+    assert [flash_hopper.kernel_for(192, True, n, 2560) for n in (17, 1024, 8191, 8192, 16384)] == \
+        ["d192-persistent"] * 3 + ["d192"] * 2
+    assert flash_hopper.kernel_for(192, False, 8192, 1) == "d192-persistent"
+
+
 def test_gate_table_picks_the_last_row_reached(monkeypatch):
     monkeypatch.setattr(flash_hopper, "GATE", {(128, True): ((0, 0, "d128-persistent"), (2048, 0, "d128"),
                                                              (4096, 100, "d128-m64"), (65536, 0, None))})

@@ -167,8 +167,11 @@ GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     (128, False): ((512, 1024, "d128-persistent"), (2048, 0, "d128-persistent"), (4096, 0, "d128")),
     (128, True): ((512, 4096, "d128-m64-persistent"), (1024, 4096, "d128-persistent"), (2048, 0, "d128"),
                   (2048, 768, "d128-persistent")),
+    # Round 27's (short_forward_probe.py --cells d192, NOTES v27, O stored by TMA): 192 causal on the
+    # persistent kernel below 8192 keys (1.10x "d192" at 1024 keys, 1.04-1.07x at 2048, 1.01-1.04x at
+    # 4096; 0.98x at 8192)
     (192, False): ((0, 0, "d192-persistent"),),
-    (192, True): ((0, 0, "d192"),),
+    (192, True): ((0, 0, "d192-persistent"), (8192, 0, "d192")),
     (256, False): ((0, 0, "d256-base"),),
     (256, True): ((0, 0, "d256-base"),),
 }
