@@ -19,7 +19,8 @@
 #       # short_forward_probe.py --cells d192: both Gluon 192 kernels at every mask, 1024-8192 keys, against cuDNN
 #   bash benchmarks/gpu_round27.sh confirm
 #       # after head_dim 192 causal moved to the persistent kernel: the Gluon forward's GPU tests, then the 192
-#       # forward against cuDNN twice (the committed head_dim 192 results)
+#       # forward against cuDNN twice (the committed head_dim 192 results), then the short forwards (N 512/1024,
+#       # head_dim 64/128) once: the one-block kernels' normalization moved into their TMA store
 # On an image without pydantic, carry its wheels in .whl/ (see the device tool's README).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -92,7 +93,8 @@ case "${1:-}" in
     grep -E "FAILED|Error" "$OUT/gpu-tests-confirm.log" | head -20
     for run in this-3 this-4; do
       fwd_bench "$run" fwd-d192 95 --dtype bf16,fp16 --seq-lens 1024,2048,4096,8192 --head-dims 192 --causal both
-    done ;;
+    done
+    fwd_bench this-1 fwd-short 95 --dtype fp16,bf16 --seq-lens 512,1024 --head-dims 64,128 --causal both ;;
   *)
     echo "usage: OLD=<checkout> bash benchmarks/gpu_round27.sh d192|decode|long|final|gate192|confirm" >&2
     exit 2 ;;
