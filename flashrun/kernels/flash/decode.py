@@ -415,7 +415,8 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     slopes = alibi_slopes
     options = (causal, window, softcap, sm_scale)
     if not (type(causal) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
-            and type(window[1]) is int and type(softcap) in (float, int) and type(sm_scale) in (float, int, type(None))):
+            and type(window[1]) is int and type(softcap) in (float, int)
+            and type(sm_scale) in (float, int, type(None))):
         options = _hashable(options)  # (a bad value only has to fail its check, once)
     key = ("kvcache", *[_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
                         for t in (q, k_cache, v_cache, k, v, block_table, slopes)], options,
