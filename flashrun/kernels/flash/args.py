@@ -280,6 +280,13 @@ class Variant:
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
+def plain_options(causal, window, softcap, sm_scale) -> bool:
+    """Whether a call's options are of the plain types a plan's key may hold as they are (a bool,
+    a tuple of two ints, numbers): anything else is checked on every call."""
+    return (type(causal) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int and type(softcap) in (float, int) and type(sm_scale) in (float, int, type(None)))
+
+
 def _window_arg(window) -> tuple[int, int]:
     if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int \
             and window[0] >= -1 and window[1] >= -1:  # the usual call, without the ABC checks below (~4 us)

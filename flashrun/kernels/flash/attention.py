@@ -109,6 +109,7 @@ from flashrun.kernels.flash.args import (
     across_heads,
     check_inputs,
     dot_options,
+    plain_options,
     split_outputs,
     split_result,
 )
@@ -565,9 +566,7 @@ def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes) -> _
     the same plain-typed arguments (bool, a tuple of two ints, a number, no ALiBi), skips the checks
     (10.7 µs of Python against 4.7 for the lookup on a 2-core CPU, where a B1 decode call's kernels
     take ~17 µs on the H200; NOTES v20). Anything else is checked every time."""
-    plain = (alibi_slopes is None and type(causal) is bool and type(window) is tuple and len(window) == 2
-             and type(window[0]) is int and type(window[1]) is int and type(softcap) in (float, int)
-             and type(sm_scale) in (float, int, type(None))
+    plain = (alibi_slopes is None and plain_options(causal, window, softcap, sm_scale)
              and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
     metas = (_meta(q), _meta(k), _meta(v)) if plain else None
     if plain:

@@ -50,6 +50,7 @@ from flashrun.kernels.flash.args import (
     _split_head_dim,
     _variant,
     dot_options,
+    plain_options,
 )
 from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
 from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta, keep
@@ -414,9 +415,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     Returns (B, Sq, H, D). No host sync: the call can be captured in a CUDA graph."""
     slopes = alibi_slopes
     options = (causal, window, softcap, sm_scale)
-    if not (type(causal) is bool and type(window) is tuple and len(window) == 2 and type(window[0]) is int
-            and type(window[1]) is int and type(softcap) in (float, int)
-            and type(sm_scale) in (float, int, type(None))):
+    if not plain_options(causal, window, softcap, sm_scale):
         options = _hashable(options)  # (a bad value only has to fail its check, once)
     key = ("kvcache", *[_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
                         for t in (q, k_cache, v_cache, k, v, block_table, slopes)], options,
