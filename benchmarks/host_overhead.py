@@ -12,7 +12,7 @@ a no-op instead of Triton (so neither Triton's per-call launch nor the GPU is ti
 mean host time per forward call over 2000 calls, without and with autograd, on the same shapes,
 then per backward call (``torch.autograd.grad`` of one kept forward, and flashrun's
 ``_attn_backward`` alone; GQA 4:1; the portable backward, since CPU tensors never take the Gluon
-one):
+one), then per decode call and KV-cache call without autograd (:func:`stubbed_decode`):
 
     python benchmarks/host_overhead.py --stubbed
 """
@@ -66,6 +66,39 @@ def stubbed() -> None:
             print(f"B{b} H{h} N{n} D{d} fp16 {'causal' if causal else 'full':6}: flashrun's own host time "
                   f"{times[0]:.1f} us/call, {times[1]:.1f} us with autograd (launch stubbed)")
         stubbed_backward(flash_attention)
+    stubbed_decode()
+
+
+def stubbed_decode() -> None:
+    """Host time per decode call without autograd (B1 MQA 32/1 x 16k keys, D128 bf16) and per
+    KV-cache call (the same cache as (B, N, H_kv, D), lengths a device tensor), every kernel launch
+    a no-op: the minimum over 15 rounds of 500 calls (a noisy 2-core CPU's medians wander)."""
+    from flashrun.kernels import flash_attention, flash_attention_with_kvcache
+    from flashrun.kernels.flash import attention, decode, launch
+
+    attention.check_inputs = lambda *a, **k: None  # "tensors on the CPU": they are, here
+    decode._multiprocessors = lambda device: 132
+    decode._check_device = lambda q: None
+    decode._current_stream = lambda device: 0
+    launch._Launch.__call__ = lambda self, stream, *args: None
+    q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 16384, 128, dtype=torch.bfloat16)
+    kc = k.transpose(1, 2).contiguous()
+    lengths = torch.full((1,), 16384, dtype=torch.int32)
+    calls = {"decode B1 H32/1 N16384 D128 bf16": lambda: flash_attention(q, k, k),
+             "KV cache, the same": lambda: flash_attention_with_kvcache(q.transpose(1, 2), kc, kc, lengths)}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(50):
+                fn()
+            rounds = []
+            for _ in range(15):
+                start = time.perf_counter()
+                for _ in range(500):
+                    fn()
+                rounds.append((time.perf_counter() - start) / 500 * 1e6)
+            print(f"{name}: flashrun's own host time min {min(rounds):.1f} us/call, median "
+                  f"{sorted(rounds)[7]:.1f} (no autograd, launches stubbed)")
 
 
 def stubbed_backward(flash_attention) -> None:
