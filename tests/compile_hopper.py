@@ -1,7 +1,7 @@
 """Compile the Gluon sm_90 forward (flashrun/kernels/flash/hopper_jit.py) for a Hopper GPU on a
 machine without one: every kernel in flash_hopper.KERNELS (a persistent one is the same binary as
 its one-program-per-tile twin, compiled once), fp16 and bf16, causal and not; report what the PTX
-holds (wgmma, TMA, mbarrier, setmaxnreg), the threads launched, shared memory and the registers
+holds (wgmma, those of them with A from registers - "rs" -, TMA, mbarrier, setmaxnreg), the threads launched, shared memory and the registers
 and spills ptxas reports.
 
     python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR]
@@ -93,7 +93,7 @@ def check_one(job) -> tuple[bool, str]:
         return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-3:])
     ptx = kernel.asm["ptx"]
     counts = {name: len(re.findall(pat, ptx)) for name, pat in (
-        ("wgmma", r"wgmma\.mma_async"), ("tma", r"cp\.async\.bulk\.tensor"),
+        ("wgmma", r"wgmma\.mma_async"), ("rs", r"wgmma\.mma_async[^;{]*\{[^}]*\},\s*\{"), ("tma", r"cp\.async\.bulk\.tensor"),
         ("mbarrier", r"mbarrier\."), ("setmaxnreg", r"setmaxnreg"))}
     regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
     threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx)

@@ -8,6 +8,7 @@ Whether the kernel compiles for sm_90 is tests/compile_hopper.py's job (run belo
 
 import json
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -233,6 +234,15 @@ def test_compiles_for_hopper(python):
     for line in result.stdout.splitlines():
         if line.startswith("ok ") and "ptxas:" in line and "(no bundled ptxas)" not in line:
             assert "spill stores/loads 0/0 B" in line, line
+        if line.startswith("ok "):
+            # q_regs: every wgmma takes A from registers (S's Q as P V's P) - but where a second
+            # column block meets a causal mask, whose first block's S reads Q from shared memory
+            names, _, mask = line.split()[1:4]
+            cfg = flash_hopper.KERNELS[names.split("/")[0]]
+            wgmma, rs = (int(re.search(rf"\b{what} (\d+)", line).group(1)) for what in ("wgmma", "rs"))
+            one_block = flash_hopper.split_head_dim(cfg.head_dim)[1] == 0
+            assert (rs == wgmma) == (cfg.q_regs and (one_block or mask == "full:")), line
+            assert rs > 0, line  # P V's P always
 
 
 def test_tma_alignment():

@@ -86,6 +86,7 @@ class HopperConfig:
     # the producer's warpgroup 128 x 24); one consumer: 8 warps x 32 x 128 x 2 programs <= 65536
     # (128 x 232 + 128 x 24 = 256 x 128)
     maxnreg: int = 168
+    q_regs: bool = False  # Q as QKᵀ's register operand (RS wgmma): S reads only K from shared memory
 
     @property
     def block_m(self) -> int:
@@ -130,15 +131,18 @@ def programs_per_sm(cfg: HopperConfig) -> int:
 # persistent and one-consumer kernels ("-m64"), 192 and 256 are gluon_probe.py's candidates.
 KERNELS = {
     "d64": HopperConfig(64, block_n=128, stages=4),
-    "d64-persistent": HopperConfig(64, block_n=128, stages=4, persistent=True),
+    # Q in registers (NOTES v28): 1.02-1.07x at 1024-16384 keys, full mask; 1.02-1.04x causal to 4096
+    "d64-persistent": HopperConfig(64, block_n=128, stages=4, persistent=True, q_regs=True),
     "d64-m64": HopperConfig(64, block_n=128, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
     "d128": HopperConfig(128, block_n=128, stages=3),
     "d128-persistent": HopperConfig(128, block_n=128, stages=3, persistent=True),
     "d128-m64": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
     "d128-m64-persistent": HopperConfig(128, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128,
                                         persistent=True),
-    "d192": HopperConfig(192, block_n=64, stages=3),
-    "d192-persistent": HopperConfig(192, block_n=64, stages=3, persistent=True),
+    # 192's 64-key blocks make S's wgmma m64n64k16: from shared memory A and B would take every
+    # byte per clock the SM's shared memory gives; Q in registers halves that (NOTES v28)
+    "d192": HopperConfig(192, block_n=64, stages=3, q_regs=True),
+    "d192-persistent": HopperConfig(192, block_n=64, stages=3, persistent=True, q_regs=True),
     "d256": HopperConfig(256, block_n=64, stages=2),
     "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
     "d256-n32": HopperConfig(256, block_n=32, stages=4),
@@ -334,7 +338,8 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
-                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")), TMA_O=out)
+                      ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")), TMA_O=out,
+                      Q_REGS=cfg.q_regs)
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))

@@ -16,7 +16,9 @@ Three kinds of partition (``gl.warp_specialize``):
     (expect-tx) and an empty mbarrier that every consumer arrives on;
   * ``CONSUMERS`` consumers (the default partition and, with two, a 4-warp worker; one warpgroup
     each, 240 registers): consumer c owns rows [64c, 64c + 64) of the tile. Per key block:
-    S = Q Kᵀ (async wgmma, Q and K from shared memory), online softmax in base 2 in registers,
+    S = Q Kᵀ (async wgmma, K from shared memory; Q from shared memory too, or with ``Q_REGS``
+    from registers, loaded once per tile, which frees Q's buffer for the next tile at once and
+    halves what S reads from shared memory), online softmax in base 2 in registers,
     P cast to fp16/bf16 in registers as the A operand of O += P V (async wgmma, V from shared
     memory), then the stage is released. Two warpgroups run the same loop on the same stages,
     so the SM scheduler interleaves one's softmax with the other's wgmma; one (64-row tiles, half
@@ -141,10 +143,16 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
         keep = gl.expand_dims(cols, 0) < N_K
         if CAUSAL:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
-        s_val = gl.where(keep, s_val * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_val, 1))
-        # a row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # masked before the scale, which like the unmasked step's follows the row max (qk_scale > 0;
+        # masking the scaled S held both at once: a spill on Triton 3.9 with Q in registers)
+        s_val = gl.where(keep, s_val, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s_val, 1) * qk_scale)
+        s_val = s_val * qk_scale
+        if CAUSAL:
+            # a row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN
+            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:  # (every row sees the block's first key)
+            m_sub = m_new
     else:
         m_new = gl.maximum(m_i, gl.max(s_val, 1) * qk_scale)
         s_val = s_val * qk_scale
@@ -219,7 +227,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
               v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
               qk_scale, C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              ACROSS: gl.constexpr, TMA_O: gl.constexpr):
+              ACROSS: gl.constexpr, TMA_O: gl.constexpr, Q_REGS: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -229,6 +237,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D1, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -240,12 +249,18 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     K_AND_V: gl.constexpr = TMA_O and BLOCK_N < CONSUMERS * HALF_M_C
     VIA_V: gl.constexpr = K_AND_V and C == 1
     O_ROW0: gl.constexpr = 0 if K_AND_V else C * HALF_M_C
+    # Q_REGS: which of Q's column blocks S takes from registers. Both but where a second block
+    # meets a causal mask: there the first stays in shared memory (with both in registers
+    # Triton 3.9 spilled the causal consumer, NOTES v28). Q_FREE: Q's buffer is free once loaded.
+    Q0_REGS: gl.constexpr = Q_REGS and (HEAD_D1 == 0 or not CAUSAL)
+    Q1_REGS: gl.constexpr = Q_REGS and HEAD_D1 > 0
+    Q_FREE: gl.constexpr = Q0_REGS and (Q1_REGS or HEAD_D1 == 0)
 
-    q = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
+    q_view = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
     if HEAD_D1 > 0:
-        q1 = q1_smem.index(C).reshape([HALF_M_C, HEAD_D1])
+        q1_view = q1_smem.index(C).reshape([HALF_M_C, HEAD_D1])
     else:
-        q1 = q
+        q1_view = q_view
     s_zero = gl.zeros([HALF_M_C, BLOCK_N], gl.float32, layout=s_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
@@ -267,6 +282,17 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         acc1 = gl.zeros([HALF_M_C, D1], gl.float32, layout=o1_layout)
 
         mbarrier.wait(q_bars.index(C), tile_i & 1)
+        # Q as wgmma's register operand (Q_REGS): S reads only K from shared memory
+        if Q0_REGS:
+            q = q_view.load(q_layout)
+        else:
+            q = q_view
+        if Q1_REGS:
+            q1 = q1_view.load(q_layout)
+        else:
+            q1 = q1_view
+        if Q_FREE:
+            mbarrier.arrive(q_empty.index(C), count=1)  # the producer may load the next tile's Q
         if OVERLAP:
             # FA3's intra-warpgroup pipelining: S of block i is issued, then P V of block i - 1, and
             # block i's softmax runs while that P V is on the tensor cores. wgmma groups complete in
@@ -295,7 +321,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
+                if not Q_FREE:
+                    mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
                 if TMA_O:
                     mbarrier.arrive(k_done, count=1)  # ... and has read the last stage's K
                 last = (it + n_blocks - 1) % STAGES
@@ -306,7 +333,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                     mbarrier.arrive(v_done, count=1)
                 if not TMA_O:  # (else the stage goes back once O has left it, below)
                     mbarrier.arrive(empty_bars.index(last), count=1)
-            else:
+            elif not Q_FREE:
                 mbarrier.arrive(q_empty.index(C), count=1)
         else:
             for i in range(n_blocks):
@@ -324,7 +351,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
                 mbarrier.arrive(empty_bars.index(s), count=1)
-            mbarrier.arrive(q_empty.index(C), count=1)
+            if not Q_FREE:
+                mbarrier.arrive(q_empty.index(C), count=1)
 
         # epilogue: normalize; a row that saw no key outputs 0 and LSE = -inf
         seen = l_i > 0.0
@@ -396,7 +424,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
              Z, H, N_Q, N_K, qk_scale,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr,
+             Q_REGS: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
@@ -447,11 +476,11 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                          k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         CAUSAL, OVERLAP, ACROSS, TMA_O, Q_REGS)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                          k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, 1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         CAUSAL, OVERLAP, ACROSS, TMA_O, Q_REGS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
@@ -461,7 +490,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                          k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, OVERLAP, ACROSS, TMA_O)),
+                         CAUSAL, OVERLAP, ACROSS, TMA_O, Q_REGS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
