@@ -263,8 +263,10 @@ def test_tma_alignment():
     (128, 512, 4096, True, None), (128, 512, 4095, True, "fewer than 4096 query tiles of 128 rows at 512 keys"),
     (128, 256, 4096, True, "fewer than 512 keys"), (64, 1024, 1024, False, None),
     (64, 1024, 1023, False, "fewer than 1024 query tiles"), (64, 2048, 1, False, None),
-    (64, 512, 1024, False, "fewer than 1024 keys"), (64, 2048, 8191, True, "fewer than 8192 query tiles"),
-    (64, 2048, 8192, True, None), (64, 4096, 8191, True, "fewer than 8192 query tiles of 128 rows at 4096 keys"),
+    (64, 512, 1024, False, "fewer than 1024 keys"), (64, 2048, 2047, True, "fewer than 2048 query tiles"),
+    (64, 2048, 2048, True, None), (64, 4096, 2047, True, "fewer than 2048 query tiles of 128 rows at 4096 keys"),
+    (64, 1024, 8192, True, None), (64, 1024, 8191, True, "fewer than 8192 query tiles of 128 rows at 1024 keys"),
+    (64, 512, 8192, True, "head_dim 64 causal with fewer than 1024 keys"),
     (64, 8192, 1, True, None), (256, 40, 1, False, None),
     (256, 40, 1, True, None), (192, 40, 1, True, None), (192, 4096, 1, False, None), (96, 4096, 1, False, "head_dim 96")])
 def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
@@ -272,7 +274,8 @@ def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
     # at every length; round 12's (NOTES v12): 128 causal from 2048 keys (was 4096); round 14's
     # (NOTES v14): with 1024 query tiles or more, 128 from 512 keys and 64 from 1024; round 22's (NOTES
     # v22): causal on the persistent kernels, 128 from 1024 keys with 4096 tiles, 64 from 2048 keys
-    # with 8192 tiles; round 26's (NOTES v26): 128 causal from 512 keys with 4096 tiles
+    # with 8192 tiles; round 26's (NOTES v26): 128 causal from 512 keys with 4096 tiles; round 28's
+    # (NOTES v28): 64 causal from 1024 keys with 8192 tiles and from 2048 with 2048
     q = torch.empty(1, tiles, 128, head_dim, dtype=torch.float16)  # one 128-row tile per head
     k = torch.empty(1, 1, n_k, head_dim, dtype=torch.float16)
     assert flash_hopper.query_tiles(q) == tiles

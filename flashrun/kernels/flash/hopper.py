@@ -167,7 +167,10 @@ GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     # keys with 768 (1.07x "d128"; qwen2-1b's prefill, 768 tiles: 1.11x). Round 26's (--cells causal,
     # NOTES v26, with O stored by TMA): at 128 from 512 keys with 4096 tiles the one-consumer
     # persistent kernel (0.92-0.94x cuDNN, the portable kernel 0.80)
-    (64, True): ((2048, 8192, "d64-persistent"), (8192, 0, "d64")),
+    # Round 28's (--cells causal, NOTES v28, d64-persistent with Q in registers): at 64 also from 1024
+    # keys with 8192 tiles (1.07-1.08x the portable kernel) and from 2048 with 2048 (llama-1b's
+    # prefill: 1.04x)
+    (64, True): ((1024, 8192, "d64-persistent"), (2048, 2048, "d64-persistent"), (8192, 0, "d64")),
     (128, False): ((512, 1024, "d128-persistent"), (2048, 0, "d128-persistent"), (4096, 0, "d128")),
     (128, True): ((512, 4096, "d128-m64-persistent"), (1024, 4096, "d128-persistent"), (2048, 0, "d128"),
                   (2048, 768, "d128-persistent")),
