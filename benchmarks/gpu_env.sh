@@ -1,6 +1,6 @@
 # Sourced by the device scripts, from the repo root: $OUT (default ./gpu-session) made, pydantic's
 # wheels from .whl/ installed where the image lacks them (see the device tool's README), the repo
-# on PYTHONPATH, Python's output unbuffered, and model_speed, checks, gpu_tests, tree_of, fwd_host and decode_grid (below) defined. Each script
+# on PYTHONPATH, Python's output unbuffered, and model_speed, checks, gpu_tests, tree_of, fwd_host, fwd_bench and decode_grid (below) defined. Each script
 # sets its own COLUMNS.
 OUT=${OUT:-$PWD/gpu-session}
 mkdir -p "$OUT"
@@ -45,6 +45,14 @@ fwd_host() {  # fwd_host.py in the checkout of each run label given (OLD gets th
       > "$OUT/fwd-host-$run.txt" 2>&1
     echo "fwd host $run rc $?"; head -15 "$OUT/fwd-host-$run.txt"
   done
+}
+
+fwd_bench() {  # $1: run label (this-N / old-N), $2: name, $3: seconds, then flashrun bench's shape options
+  local run=$1 name=$2 limit=$3
+  shift 3
+  (cd "$(tree_of "$run")" && timeout "$limit" python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn \
+    --mode fwd --set bench.rep_ms=25 "$@" --out "$OUT/$name-$run") > "$OUT/$name-$run.txt" 2>&1
+  echo "$name $run rc $?"; grep -E "^(B[0-9]|flash )" "$OUT/$name-$run.txt" | paste - - | tr -s " " | cut -c1-110
 }
 
 gpu_tests() {  # $1: the log's name under $OUT, $2: seconds allowed, $3: pytest's -k expression over tests/test_gpu.py

@@ -26,14 +26,6 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=120
 
-fwd_bench() {  # $1: run label (this-N / old-N), $2: name, $3: seconds, then flashrun bench's shape options
-  local run=$1 name=$2 limit=$3
-  shift 3
-  (cd "$(tree_of "$run")" && timeout "$limit" python3 -m flashrun bench -k flash -p sdpa-cudnn --baseline sdpa-cudnn \
-    --mode fwd --set bench.rep_ms=25 "$@" --out "$OUT/$name-$run") > "$OUT/$name-$run.txt" 2>&1
-  echo "$name $run rc $?"; grep -E "^(B[0-9]|flash )" "$OUT/$name-$run.txt" | paste - - | tr -s " " | cut -c1-110
-}
-
 summary() {  # flash / cuDNN over a bench JSON's cells: median, min, cells below 0.85
   python3 - "$1" <<'PY'
 import json, statistics, sys

@@ -21,11 +21,15 @@ tile order, round 22), three times in turns.
 keys, fp16 and bf16: shipped, cuDNN and both Gluon 192 kernels (one tile per program and
 persistent), three times in turns - which kernel the gate should send each mask to.
 
+``--cells lengths`` times head_dim 64 and 128, bf16, full and causal, at 1024, 4096 and 16384 keys:
+shipped, cuDNN and every Gluon kernel at that head_dim, three times in turns (round 28: Q as QKᵀ's
+register operand, the ``-qregs`` kernels, against the shipped ones).
+
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
 cuDNN, for A/Bs of one commit against another in separate processes.
 
-    OUT=DIR python benchmarks/short_forward_probe.py [--cells short|gate|tiles|causal|d192|prefill]   # writes $OUT/short_fwd_<cells>.json
+    OUT=DIR python benchmarks/short_forward_probe.py [--cells short|gate|tiles|causal|d192|lengths|prefill]   # writes $OUT/short_fwd_<cells>.json
 """
 
 import argparse
@@ -100,6 +104,12 @@ def d192_cells():
                "dtype": dtype, "layout": "dense"}
 
 
+def lengths_cells():
+    for n, d, causal in itertools.product((1024, 4096, 16384), (64, 128), (False, True)):
+        yield {"b": 32768 // n, "h": 2048 // d, "h_kv": 2048 // d, "n": n, "d": d, "causal": causal,
+               "dtype": torch.bfloat16, "layout": "dense"}
+
+
 def prefill_cells():
     for h, h_kv, d in ((32, 8, 64), (12, 2, 128)):
         yield {"b": 4, "h": h, "h_kv": h_kv, "n": 2048, "d": d, "causal": True, "dtype": torch.bfloat16,
@@ -128,7 +138,7 @@ def launches(cell, q, k, v, cells: str) -> dict:
             calls[f"cfg {cfg}"] = lambda cfg=cfg: flash.flash_attention(q, k, v, causal=causal, launch={"fwd": cfg})
     elif cells == "gate":
         calls["portable"] = lambda: portable(q, k, v, causal)
-    if cells not in ("short", "causal", "d192"):
+    if cells not in ("short", "causal", "d192", "lengths"):
         return calls
     if cells == "short":
         for cfg in dict.fromkeys([*tuning.candidates("fwd", cell["d"], cell["dtype"]), *EXTRA[cell["d"]]]):
@@ -158,11 +168,12 @@ def timed(fn, ref) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "d192", "prefill"), default="short")
+    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "d192", "lengths", "prefill"),
+                        default="short")
     opts = parser.parse_args()
     cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells, "causal": causal_cells,
-                  "d192": d192_cells, "prefill": prefill_cells}[opts.cells]())
-    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d192") else 1
+                  "d192": d192_cells, "lengths": lengths_cells, "prefill": prefill_cells}[opts.cells]())
+    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d192", "lengths") else 1
     prepared = [(cell, *inputs(cell)) for cell in cells]
     start = time.perf_counter()
     batch = warmup.Batch()
