@@ -3,11 +3,13 @@
 # the repo root, results under $OUT (or ./gpu-session):
 #   bash benchmarks/gpu_round28.sh qregs
 #       # Q as QKᵀ's register operand at head_dim 192 ("d192-qregs", "d192-qregs-persistent"): the GPU tests of
-#       # every 192 kernel, then short_forward_probe.py --cells d192 (all four 192 kernels, shipped and cuDNN in turns)
+#       # every 192 kernel, then short_forward_probe.py --cells d192 (all four 192 kernels, shipped and cuDNN in turns;
+#       # the -qregs kernels were then folded into "d192" and "d192-persistent": today two kernels are timed)
 #   bash benchmarks/gpu_round28.sh confirm
 #       # after both 192 kernels took Q in registers: the Gluon forward's GPU tests (every kernel, the -qregs ones at
 #       # 64 and 128 too), short_forward_probe.py --cells lengths (64 and 128, 1k-16k keys: every Gluon kernel, the
-#       # -qregs ones among them), then the 192 forward against cuDNN twice (the committed head_dim 192 results)
+#       # -qregs ones among them: since folded into d64-persistent or dropped), then the 192 forward against cuDNN twice
+#       # (with both of Q's column blocks in registers also where causal: h200-v28-fwd-d192-confirm-*)
 #   OLD=<a checkout of 3fb0cc0> bash benchmarks/gpu_round28.sh final
 #       # the shipped kernels (192 with Q's second block in registers where causal, the softmax's masked step): the
 #       # Gluon forward's GPU tests, the 192 forward against cuDNN twice (the committed head_dim 192 results), the
