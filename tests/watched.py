@@ -25,8 +25,11 @@ class Watched:
     def __init__(self, args: list[str], env: dict[str, str], stdout: Path) -> None:
         self._stdout = stdout
         self._out = stdout.open("w")
+        # Ctrl-C's default action in the child, whatever this process inherited (a suite started in
+        # the background by a non-interactive shell ignores SIGINT, and so would every child)
         self.proc = subprocess.Popen([sys.executable, "-m", "flashrun", *args], stdout=self._out,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+                                     stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
