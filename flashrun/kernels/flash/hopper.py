@@ -131,7 +131,7 @@ def programs_per_sm(cfg: HopperConfig) -> int:
 # persistent and one-consumer kernels ("-m64"), 192 and 256 are gluon_probe.py's candidates.
 KERNELS = {
     "d64": HopperConfig(64, block_n=128, stages=4),
-    # Q in registers (NOTES v28): 1.02-1.07x at 1024-16384 keys, full mask; 1.02-1.04x causal to 4096
+    # Q in registers (NOTES v28): 1.03-1.07x at 1024-16384 keys, full mask; 1.02-1.05x causal to 4096
     "d64-persistent": HopperConfig(64, block_n=128, stages=4, persistent=True, q_regs=True),
     "d64-m64": HopperConfig(64, block_n=128, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
     "d128": HopperConfig(128, block_n=128, stages=3),

@@ -251,10 +251,11 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
     O_ROW0: gl.constexpr = 0 if K_AND_V else C * HALF_M_C
     # Q_REGS: which of Q's column blocks S takes from registers. Both but where a second block
     # meets a causal mask: there the first stays in shared memory (with both in registers
-    # Triton 3.9 spilled the causal consumer, NOTES v28). Q_FREE: Q's buffer is free once loaded.
+    # Triton 3.9 spilled the causal consumer, NOTES v28). Q_FREE: Q's buffer is free once loaded,
+    # where its first block is in registers (a second one then is too).
     Q0_REGS: gl.constexpr = Q_REGS and (HEAD_D1 == 0 or not CAUSAL)
     Q1_REGS: gl.constexpr = Q_REGS and HEAD_D1 > 0
-    Q_FREE: gl.constexpr = Q0_REGS and (Q1_REGS or HEAD_D1 == 0)
+    Q_FREE: gl.constexpr = Q0_REGS
 
     q_view = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
     if HEAD_D1 > 0:
