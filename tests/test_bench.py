@@ -26,7 +26,7 @@ import flashrun
 from flashrun.cli import app
 from flashrun.config import BenchConfig, load_config
 from flashrun.errors import GPUFault, InputError, KernelError
-from flashrun.harness import flex, measure, providers, results
+from flashrun.harness import flex, measure, provider, providers, results
 from flashrun.harness.bench import provider_names
 from flashrun.harness.inputs import make_inputs
 from flashrun.harness.judge import Reference
@@ -319,14 +319,14 @@ def test_results_files_mask_a_key_given_on_the_command_line(tmp_path: Path) -> N
 def test_an_oom_cell_says_so_and_the_sweep_goes_on(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_resolve = providers.resolve
 
-    def resolve(name: str, device: torch.device) -> providers.Provider:
+    def resolve(name: str, device: torch.device) -> provider.Provider:
         if name != "torch-naive":
             return real_resolve(name, device)
 
         def fn(q, k, v):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
-        return providers.Provider(name, lambda c, d: providers.Attention(fn))
+        return provider.Provider(name, lambda c, d: provider.Attention(fn))
 
     monkeypatch.setattr(providers, "resolve", resolve)
     result = invoke(*TINY_NO_N, "-p", "torch-naive,sdpa", "--seq-lens", "16,32", "--causal", "no", "--json")
@@ -374,14 +374,14 @@ TINY_CASE = Shape(2, 4, 2, 16, 16, 16, "float32", True)
 TIMING = measure.Timing(warmup_ms=1, rep_ms=2)
 
 
-def run_one(provider: providers.Provider, modes=("fwd", "bwd"), tiny: Shape = TINY_CASE) -> list[measure.Cell]:
+def run_one(provider: provider.Provider, modes=("fwd", "bwd"), tiny: Shape = TINY_CASE) -> list[measure.Cell]:
     sets = measure.make_sets(tiny, CPU, seed=0)
     ref = Reference.for_shape(sets[0], tiny, grads=any(m != "fwd" for m in modes), edges=True)
     return measure.measure(provider, tiny, sets, ref, list(modes), CPU, TIMING)
 
 
-def plain(fn: Callable, backward: bool = True) -> providers.Provider:
-    return providers.Provider("test", lambda c, d: providers.Attention(fn), backward=backward)
+def plain(fn: Callable, backward: bool = True) -> provider.Provider:
+    return provider.Provider("test", lambda c, d: provider.Attention(fn), backward=backward)
 
 
 def naive_fn(q, k, v, causal=True, scale_by=1.0):

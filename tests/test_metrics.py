@@ -26,7 +26,7 @@ from flashrun.harness import (
     metrics,
     probe,
     proton_pass,
-    providers,
+    provider,
     results,
     sweep,
 )
@@ -357,8 +357,8 @@ def run_measure(fake: FakeProbe, monkeypatch: pytest.MonkeyPatch, order: list[st
     cpu = torch.device("cpu")
     sets = measure.make_sets(TINY_CASE, cpu, seed=0)
     ref = Reference.for_shape(sets[0], TINY_CASE, grads=True, edges=True)
-    provider = providers.Provider("test", lambda s, d: providers.Attention(naive))
-    return measure.measure(provider, TINY_CASE, sets, ref, ["fwd", "bwd"], cpu, measure.Timing(1, 2), fake)
+    test = provider.Provider("test", lambda s, d: provider.Attention(naive))
+    return measure.measure(test, TINY_CASE, sets, ref, ["fwd", "bwd"], cpu, measure.Timing(1, 2), fake)
 
 
 def test_metrics_are_gathered_after_each_timing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -283,12 +283,12 @@ def test_flex_mods_express_the_reference(shape):
     only there): the same numbers as the reference."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     from flashrun.harness.flex import block_mask_of, mods
-    from flashrun.harness.providers import _unpacked
+    from flashrun.harness.provider import unpacked
 
     inputs = make_inputs(shape, 0, "cpu")[0]
     mask_mod, score_mod = mods(shape, torch.device("cpu"))
     block_mask = block_mask_of(shape, torch.device("cpu"), mask_mod, flex.create_block_mask)
-    fn = _unpacked(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+    fn = unpacked(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                         enable_gqa=True), shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch is imported only once a bench really runs: option err
     import torch
 
     from flashrun.harness import precompile
-    from flashrun.harness.providers import Provider
+    from flashrun.harness.provider import Provider
 
 
 @dataclass

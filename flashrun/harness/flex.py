@@ -14,7 +14,7 @@ import torch
 from flashrun.errors import KernelError
 from flashrun.harness import kvcache
 from flashrun.harness.inputs import slopes
-from flashrun.harness.providers import Attention, _sequences, _unpacked
+from flashrun.harness.provider import Attention, sequences, unpacked
 from flashrun.harness.reference import expand_kv
 from flashrun.harness.shapes import Shape
 
@@ -55,7 +55,7 @@ def preparer() -> Callable[[Shape, torch.device], Attention]:
                 k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
             return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
 
-        return Attention(_unpacked(fn, shape), note="" if native_gqa or not gqa else "k/v expanded for GQA")
+        return Attention(unpacked(fn, shape), note="" if native_gqa or not gqa else "k/v expanded for GQA")
 
     return prepare
 
@@ -68,7 +68,7 @@ def mods(shape: Shape, device: torch.device) -> tuple[Callable | None, Callable 
     query/key index is mapped to its document and its position in it (attention-gym's document
     mask), so the bottom-right offset, the window and the ALiBi distance are the sequence's own.
     A window side at least as wide as the sequence's keys is unbounded, as in the reference."""
-    spans = _sequences(shape)
+    spans = sequences(shape)
     unbounded = 1 << 30
     doc_q = torch.tensor([b for b, (_, n, _, _) in enumerate(spans) for _ in range(n)], device=device)
     doc_k = torch.tensor([b for b, (_, _, _, n) in enumerate(spans) for _ in range(n)], device=device)
@@ -109,7 +109,7 @@ def block_mask_of(shape: Shape, device: torch.device, mask_mod: Callable | None,
     """The block mask of ``mask_mod`` over the (packed) scores; None when every pair is allowed."""
     if mask_mod is None:
         return None
-    spans = _sequences(shape)
+    spans = sequences(shape)
     return create_block_mask(mask_mod, None, None, sum(s[1] for s in spans), sum(s[3] for s in spans), device=device)
 
 

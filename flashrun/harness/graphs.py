@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 
 from flashrun.errors import KernelError
+from flashrun.harness.provider import Attention, Provider
+from flashrun.harness.shapes import Shape
 
 SUFFIX = "+graph"
 
 
-def graphed(provider):
-    """``provider`` (a :class:`~flashrun.harness.providers.Provider`) captured and replayed."""
-    from flashrun.harness.providers import Attention, Provider
-
-    def prepare(shape, device: torch.device) -> Attention:
+def graphed(provider: Provider) -> Provider:
+    """``provider`` captured and replayed."""
+    def prepare(shape: Shape, device: torch.device) -> Attention:
         if device.type != "cuda":
             raise KernelError("CUDA graphs need a CUDA GPU")
         attn = provider.prepare(shape, device)

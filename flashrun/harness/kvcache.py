@@ -5,7 +5,7 @@ The inputs are FlashAttention's: q ``(B, Nq, H, D)``, k and v the caches (contig
 :func:`~flashrun.harness.inputs.block_table`). Who runs what:
 
   * ``flash`` and users' kernels that take ``cache_seqlens`` (and ``block_table``): the cache
-    itself (:func:`~flashrun.harness.providers.variant_args`);
+    itself (:func:`~flashrun.harness.provider.variant_args`);
   * ``flash-attn``: its ``flash_attn_with_kvcache`` (paged caches with pages of a multiple of
     256 keys, FlashAttention-2's rule);
   * ``flex`` on a paged cache: FlexAttention's paged path (``torch.nn.attention.experimental.
@@ -28,6 +28,7 @@ import torch
 
 from flashrun.errors import KernelError
 from flashrun.harness.inputs import block_table
+from flashrun.harness.provider import Attention, variant_args
 from flashrun.harness.reference import cached_sequence
 from flashrun.harness.shapes import Shape
 
@@ -43,8 +44,6 @@ def gathered(prepare: Callable) -> Callable:
     """``prepare`` (a dense provider's) made to run a KV-cache shape on the gathered cache."""
 
     def prepare_cached(shape: Shape, device: torch.device):
-        from flashrun.harness.providers import Attention
-
         attn = prepare(dense_shape(shape), device)
         table, length = block_table(shape, device), shape.cache_seqlens[0]
         laid_out: dict[int, torch.Tensor] = {}
@@ -70,8 +69,6 @@ def flex_paged(shape: Shape, device: torch.device, flex: Callable, mods: Callabl
     (1, H_kv, pages x page_size, D) sequence, under a block mask whose blocks are pages (the
     logical mask converted through the block table). ``mods(shape, device)``: the dense shape's
     (mask_mod, score_mod)."""
-    from flashrun.harness.providers import Attention
-
     try:
         from torch.nn.attention.experimental._paged_attention import PagedAttention
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -110,8 +107,6 @@ def flex_paged(shape: Shape, device: torch.device, flex: Callable, mods: Callabl
 
 def flash_attn_kvcache(shape: Shape, device: torch.device):
     """Tri Dao's ``flash_attn_with_kvcache`` on the cache (paged: pages of a multiple of 256 keys)."""
-    from flashrun.harness.providers import Attention, variant_args
-
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError as exc:

@@ -44,7 +44,8 @@ import torch
 from flashrun.errors import GPUFault, KernelError, is_oom
 from flashrun.harness.inputs import Inputs, make_inputs
 from flashrun.harness.judge import Comparison, Reference
-from flashrun.harness.providers import Attention, Provider, failure_reason
+from flashrun.harness.provider import Attention, Provider
+from flashrun.harness.providers import failure_reason
 from flashrun.harness.shapes import Shape
 
 if TYPE_CHECKING:

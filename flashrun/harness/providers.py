@@ -1,9 +1,10 @@
-"""Attention providers for ``flashrun bench``, by exact name.
+"""The registry of ``flashrun bench``'s attention providers, by exact name.
 
-A :class:`Provider` prepares, for one :class:`~flashrun.harness.shapes.Shape`, an :class:`Attention`:
-a function ``fn(q, k, v) -> out`` in the (batch, heads, seq, head_dim) layout, with k/v
-possibly holding fewer heads (GQA), plus a ``scope`` entered around checking and timing (the
-forced SDPA backend). Everything that can be built once per shape (masks, block masks,
+A :class:`~flashrun.harness.provider.Provider` prepares, for one
+:class:`~flashrun.harness.shapes.Shape`, an :class:`~flashrun.harness.provider.Attention`: a
+function ``fn(q, k, v) -> out`` in the (batch, heads, seq, head_dim) layout, with k/v possibly
+holding fewer heads (GQA), plus a ``scope`` entered around checking and timing (the forced SDPA
+backend). Everything that can be built once per shape (masks, block masks,
 compiled callables) is built in ``prepare``, outside the timed region.
 
 A provider that cannot serve a shape raises :class:`~flashrun.errors.KernelError` from
@@ -35,27 +36,24 @@ What a provider cannot run is ``n/a`` with the reason.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import inspect
 import math
 import re
 import warnings
-from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from flashrun.errors import InputError, KernelError
 from flashrun.harness import graphs, kvcache
-from flashrun.harness.inputs import block_table, cu_seqlens, slopes
+from flashrun.harness.inputs import slopes
+from flashrun.harness.provider import Attention, Provider, sequences, unpacked, variant_args
 from flashrun.harness.reference import alibi_bias, allowed, causal_mask, expand_kv
 from flashrun.harness.shapes import Shape
 from flashrun.limits import BUILTIN_KERNELS
-
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 KERNELS = BUILTIN_KERNELS  # flash (the faster backward per call), flash-deterministic, flash-atomic
 # SDPA providers and the backend each one forces (None: PyTorch's own dispatch).
@@ -75,26 +73,6 @@ CPU_PROVIDERS = ("torch-naive", "sdpa", "sdpa-math")
 CPU_SCORES_LIMIT_BYTES = 2 << 30
 
 _KERNEL_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
-
-
-@dataclass(frozen=True)
-class Attention:
-    fn: AttnFn
-    scope: Callable[[], ContextManager] = contextlib.nullcontext
-    note: str = ""  # said in the results (e.g. how causal was expressed)
-    path: Callable[[], str | None] | None = None  # which implementation ran (asked after the checked call)
-    backward_path: Callable[[], str | None] | None = None  # the same for its backward
-    # the launch configs its Triton kernels ran since last asked, and where each came from
-    # (flashrun.kernels.Kernel.configs); asked before and after the checked call
-    configs: Callable[[], dict[str, dict[str, str]]] | None = None
-
-
-@dataclass(frozen=True)
-class Provider:
-    name: str
-    prepare: Callable[[Shape, torch.device], Attention] = field(repr=False)
-    backward: bool = True  # False: bwd and fwd_bwd cells are n/a
-    is_kernel: bool = False  # one of ours (or the user's), as opposed to a PyTorch baseline
 
 
 def is_kernel_spec(name: str) -> bool:
@@ -194,50 +172,17 @@ def _check_cpu_scores(shape: Shape, device: torch.device, itemsize: int) -> None
         raise KernelError(f"the scores would take {size / 2**30:.1f} GiB: too large for a CPU run")
 
 
-# -- the variants as tensors --------------------------------------------------------------------------
-def variant_args(shape: Shape, device: torch.device) -> dict:
-    """FlashAttention-2's keyword arguments for ``shape`` (only those it needs), as verify passes them."""
-    args: dict = {}
-    if shape.window != (-1, -1):
-        args["window"] = shape.window
-    if shape.softcap:
-        args["softcap"] = shape.softcap
-    if shape.alibi:
-        args["alibi_slopes"] = slopes(shape, device)
-    if shape.seqlens is not None:
-        args.update(cu_seqlens_q=cu_seqlens(shape.seqlens, device), cu_seqlens_k=cu_seqlens(shape.key_lengths, device),
-                    max_seqlen_q=shape.seq_len, max_seqlen_k=shape.seq_len_k)
-    if shape.cache_seqlens is not None:
-        if shape.new_keys:  # the Attention takes (q, k, v): nothing to append with
-            raise KernelError("bench times KV-cache calls without new keys")
-        args["cache_seqlens"] = torch.tensor(shape.cache_seqlens, dtype=torch.int32, device=device)
-        if shape.page_size:
-            args["block_table"] = block_table(shape, device)
-    return args
-
-
-def _sequences(shape: Shape) -> list[tuple[int, int, int, int]]:
-    """(q start, q length, k start, k length) of each sequence: the packed ones, or the one (1, Nq, Nk)."""
-    if shape.seqlens is None:
-        return [(0, shape.seq_len, 0, shape.seq_len_k)]
-    out, q0, k0 = [], 0, 0
-    for n_q, n_k in zip(shape.seqlens, shape.key_lengths):
-        out.append((q0, n_q, k0, n_k))
-        q0, k0 = q0 + n_q, k0 + n_k
-    return out
-
-
 def _variant_mask(shape: Shape, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(keep, bias)`` over the (packed) scores, made with the reference's own mask and bias:
     ``keep`` bool ``(Nq, Nk)`` (block-diagonal when packed; None when every pair is allowed),
     ``bias`` float32 ``(1, H, Nq, Nk)`` ALiBi (None without ALiBi)."""
-    total_q = sum(n for _, n, _, _ in _sequences(shape))
-    total_k = sum(n for _, _, _, n in _sequences(shape))
+    total_q = sum(n for _, n, _, _ in sequences(shape))
+    total_k = sum(n for _, _, _, n in sequences(shape))
     masked = shape.causal or shape.window != (-1, -1) or shape.seqlens is not None
     keep = torch.zeros(total_q, total_k, dtype=torch.bool, device=device) if masked else None
     bias = torch.zeros(1, shape.num_heads, total_q, total_k, device=device) if shape.alibi else None
     alibi = slopes(shape, device)
-    for q0, n_q, k0, n_k in _sequences(shape):
+    for q0, n_q, k0, n_k in sequences(shape):
         if not n_q or not n_k:
             continue
         if keep is not None:
@@ -245,18 +190,6 @@ def _variant_mask(shape: Shape, device: torch.device) -> tuple[torch.Tensor | No
         if bias is not None:
             bias[:, :, q0:q0 + n_q, k0:k0 + n_k] = alibi_bias(alibi, n_q, n_k)
     return keep, bias
-
-
-def _unpacked(fn: AttnFn, shape: Shape) -> AttnFn:
-    """Packed (total, H, D) inputs as one (1, H, total, D) batch for ``fn``, and back."""
-    if shape.seqlens is None:
-        return fn
-
-    def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = fn(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # (1, H, total, D)
-        return out[0].transpose(0, 1)  # (total, H, D)
-
-    return packed
 
 
 def _naive(shape: Shape, device: torch.device) -> Attention:
@@ -284,7 +217,7 @@ def _naive(shape: Shape, device: torch.device) -> Attention:
             probs = torch.nan_to_num(probs, nan=0.0)
         return torch.matmul(probs, v)
 
-    return Attention(_unpacked(fn, shape))
+    return Attention(unpacked(fn, shape))
 
 
 # -- PyTorch SDPA, one backend forced -------------------------------------------------------------
@@ -352,7 +285,7 @@ def _sdpa(name: str, shape: Shape, device: torch.device) -> Attention:
             k, v = expand_kv(k, shape.num_heads), expand_kv(v, shape.num_heads)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **kwargs)
 
-    fn = _unpacked(fn, shape)
+    fn = unpacked(fn, shape)
     if backend_name is None:
         return Attention(fn, note=note)
     backend = getattr(SDPBackend, backend_name)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # torch is imported only once a bench really runs
     import torch
 
     from flashrun.harness.measure import Cell, Timing
-    from flashrun.harness.providers import Provider
+    from flashrun.harness.provider import Provider
 
 
 @dataclass(frozen=True)
