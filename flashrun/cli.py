@@ -13,16 +13,32 @@ import sys
 import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from flashrun import __version__
+from flashrun.cli_options import (
+    ClusterOpt,
+    ConfigOpt,
+    DeviceOpt,
+    JsonOpt,
+    ListOpt,
+    SetOpt,
+    SettingsOpt,
+    TuneOpt,
+    VerboseOpt,
+    WorkersOpt,
+    causal_choice,
+    ints,
+    split,
+)
 from flashrun.config import Config, load_config
-from flashrun.errors import FlashrunError, InputError
+from flashrun.errors import FlashrunError
 from flashrun.records.redact import RedactingFilter, redact
+from flashrun.records.runlog import find_record, refuse_rerun_conflicts
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -35,65 +51,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-
-# -- options shared by the commands ---------------------------------------------------------
-ConfigOpt = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", help="config.toml to use (default: ./config.toml, else the shipped default).",
-                 show_default=False),
-]
-SettingsOpt = Annotated[
-    Optional[Path],
-    typer.Option("--settings", help="settings.json to use (default: settings.json next to the config).",
-                 show_default=False),
-]
-SetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", help="Override a key: section.key=value, value parsed as TOML (repeatable).",
-                 show_default=False),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail; tracebacks on errors.")]
-DeviceOpt = Annotated[
-    Optional[str],
-    typer.Option("--device", help="auto | cuda | cpu (cpu runs Triton's interpreter).", show_default=False),
-]
-WorkersOpt = Annotated[
-    Optional[int],
-    typer.Option("--workers", "-w", help="Run this many checks (verify) or shapes (bench) at once on Ray workers: "
-                 "a local Ray cluster started for the command, one GPU (or CPU) each; with --cluster, a cap "
-                 "(default \\[cluster].workers = 1: in this process, no Ray).", show_default=False),
-]
-TuneOpt = Annotated[
-    bool, typer.Option("--tune", help="Tune flash's launch config for shapes the shipped tuned table misses (10-20 s "
-                       "per new shape; default: a heuristic config at once; verify: check tuned configs, not each "
-                       "kernel's default).")]
-ClusterOpt = Annotated[
-    Optional[str],
-    typer.Option("--cluster", help="Run on an existing Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
-                 "(default \\[cluster].address).", show_default=False),
-]
-
-
-def _split(values: list[str] | None) -> list[str]:
-    """Options given repeated and/or comma-separated: ``-p a,b -p c`` -> ``[a, b, c]``."""
-    return [part.strip() for value in values or () for part in value.split(",") if part.strip()]
-
-
-def _ints(option: str, values: list[str] | None) -> list[int] | None:
-    parts = _split(values)
-    try:
-        return [int(part) for part in parts] or None
-    except ValueError:
-        raise InputError(f"{option}: expected whole numbers like 512,1024, got {', '.join(parts)!r}") from None
-
-
-def _causal(value: str | None) -> list[bool] | None:
-    choices = {"yes": [True], "no": [False], "both": [False, True]}
-    if value is not None and value not in choices:
-        raise InputError(f"--causal {value!r}: expected yes, no or both")
-    return None if value is None else choices[value]
-
 
 def _version_callback(value: bool) -> None:
     if value:
@@ -143,6 +100,14 @@ def _setup(config: Path | None, settings: Path | None, sets: list[str] | None, v
     return cfg
 
 
+def _show(report: Any, json_out: bool, render: Callable[[], None]) -> None:
+    """A command's report: as JSON on stdout with --json, else rendered for people."""
+    if json_out:
+        out.print_json(data=report.to_json())
+    else:
+        render()
+
+
 # -- verify -------------------------------------------------------------------------------------
 @app.command()
 def verify(
@@ -177,27 +142,26 @@ def verify(
 
     Examples:
 
-      flashrun verify                                   # shipped default config
+      flashrun verify                                # the shipped default config
 
-      flashrun verify --config configs/article.toml     # the article's check
+      flashrun verify --config configs/article.toml  # the article's check
 
       flashrun verify -k experiments/my_attention.py:attention --grad
 
-      flashrun verify --set experiment.seq_len=1025 --set experiment.dtype=bfloat16
+      flashrun verify --set experiment.seq_len=1025 --set experiment.dtype=bf16
 
-      flashrun verify --workers 4 --set verify.seq_len=[1,17,97,128,1025]   # 4 at once, on Ray
+      flashrun verify --workers 4 --set verify.seq_len=[1,17,97,1025]  # on Ray
 
-      flashrun verify --cluster auto --grad                # an existing Ray cluster, every GPU
+      flashrun verify --cluster auto --grad          # an existing Ray cluster
     """
     from flashrun.harness import verify as verify_mod
-    from flashrun.records.runlog import find_record
 
-    flags = {"experiment.kernel": _split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
+    flags = {"experiment.kernel": split(kernel) or None, "experiment.device": device, "experiment.seed": seed,
              "verify.grad": grad or None, "verify.diagnose": diagnose or None, "verify.budget_s": budget,
              "triton.tune": tune or None, "cluster.workers": workers, "cluster.address": cluster}
     with _boundary(verbose):
         if rerun is not None:
-            _refuse_rerun_conflicts(rerun, {"--kernel": kernel, "--cases": cases, "--grad": grad or None,
+            refuse_rerun_conflicts(rerun, {"--kernel": kernel, "--cases": cases, "--grad": grad or None,
                                             "--diagnose": diagnose or None, "--device": device, "--seed": seed,
                                             "--tune": tune or None}, sets)
         cfg = _setup(config, settings, sets, verbose, flags)
@@ -210,24 +174,8 @@ def verify(
         else:
             plan = verify_mod.make_plan(cfg, cases)
         report = verify_mod.run(cfg, plan, console=None if json_out else err, argv=sys.argv[1:])
-        if json_out:
-            out.print_json(data=report.to_json())
-        else:
-            verify_mod.render(report, out, verbose=verbose)
+        _show(report, json_out, lambda: verify_mod.render(report, out, verbose=verbose))
         raise typer.Exit(report.exit_code)
-
-
-def _refuse_rerun_conflicts(run_id: str, given: dict[str, Any], sets: list[str] | None) -> None:
-    """``--rerun`` repeats a recorded plan exactly: options that would change it are refused, not
-    silently ignored. ``--set logging.*`` stays allowed: it only says where the record is."""
-    named = [name for name, value in given.items() if value is not None]
-    named += [f"--set {item}" for item in sets or () if not item.partition("=")[0].strip().startswith("logging.")]
-    if named:
-        raise InputError(
-            f"--rerun {run_id} repeats that run exactly as recorded, so {', '.join(named)} would be ignored",
-            hint=f"drop {'it' if len(named) == 1 else 'them'} to repeat the run, or run without --rerun to change "
-                 f"the plan (`flashrun runs show {run_id}` shows what it ran)",
-        )
 
 
 # -- check-env ----------------------------------------------------------------------------------
@@ -240,16 +188,17 @@ def check_env(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Diagnose Python, PyTorch, driver, CUDA, Triton, ptxas, GPU and API-key setup, with a fix
-    hint for every problem, and prove the stack by running a tiny Triton kernel (through the
-    CPU interpreter when there is no GPU). Exit code 1 when any check fails; a missing API key
-    fails only with --online (only the gateway needs it).
+    """Diagnose the Python, PyTorch, CUDA, driver, Triton, ptxas, GPU and API-key setup.
+
+    Every problem comes with a fix hint; a tiny Triton kernel compiled and run
+    (through the CPU interpreter when there is no GPU) proves the stack. Exit 1
+    when a check fails; a missing API key fails only with --online.
 
     Examples:
 
       flashrun check-env
 
-      flashrun check-env --online            # also ask the gateway for its models
+      flashrun check-env --online          # also ask the gateway for its models
 
       flashrun check-env --json | jq '.checks[] | select(.status != "ok")'
     """
@@ -260,10 +209,7 @@ def check_env(
         # No spinner when stdout is JSON or when -v logs to the same terminal.
         with nullcontext() if json_out or verbose else err.status("checking the environment..."):
             report = envreport.run_checks(cfg, online=online)
-        if json_out:
-            out.print_json(data=report.to_json())
-        else:
-            envreport.render(report, out)
+        _show(report, json_out, lambda: envreport.render(report, out))
         envreport.record(cfg, report, sys.argv[1:])
         raise typer.Exit(report.exit_code)
 
@@ -299,19 +245,19 @@ def gen_cases(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Ask gateway models for test cases (shapes and variants), validate them, save them with provenance.
+    """Ask gateway models for test cases, validate them, save them with provenance.
+
+    An existing cases file is never overwritten without --force.
 
     Examples:
 
-      flashrun gen-cases                                  # api.default_model -> ./cases.json
+      flashrun gen-cases                        # api.default_model -> cases.json
 
-      flashrun gen-cases --all-models --count 20          # compare models: cases, tokens, latency
+      flashrun gen-cases --all-models --count 20  # compare models
 
-      flashrun gen-cases -m gpt-4o -m deepseek-chat --max-seq-len 4096 --out cases/mixed.json
+      flashrun gen-cases -m gpt-4o -m deepseek-chat --max-seq-len 4096
 
       flashrun gen-cases --offline && flashrun verify --cases cases.json
-
-    An existing cases file is never overwritten without --force.
     """
     from flashrun.gateway import gencases
 
@@ -321,19 +267,13 @@ def gen_cases(
         # The status line goes to stderr (never into --json's stdout); not with -v, whose logs share it.
         report = gencases.run(cfg, model, all_models, out=out_file, offline=offline, force=force,
                               console=None if verbose else err)
-        if json_out:
-            out.print_json(data=report.to_json())
-        else:
-            gencases.render(report, out, err)
+        _show(report, json_out, lambda: gencases.render(report, out, err))
         if report.error is not None:
             raise report.error
         raise typer.Exit(report.exit_code)
 
 
 # -- bench --------------------------------------------------------------------------------------
-ListOpt = Optional[list[str]]
-
-
 @app.command()
 def bench(
     config: ConfigOpt = None,
@@ -387,52 +327,48 @@ def bench(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Time attention kernels against PyTorch's best (SDPA backends, FlexAttention, ...) on a GPU.
+    """Time attention kernels against PyTorch's (SDPA backends, FlexAttention, ...) on a GPU.
 
-    Each provider is checked against the reference first; a wrong one gets no time (exit 1).
-
-    Shapes follow the FlashAttention benchmarks: heads = hidden / D, batch = tokens / N.
-
-    Writes <out>/<gpu>-<time>.csv and .json, and a record in runs.jsonl.
+    Each provider is checked against the reference first; a wrong one gets no
+    time (exit 1). Heads = hidden / D and batch = tokens / N, as in the
+    FlashAttention benchmarks. Writes <out>/<gpu>-<time>.csv and .json, and a
+    record in runs.jsonl.
 
     Examples:
 
-      flashrun bench                       # the default sweep: forward, float16
+      flashrun bench                      # the default sweep: forward, float16
 
-      flashrun bench --mode fwd,bwd --dtype float16,bfloat16 --plot bench.png
+      flashrun bench --config benchmarks/suites/forward.toml   # a named suite
 
-      flashrun bench -k flash -p sdpa-cudnn,sdpa-flash --seq-lens 1 --seq-lens-k 4096,16384
+      flashrun bench --mode fwd,bwd --dtype fp16,bf16 --plot bench.png
 
-      flashrun bench -k flash -p sdpa-cudnn --seq-lens 4096 --metrics --profile prof
+      flashrun bench -k flash -p sdpa-cudnn --seq-lens 1 --seq-lens-k 4096,16384
 
-      flashrun bench -k experiments/my_attention.py:attention --compare logs/bench/earlier.json
+      flashrun bench -k flash -p sdpa-cudnn --seq-lens 4096 --metrics
 
-      flashrun bench --device cpu -p torch-naive,sdpa --seq-lens 128 --set bench.tokens=256
+      flashrun bench -k experiments/my_attention.py:attention --compare old.json
 
-      flashrun bench --workers 8                 # a shape per GPU, 8 GPUs at once (Ray)
+      flashrun bench --device cpu -p torch-naive,sdpa --seq-lens 128
 
-      flashrun bench --cluster auto --per-gpu-type -k flash -p sdpa-cudnn   # each GPU type of a cluster
+      flashrun bench --workers 8                  # a shape per GPU, on Ray
     """
     from flashrun.harness import bench as bench_mod
     from flashrun.harness import bench_table
 
     with _boundary(verbose):
         flags = {
-            "bench.providers": _split(provider) or None, "bench.baseline": baseline,
-            "bench.mode": _split(mode) or None, "bench.dtype": _split(dtype) or None,
-            "bench.seq_len": _ints("--seq-lens", seq_lens), "bench.seq_len_k": _ints("--seq-lens-k", seq_lens_k),
-            "bench.head_dim": _ints("--head-dims", head_dims), "bench.causal": _causal(causal),
+            "bench.providers": split(provider) or None, "bench.baseline": baseline,
+            "bench.mode": split(mode) or None, "bench.dtype": split(dtype) or None,
+            "bench.seq_len": ints("--seq-lens", seq_lens), "bench.seq_len_k": ints("--seq-lens-k", seq_lens_k),
+            "bench.head_dim": ints("--head-dims", head_dims), "bench.causal": causal_choice(causal),
             "bench.out": str(out_dir) if out_dir is not None else None, "experiment.device": device,
             "triton.tune": tune or None, "cluster.workers": workers, "cluster.address": cluster,
         }
         cfg = _setup(config, settings, sets, verbose, flags)
-        report = bench_mod.run(cfg, tuple(_split(kernel)), plot, compare, tuple(sys.argv[1:]),
+        report = bench_mod.run(cfg, tuple(split(kernel)), plot, compare, tuple(sys.argv[1:]),
                                console=None if json_out else err, per_gpu_type=per_gpu_type,
                                metrics=metrics, profile=profile)
-        if json_out:
-            out.print_json(data=report.to_json())
-        else:
-            bench_table.render(report, out)
+        _show(report, json_out, lambda: bench_table.render(report, out))
         raise typer.Exit(report.exit_code)
 
 
@@ -452,7 +388,8 @@ def model_cmd(
     kernel: Annotated[Optional[str], typer.Option(
         "--kernel", "-k", help="flash | flash-atomic | flash-deterministic | PATH.py:FUNCTION (default flash).",
         show_default=False)] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence.", show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option(
+        "--seq-len", help="Tokens per sequence.", show_default=False)] = None,
     batch: Annotated[Optional[int], typer.Option("--batch", help="Sequences per batch.", show_default=False)] = None,
     device: DeviceOpt = None,
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Checks only, no timings (on a GPU).")] = False,
@@ -464,37 +401,36 @@ def model_cmd(
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Swap a kernel into a transformers model and check that it is still the same model: logits,
-    one training step's gradients, a 20-step training run and greedy generation, each against a
-    float64/float32 reference and judged against the model's own attention (SDPA, or eager for
-    Gemma-2); on a GPU also prefill, training-step and decode speed and peak memory against sdpa,
-    eager, flex_attention (and flash_attention_2 where installed). Needs flashrun[model].
+    """Swap a kernel into a transformers model and check it is still the same model.
 
-    Exit 1 when a check fails, 2 on bad input.
+    Logits, one training step's gradients, a 20-step training run and greedy
+    generation, each judged against the model's own attention; on a GPU also
+    prefill, training-step and decode speed and peak memory against sdpa, eager
+    and flex_attention. Needs flashrun\\[model]. Exit 1 when a check fails, 2 on
+    bad input.
 
     Examples:
 
-      flashrun model                                  # a mini Llama, CPU interpreter where there is no GPU
+      flashrun model                     # a mini Llama (interpreted on a CPU)
 
-      flashrun model --arch gemma2 --json             # softcap + alternating windows, head_dim 256
+      flashrun model --arch gemma2 --json # softcap, alternating windows, D 256
 
       flashrun model --arch mistral --set model.sliding_window=8
 
-      flashrun model --arch llama --size 1b --seq-len 2048 --batch 4 --plot llama.png   # on a GPU
+      flashrun model --arch llama --size 1b --plot llama.png    # on a GPU
 
       flashrun model -k experiments/my_attention.py:attention --arch qwen2
 
       flashrun model --model ~/checkpoints/my-llama --no-speed
     """
     from flashrun.model import run as model_run
-    from flashrun.records.runlog import find_record
 
     flags = {"model.arch": arch, "model.size": size, "model.path": model_path, "model.kernel": kernel,
              "model.seq_len": seq_len, "model.batch": batch, "experiment.device": device,
              "model.speed": False if no_speed else None}
     with _boundary(verbose):
         if rerun is not None:
-            _refuse_rerun_conflicts(rerun, {"--arch": arch, "--size": size, "--model": model_path,
+            refuse_rerun_conflicts(rerun, {"--arch": arch, "--size": size, "--model": model_path,
                                             "--kernel": kernel, "--seq-len": seq_len, "--batch": batch,
                                             "--device": device, "--no-speed": no_speed or None}, sets)
         cfg = _setup(config, settings, sets, verbose, flags)
@@ -507,10 +443,7 @@ def model_cmd(
         report = model_run.run(cfg, plan, console=None if json_out else err, argv=sys.argv[1:])
         if plot is not None and report.speed:
             report.files.append(str(model_run.plot(report, plot)))
-        if json_out:
-            out.print_json(data=report.to_json())
-        else:
-            model_run.render(report, out)
+        _show(report, json_out, lambda: model_run.render(report, out))
         raise typer.Exit(report.exit_code)
 
 
@@ -547,8 +480,9 @@ def runs(
 ) -> None:
     """List recent runs: id, time, command, kernels, cases, verdict or best TFLOP/s.
 
-    Ids and numbers are never cut, piped or at any width; when the terminal is narrow the time
-    column is left out (the id holds the time to the second) and kernels and outcome wrap.
+    Ids and numbers are never cut, piped or at any width; when the terminal is
+    narrow the time column is left out (the id holds the time to the second) and
+    kernels and outcome wrap.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -572,7 +506,6 @@ def runs_show(
     verbose: VerboseOpt = False,
 ) -> None:
     """Print one recorded run as JSON."""
-    from flashrun.records.runlog import find_record
 
     with _boundary(verbose):
         cfg = _setup(config, settings, sets, verbose)

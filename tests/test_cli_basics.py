@@ -60,6 +60,31 @@ def test_no_arguments_shows_help(cli) -> None:
     assert "check-env" in result.output and "Usage" in result.output
 
 
+COMMANDS = [["verify"], ["check-env"], ["gen-cases"], ["bench"], ["model"], ["init"], ["runs"], ["runs", "show"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_reads_whole_at_80_columns(command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every help line fits 80 columns, and each worked example stays one line (none wraps)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from flashrun.cli import app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    result = CliRunner().invoke(app, [*command, "--help"], prog_name="flashrun")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
+    click_command = typer.main.get_command(app)
+    for name in command:
+        click_command = click_command.commands[name]
+    examples = [line.strip() for line in (click_command.help or "").splitlines() if line.strip().startswith("flashrun ")]
+    shown = {line.strip() for line in lines}
+    assert not [example for example in examples if example not in shown]
+    assert "flashrun[model]" in result.output or command != ["model"]  # not swallowed as rich markup
+
+
 def test_unknown_option_is_a_usage_error(cli) -> None:
     result = cli("check-env", "--bogus")
     assert result.exit_code == 2

@@ -94,3 +94,16 @@ def find_record(log_dir: Path, run_id: str) -> dict[str, Any]:
     if not matches:
         raise InputError(f"no run {run_id!r} in {where}", hint="`flashrun runs` lists the recorded runs")
     raise InputError(f"run id {run_id!r} is ambiguous ({len(matches)} runs match)", hint="give more characters")
+
+
+def refuse_rerun_conflicts(run_id: str, given: dict[str, Any], sets: list[str] | None) -> None:
+    """``--rerun`` repeats a recorded plan exactly: options that would change it are refused, not
+    silently ignored. ``--set logging.*`` stays allowed: it only says where the record is."""
+    named = [name for name, value in given.items() if value is not None]
+    named += [f"--set {item}" for item in sets or () if not item.partition("=")[0].strip().startswith("logging.")]
+    if named:
+        raise InputError(
+            f"--rerun {run_id} repeats that run exactly as recorded, so {', '.join(named)} would be ignored",
+            hint=f"drop {'it' if len(named) == 1 else 'them'} to repeat the run, or run without --rerun to change "
+                 f"the plan (`flashrun runs show {run_id}` shows what it ran)",
+        )
