@@ -310,8 +310,9 @@ def bench(
         "--plot", help="Also draw TFLOP/s against sequence length into this image (e.g. bench.png), and on a "
         "GPU the roofline next to it (bench-roofline.png).",
         show_default=False)] = None,
-    compare: Annotated[Optional[Path], typer.Option(
-        "--compare", help="Print ratios against an earlier results file (.csv or .json).", show_default=False)] = None,
+    compare: Annotated[Optional[list[Path]], typer.Option(
+        "--compare", help="Print ratios against an earlier results file (.csv or .json; repeatable).",
+        show_default=False)] = None,
     metrics: Annotated[bool, typer.Option(
         "--metrics", help="After timing each cell, read why: each Triton kernel's registers, spills, shared "
         "memory, grid, occupancy and waves; GPU against wall time per call; GB/s and the roofline. GPU only.")] = False,
@@ -362,10 +363,11 @@ def bench(
             "bench.seq_len": ints("--seq-lens", seq_lens), "bench.seq_len_k": ints("--seq-lens-k", seq_lens_k),
             "bench.head_dim": ints("--head-dims", head_dims), "bench.causal": causal_choice(causal),
             "bench.out": str(out_dir) if out_dir is not None else None, "experiment.device": device,
+            "bench.compare": [str(path) for path in compare] if compare else None,
             "triton.tune": tune or None, "cluster.workers": workers, "cluster.address": cluster,
         }
         cfg = _setup(config, settings, sets, verbose, flags)
-        report = bench_mod.run(cfg, tuple(split(kernel)), plot, compare, tuple(sys.argv[1:]),
+        report = bench_mod.run(cfg, tuple(split(kernel)), plot, tuple(sys.argv[1:]),
                                console=None if json_out else err, per_gpu_type=per_gpu_type,
                                metrics=metrics, profile=profile)
         _show(report, json_out, lambda: bench_table.render(report, out))

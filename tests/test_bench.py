@@ -145,7 +145,7 @@ def test_baseline_comes_first_and_kernels_are_added_once() -> None:
     (["--causal", "maybe"], "--causal 'maybe': expected yes, no or both"),
     (["--seq-lens", "512,lots"], "--seq-lens: expected whole numbers"),
     (["--mode", "sideways"], "bench.mode"),
-    (["--compare", "missing.json"], "--compare missing.json: no such file"),
+    (["--compare", "missing.json"], "missing.json: no such file"),
     (["--plot", "bench.bmpx"], "unknown image format .bmpx"),
     (["--set", "bench.seq_len=[]"], "bench.seq_len is an empty list"),
     (["--out", "taken"], "cannot write the results to"),
@@ -290,6 +290,25 @@ def test_compare_prints_ratios_against_an_earlier_file(isolated: Path) -> None:
             assert ratio["ratio"] == pytest.approx(ratio["before_ms"] / ratio["ms"])
     printed = invoke(*TINY, "-p", "sdpa", "--compare", str(json_path))
     assert "before / now" in printed.stdout
+
+
+def test_a_suite_names_its_compare_file_relative_to_itself(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark suite is a config whose [bench].compare names the committed run, found from the
+    suite's own folder wherever the command runs; --compare on the command line wins."""
+    assert invoke(*TINY, "-p", "sdpa").exit_code == 0
+    _, json_path = result_files(isolated)
+    suite = isolated / "suites" / "tiny.toml"
+    suite.parent.mkdir()
+    (isolated / "committed.json").write_text(json_path.read_text())
+    suite.write_text('[bench]\nproviders = ["sdpa"]\ncompare = "../committed.json"\n')
+    elsewhere = isolated / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    result = invoke(*TINY, "--config", str(suite), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert Path(json.loads(result.stdout)["compare"]["file"]).resolve() == (isolated / "committed.json").resolve()
+    result = invoke(*TINY, "--config", str(suite), "--compare", str(json_path), "--json")
+    assert json.loads(result.stdout)["compare"]["file"] == str(json_path)
 
 
 def test_compare_refuses_a_file_that_is_not_results_before_running(isolated: Path) -> None:

@@ -289,14 +289,16 @@ def _resolve_paths(cfg: Config, origins: dict[tuple[str, ...], str], bases: dict
         log_dir = base("logging", "log_dir") / log_dir
     kernels = [_resolve_kernel(spec, base("experiment", "kernel")) for spec in cfg.experiment.kernel]
     providers = [_resolve_kernel(spec, base("bench", "providers")) for spec in cfg.bench.providers]
-    bench_out = cfg.bench.out
-    if bench_out is not None and not bench_out.is_absolute():
-        bench_out = base("bench", "out") / bench_out
+    def bench_path(key: str, path: Path) -> Path:
+        return path if path.is_absolute() else base("bench", key) / path
+
+    bench_paths = {"out": cfg.bench.out and bench_path("out", cfg.bench.out),
+                   "compare": cfg.bench.compare and [bench_path("compare", path) for path in cfg.bench.compare]}
     updated = cfg.model_copy(
         update={
             "logging": cfg.logging.model_copy(update={"log_dir": log_dir}),
             "experiment": cfg.experiment.model_copy(update={"kernel": kernels}),
-            "bench": cfg.bench.model_copy(update={"out": bench_out, "providers": providers}),
+            "bench": cfg.bench.model_copy(update={**bench_paths, "providers": providers}),
         }
     )
     updated._warnings = list(cfg._warnings)

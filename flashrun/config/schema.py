@@ -79,58 +79,90 @@ def _as_list_of_lists(value: Any) -> Any:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # a field's docstring is its description: the configuration reference is generated from them
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
 
 class ApiConfig(_Section):
     base_url: str = "https://api.openai.com/v1"
+    """OpenAI-compatible gateway; flashrun appends `/chat/completions` and `/models`."""
     api_key_env: str = "OPENAI_API_KEY"
-    # A literal key is accepted (with a warning) but never shown, dumped or logged.
+    """Environment variable that holds the key."""
     api_key: str | None = Field(default=None, repr=False, exclude=True)
+    """A literal key: accepted with a warning, never shown, dumped or logged; prefer `api_key_env`."""
     default_model: str = "gpt-4o-mini"
+    """Model for `gen-cases` without `--model`, and for `check-env --online`."""
     models: list[str] = []
+    """Models for `gen-cases --all-models`."""
     timeout: PositiveFloat = 60.0
+    """Seconds per request."""
     max_retries: NonNegativeInt = 3
+    """Retries on 429, 5xx and timeouts (honouring `retry-after`)."""
 
 
 class RequestConfig(_Section):
-    timeout: PositiveFloat | None = None  # overrides api.timeout for chat requests
+    timeout: PositiveFloat | None = None
+    """Overrides `api.timeout` for chat requests."""
     max_tokens: PositiveInt = 2048
+    """Completion budget."""
     temperature: Annotated[float, Field(ge=0, le=2)] = 0.7
+    """Sampling temperature."""
 
 
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level (`-v` = debug)."""
     log_dir: PathField = Path("logs")
+    """Run records (`runs.jsonl`) and bench results (`bench/`)."""
 
 
 class ExperimentConfig(_Section):
     name: str = "flashrun"
+    """A label for your records."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    """`cpu` runs Triton's interpreter; `auto` uses the GPU when torch sees one."""
     dtype: Dtype = "float16"
+    """Input dtype (`fp16`, `bf16`, `fp32` accepted; records keep the full name)."""
     batch_size: PositiveInt = 2
+    """Batch."""
     seq_len: PositiveInt = 128
-    seq_len_k: PositiveInt | None = None  # key/value length; defaults to seq_len
+    """Query length."""
+    seq_len_k: PositiveInt | None = None
+    """Key/value length (`Nq != Nk`); unset: `seq_len`."""
     num_heads: PositiveInt = 4
-    num_kv_heads: PositiveInt | None = None  # GQA/MQA; defaults to num_heads
+    """Query heads."""
+    num_kv_heads: PositiveInt | None = None
+    """K/V heads (GQA/MQA; must divide `num_heads`); unset: `num_heads`."""
     head_dim: HeadDim = 64
+    """Head dimension."""
     causal: bool = False
-    window: Window = (-1, -1)  # sliding window (left, right); -1 unbounded
-    softcap: Softcap = 0.0  # > 0: scores become softcap·tanh(s / softcap)
-    alibi: bool = False  # ALiBi with the standard slopes of num_heads
-    seqlens: SeqLens | None = None  # packed sequences' query lengths (batch_size, seq_len follow)
-    seqlens_k: SeqLens | None = None  # their key lengths; defaults to seqlens
-    # a KV-cache call: each sequence's cached keys (batch_size, seq_len_k follow), the cache's
-    # page size (0: contiguous), keys appended to each sequence by the call
+    """Causal mask, bottom-right aligned when `Nq != Nk`."""
+    window: Window = (-1, -1)
+    """Sliding window `[left, right]` in keys: query i sees keys i + off - left .. i + off + right (off = Nk - Nq); -1
+    unbounded."""
+    softcap: Softcap = 0.0
+    """`> 0`: scores become `softcap·tanh(s / softcap)`; 0 none."""
+    alibi: bool = False
+    """ALiBi with the standard slopes of `num_heads`."""
+    seqlens: SeqLens | None = None
+    """Packed sequences: their query lengths (0 allowed, one at least non-empty); `batch_size` and `seq_len` follow
+    from them."""
+    seqlens_k: SeqLens | None = None
+    """Packed sequences' key lengths (as many as `seqlens`); unset: `seqlens`."""
     cache_seqlens: SeqLens | None = None
+    """A KV-cache call: the keys each sequence's cache holds (0 allowed); `batch_size` and `seq_len_k` follow from
+    them, `seq_len` is the queries per sequence."""
     page_size: NonNegativeInt = 0
+    """The KV cache's page size (0: contiguous); needs `cache_seqlens`."""
     new_keys: NonNegativeInt = 0
+    """Keys and values the KV-cache call appends to each sequence; needs `cache_seqlens`."""
     seed: int = 0
+    """Inputs of case i use seed + i."""
     kernel: list[str] = ["flash"]
-    # flash's backward: true the bitwise-repeatable one, false the 5-matmul one that adds dQ with
-    # atomics; unset, flashrun.limits.DETERMINISTIC_BACKWARD (the faster per call); flash-deterministic /
-    # flash-atomic fix it
+    """Kernels to verify: `flash`, `flash-deterministic`, `flash-atomic`, `minimal`, `PATH.py:FUNCTION`."""
     deterministic: bool | None = DETERMINISTIC_BACKWARD
+    """`flash`'s backward: true the bitwise-repeatable one, false the one that adds dQ with atomics; unset, per call
+    the faster on the H200. `flash-deterministic` / `flash-atomic` fix it."""
 
     _kernel_list = field_validator("kernel", mode="before")(_as_list)
 
@@ -166,13 +198,18 @@ class TritonConfig(_Section):
     """Launch overrides for our kernels; unset means the tuned table's config, else a heuristic one
     (GPU), or a fixed small config (CPU)."""
 
-    # A key the tuned table misses is tuned on first use (10-20 s of compiling and timing per key)
-    # instead of taking the heuristic config; verify then checks the table's/tuned configs.
     tune: bool = False
+    """A shape the shipped tuned table misses is tuned on first use (compiling and timing candidates) instead of
+    running a heuristic config at once; verify then checks the tuned configs (`--tune`; `FLASHRUN_TUNE=1` for the
+    Python API)."""
     num_warps: PositiveInt | None = None
+    """Pin flash's warps (a power of two); unset: the tuned table's, else a heuristic."""
     num_stages: PositiveInt | None = None
+    """Pin flash's pipeline stages; unset: the tuned table's, else a heuristic."""
     block_m: PositiveInt | None = None
+    """Pin flash's query block (a power of two, 16-256)."""
     block_n: PositiveInt | None = None
+    """Pin flash's key block (a power of two, 16-256)."""
 
     @field_validator("num_warps", "block_m", "block_n")
     @classmethod
@@ -191,25 +228,42 @@ class VerifyConfig(_Section):
     """A sweep: any key given here replaces the [experiment] value with a list of values."""
 
     batch_size: list[PositiveInt] | None = None
+    """Sweep: replaces `experiment.batch_size` with each value (lists expand as a cartesian product)."""
     num_heads: list[PositiveInt] | None = None
+    """Sweep over `experiment.num_heads`."""
     num_kv_heads: list[PositiveInt] | None = None
+    """Sweep over `experiment.num_kv_heads`."""
     seq_len: list[PositiveInt] | None = None
+    """Sweep over `experiment.seq_len`."""
     seq_len_k: list[PositiveInt] | None = None
+    """Sweep over `experiment.seq_len_k`."""
     head_dim: list[HeadDim] | None = None
+    """Sweep over `experiment.head_dim`."""
     dtype: list[Dtype] | None = None
+    """Sweep over `experiment.dtype`."""
     causal: list[bool] | None = None
+    """Sweep over `experiment.causal`."""
     window: list[Window] | None = None
+    """Sweep over `experiment.window`: a list of pairs (one pair is one value)."""
     softcap: list[Softcap] | None = None
+    """Sweep over `experiment.softcap`."""
     alibi: list[bool] | None = None
-    seqlens: list[list[NonNegativeInt]] | None = None  # [] in the list: not packed
-    cache_seqlens: list[list[NonNegativeInt]] | None = None  # [] in the list: no KV cache
+    """Sweep over `experiment.alibi`."""
+    seqlens: list[list[NonNegativeInt]] | None = None
+    """Sweep over `experiment.seqlens`: a list of length lists (`[]`: not packed; keys = queries)."""
+    cache_seqlens: list[list[NonNegativeInt]] | None = None
+    """Sweep over `experiment.cache_seqlens`: a list of length lists (`[]`: no KV cache)."""
     page_size: list[NonNegativeInt] | None = None
+    """Sweep over `experiment.page_size`."""
     new_keys: list[NonNegativeInt] | None = None
+    """Sweep over `experiment.new_keys`."""
     grad: bool = False
+    """Also check dq, dk, dv (`--grad`)."""
     diagnose: bool = False
-    # Through the interpreter, a case expected to take longer than this many seconds is skipped
-    # up front (with the reason); 0 runs everything.
+    """Report the logit range of q·kᵀ·scale (`--diagnose`)."""
     budget_s: Annotated[float, Field(ge=0)] = 120.0
+    """Through the CPU interpreter, cases expected to take longer than this many seconds are skipped up front, with the
+    reason (`--budget`; 0 runs everything)."""
 
     _lists = field_validator(
         "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",
@@ -220,46 +274,71 @@ class VerifyConfig(_Section):
 
 class CasesConfig(_Section):
     max_seq_len: PositiveInt = 16384
+    """Largest `seq_len` gen-cases accepts."""
     count: PositiveInt = 12
+    """Cases per model (`--count`)."""
     prompt: str | None = None
+    """What to ask the model for (the JSON format is always requested); unset: the built-in prompt."""
 
 
 class BenchConfig(_Section):
     providers: list[str] = ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "torch-naive"]
+    """What to time: `flash`, `flash-atomic`, `flash-deterministic`, `minimal`, `PATH.py:FUNCTION`, `torch-naive`,
+    `sdpa`, `sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`, `sdpa-math`, `flex`, `flash-attn`, any of them with
+    `+graph`; unavailable ones show n/a and why."""
     baseline: str = "sdpa"
+    """The provider speedups are against (`--baseline`; always measured)."""
     mode: list[Literal["fwd", "bwd", "fwd_bwd"]] = ["fwd"]
+    """`fwd`, `bwd` (timed alone), `fwd_bwd`."""
     dtype: list[Dtype] = ["float16"]
+    """Dtypes to sweep."""
     seq_len: list[PositiveInt] = [512, 1024, 2048, 4096, 8192, 16384]
-    seq_len_k: list[PositiveInt] | None = None  # decode-like shapes: seq_len queries against these key lengths
+    """Query lengths."""
+    seq_len_k: list[PositiveInt] | None = None
+    """Key lengths, for decode-like shapes (`--seq-lens 1 --seq-lens-k 4096,16384`); unset: the query length."""
     head_dim: list[HeadDim] = [64, 128]
+    """Head dims."""
     causal: list[bool] = [False, True]
-    hidden: PositiveInt = 2048  # heads = hidden // head_dim (the FlashAttention benchmark convention)
-    tokens: PositiveInt = 32768  # batch = tokens // seq_len
+    """Masks to sweep (`--causal yes/no/both`)."""
+    hidden: PositiveInt = 2048
+    """Heads = hidden / head_dim (the FlashAttention benchmark convention)."""
+    tokens: PositiveInt = 32768
+    """Batch = tokens / max(seq_len, seq_len_k)."""
     num_kv_heads: PositiveInt | None = None
-    # variants: each list multiplies the sweep; varlen batches (lists of lengths) add packed shapes
+    """GQA in the benchmark; unset: every head its own K/V."""
     window: list[Window] = [(-1, -1)]
+    """Windows to sweep; each variant list multiplies the sweep."""
     softcap: list[Softcap] = [0.0]
+    """Softcaps to sweep."""
     alibi: list[bool] = [False]
+    """ALiBi off/on to sweep."""
     varlen: list[SeqLens] | None = None
-    # each dense shape also as a KV-cache call (every sequence's cache full: seq_len_k keys), once
-    # per page size listed (0: a contiguous cache)
+    """Packed batches, each a list of sequence lengths (keys = queries): adds one shape per batch."""
     page_size: list[NonNegativeInt] | None = None
+    """Each dense shape again as a KV-cache call with full caches, once per page size (0: contiguous)."""
     warmup_ms: PositiveInt = 25
+    """`triton.testing.do_bench` warm-up time."""
     rep_ms: PositiveInt = 100
-    out: PathField | None = None  # default <log_dir>/bench
+    """`triton.testing.do_bench` repetition time."""
+    out: PathField | None = None
+    """Where `<gpu>-<timestamp>.csv` and `.json` go (`--out`); unset: `<log_dir>/bench`."""
+    compare: list[PathField] | None = None
+    """Earlier results files (.csv or .json) to print ratios against (`--compare`); a benchmark suite names its
+    committed runs."""
 
     _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", "softcap", "alibi",
-                             "page_size", mode="before")(_as_list)
+                             "page_size", "compare", mode="before")(_as_list)
     _pairs = field_validator("window", "varlen", mode="before")(_as_list_of_lists)
 
 
 class ClusterConfig(_Section):
     """Scale-out over Ray (flashrun[ray]); 1 worker and no address: in this process, no Ray."""
 
-    # Checks (verify) or shapes (bench) run at once: 1 runs them here, one after the other;
-    # N > 1 starts a local Ray cluster for the command; with an address, caps what it uses.
     workers: PositiveInt = 1
-    address: str | None = None  # an existing Ray cluster: "auto", "HOST:PORT" or "ray://HOST:PORT"
+    """Checks (verify) or shapes (bench) run at once (`--workers`): 1 in this process without Ray; N > 1 on a local Ray
+    cluster started for the command; with an address, a cap."""
+    address: str | None = None
+    """An existing Ray cluster (`--cluster`): `auto`, `HOST:PORT` or `ray://HOST:PORT`."""
 
     @field_validator("address")
     @classmethod
@@ -273,25 +352,42 @@ class ModelConfig(_Section):
     """``flashrun model``: a kernel swapped into a transformers model (flashrun[model])."""
 
     arch: Literal["llama", "mistral", "qwen2", "gemma2"] = "llama"
+    """The family `flashrun model` builds (`--arch`)."""
     size: Literal["mini", "1b"] = "mini"
-    # a local checkpoint folder (or a hub id already in the local cache) instead of arch/size
+    """`mini` (CPU-sized, 4 layers) or `1b` (about 1B parameters, for a GPU) (`--size`)."""
     path: str | None = None
-    kernel: str = "flash"  # any verify kernel spec: flash, flash-atomic, PATH.py:FUNCTION
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"  # auto: float32 on the CPU, bfloat16 on a GPU
-    batch: PositiveInt | None = None  # None: the size's default (mini 1, 1b 4)
-    seq_len: PositiveInt | None = None  # None: the size's default (mini 32, 1b 2048)
-    sliding_window: PositiveInt | None = None  # overrides the family's window (mistral, gemma2)
+    """A local checkpoint folder, or a hub id already in the local cache, instead of arch/size (`--model`); nothing is
+    downloaded."""
+    kernel: str = "flash"
+    """The kernel swapped in (`--kernel`): any verify kernel spec."""
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    """The model's dtype; `auto`: float32 through the CPU interpreter, bfloat16 on a GPU."""
+    batch: PositiveInt | None = None
+    """Sequences per batch (`--batch`); unset: the size's (mini 1, 1b 4)."""
+    seq_len: PositiveInt | None = None
+    """Tokens per sequence (`--seq-len`); unset: the size's (mini 32, 1b 2048)."""
+    sliding_window: PositiveInt | None = None
+    """Overrides the family's window (mistral, gemma2)."""
     checks: list[Literal["logits", "train-step", "training", "generate"]] = ["logits", "train-step", "training",
                                                                              "generate"]
+    """Which checks run (`logits` with its padded and packed batches); `[]` for speed only."""
     train_steps: PositiveInt = 20
-    lr: PositiveFloat | None = None  # None: the size's default (mini 1e-3, 1b 1e-4)
-    gen_tokens: PositiveInt | None = None  # None: the size's default (mini 16, 1b 64)
-    speed: bool = True  # on a GPU: prefill, train step, decode and memory against the baselines
+    """The `training` check's AdamW steps."""
+    lr: PositiveFloat | None = None
+    """The `training` check's learning rate; unset: the size's (mini 1e-3, 1b 1e-4)."""
+    gen_tokens: PositiveInt | None = None
+    """New tokens in the `generate` check; unset: the size's (mini 16, 1b 64)."""
+    speed: bool = True
+    """On a GPU, time prefill, train step, decode and peak memory against the baselines (`--no-speed` skips it)."""
     baselines: list[Literal["sdpa", "eager", "flex_attention", "flash_attention_2"]] = [
         "sdpa", "eager", "flex_attention", "flash_attention_2"]
-    reps: PositiveInt = 10  # timed repetitions per phase
-    out: PathField | None = None  # speed tables (CSV/JSON); default <log_dir>/model
+    """Attention implementations to time against."""
+    reps: PositiveInt = 10
+    """Timed repetitions per phase (median)."""
+    out: PathField | None = None
+    """Where the speed CSV/JSON go; unset: `<log_dir>/model`."""
     seed: int = 0
+    """Weights and token batches."""
 
     _lists = field_validator("checks", "baselines", mode="before")(_as_list)
     _dtype = field_validator("dtype", mode="before")(_full_dtype)

@@ -90,8 +90,7 @@ def provider_names(cfg: Config, kernels: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, compare: Path | None = None,
-        argv: tuple[str, ...] = (), console: Console | None = None, per_gpu_type: bool = False,
+def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, argv: tuple[str, ...] = (), console: Console | None = None, per_gpu_type: bool = False,
         metrics: bool = False, profile: Path | None = None) -> BenchReport:
     """Check and time every provider on every shape of the sweep; write CSV, JSON, run record.
     ``kernels`` are added to ``[bench].providers``; ``console`` None: no progress output.
@@ -106,7 +105,8 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
     names = provider_names(cfg, kernels)
     providers_mod.check_names(names)
     shapes = bench_shapes(cfg.bench)
-    earlier = results.load_rows(compare) if compare is not None else None
+    compare = cfg.bench.compare
+    earlier = [row for path in compare for row in results.load_rows(path)] if compare else None
     if plot is not None:
         results.check_plot_target(plot)
     if per_gpu_type and not cluster.wanted(cfg.cluster):
@@ -123,7 +123,7 @@ def run(cfg: Config, kernels: tuple[str, ...] = (), plot: Path | None = None, co
 
 
 def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[str, Any]] | None,
-         plot: Path | None, compare: Path | None, argv: tuple[str, ...], console: Console | None,
+         plot: Path | None, compare: list[Path] | None, argv: tuple[str, ...], console: Console | None,
          per_gpu_type: bool, metrics: bool, profile: Path | None, pool: Any) -> BenchReport:
     from flashrun.harness import precompile
     from flashrun.harness import providers as providers_mod
@@ -218,7 +218,7 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
         report.gpu_types = gpu_types
         report.row_types = [part.gpu_type or "" for part in parts for _ in part.rows]
     if earlier is not None:
-        report.compare_file = str(compare)
+        report.compare_file = ", ".join(map(str, compare))
         report.ratios = results.compare(rows, earlier)
     append_record(cfg.logging.log_dir, make_record(
         "bench", list(argv), cfg.public_dict(), _summary(rows, resolved, report),
