@@ -123,3 +123,20 @@ def test_cpu_out_of_memory_is_that_case_and_the_run_goes_on(isolated: Path) -> N
     assert [r["status"] for r in data["results"]] == ["oom", "pass", "pass"]
     assert "out of memory (CPU)" in data["results"][0]["message"]
     assert json.loads((isolated / "logs" / "runs.jsonl").read_text().splitlines()[-1])["results"]["failed"] == 1
+
+
+def test_the_launch_config_line_names_the_triton_section_whole() -> None:
+    """A config pinned by [triton] is said so in those words: rich must not take "[triton]" for markup."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from flashrun.harness.check import CaseResult
+    from flashrun.harness.verify import Report, render
+
+    shape = Shape(batch_size=1, num_heads=2, num_kv_heads=2, seq_len=3, seq_len_k=3, head_dim=16, dtype="float16",
+                  causal=False)
+    result = CaseResult("flash", shape, "pass", configs={"_attn_fwd": {"config": "64x64 w4 s2", "source": "pinned"}})
+    buffer = StringIO()
+    render(Report([result], "cuda", []), Console(file=buffer, width=100))
+    assert "launch configs: pinned by [triton] (1)" in buffer.getvalue()

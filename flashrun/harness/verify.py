@@ -372,7 +372,7 @@ def render(report: Report, console: Console, verbose: bool = False) -> None:
             console.print(escape(r.traceback.rstrip()), style="dim")
     sources = _config_sources(report.results)
     if sources:
-        console.print(f"launch configs: {sources}", highlight=False)
+        console.print(f"launch configs: {escape(sources)}", highlight=False)  # "[triton]" is not markup
     if report.compiled is not None:
         ran = f"; the checks ran {report.run_s:.1f} s" if report.run_s is not None else ""
         console.print(f"{report.compiled.line()}{ran}", highlight=False)
