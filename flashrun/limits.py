@@ -11,7 +11,7 @@ DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
 # flash-atomic: flash with the 5-matmul backward that sums dQ with atomics.
 BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")
 # Which of the two `flash` runs when nothing says (flash_attention(deterministic=...), [experiment]
-# deterministic): the faster one on the H200, decided by measurement (benchmarks/NOTES.md) and
+# deterministic): the faster one on the H200, decided by measurement (NOTES) and
 # switched here only. None: per call, the Gluon sm_90 kernel with dQ inside where it applies
 # (non-deterministic; 1.07-1.15x the deterministic backward there, NOTES v10), else the
 # deterministic kernels (the Triton atomic kernel measured slower than them, NOTES v5).

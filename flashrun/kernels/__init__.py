@@ -25,6 +25,10 @@ values are ``k_new``/``v_new`` here, as ``k``/``v`` are the caches). ``flash`` r
 
 Import this package only after :func:`flashrun.device.select`: Triton decides between
 compiling and interpreting when the kernels are defined.
+
+Comments here cite the measurements behind a choice as "NOTES vN": section vN of the lab notebook
+``benchmarks/NOTES.md``, kept in git at the tag ``lab-notebook-final``
+(``git show lab-notebook-final:benchmarks/NOTES.md``); ``docs/design/`` has the condensed story.
 """
 
 from __future__ import annotations

@@ -90,9 +90,9 @@ C = LaunchConfig
 # kernel kind (e.g. "bwd_fused") only adds keys: tables without them tune those on first use.
 SPACE_VERSION = 3  # 2: the backward's candidates of NOTES v6; 3: two forward tiles for short sequences (v14)
 # Tuned tables shipped with flashrun, one per GPU and Triton minor version
-# (benchmarks/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
+# (benchmarks/probes/tune_table.py regenerates them on the GPU): a hit compiles only the winner.
 SHIPPED = Path(__file__).parent / "tuned"
-USE_SHIPPED = True  # benchmarks/tune_table.py turns it off to tune afresh
+USE_SHIPPED = True  # benchmarks/probes/tune_table.py turns it off to tune afresh
 # How callers choose: None takes the table, else a heuristic config (tuning on a miss only with
 # FLASHRUN_TUNE=1); "tune" takes the table, else tunes; "default" takes each kernel's default
 # config; a LaunchConfig or {kernel: LaunchConfig} pins.
@@ -119,7 +119,7 @@ _SPACE: dict[tuple[str, str], list[LaunchConfig]] = {
                        C(128, 128, 8, 3, True, ws=True), C(64, 64, 4, 3, True)],
     ("fwd", "huge"): [C(64, 64, 4, 2, False), C(128, 64, 8, 2, False), C(64, 32, 4, 2, False),
                       C(64, 64, 4, 2, True), C(128, 64, 8, 2, True)],
-    # The backward (benchmarks/NOTES.md v6; registers and programs per SM from tests/compile_bwd.py
+    # The backward (NOTES v6; registers and programs per SM from tests/compile_bwd.py
     # with triton 3.6's ptxas). First, FlexAttention's H100 tiles: a 128-key dK/dV block over two
     # warpgroups (each 64 keys: dK + dV accumulators 128 registers per thread), 64 query rows per
     # step, one 8-warp program per SM; dQ 128 rows x 64 keys. Then 4-warp, 2-stage tiles that fit two

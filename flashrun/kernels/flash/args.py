@@ -148,7 +148,7 @@ def _split_head_dim(head_dim: int) -> tuple[int, int]:
     return (d0, d1) if d1 and d0 + d1 < padded else (padded, 0)
 
 
-ADD_SPLIT = True  # benchmarks/gqa_bwd_split.py turns it off to time the partials against the adds
+ADD_SPLIT = True  # benchmarks/probes/gqa_bwd_split.py turns it off to time the partials against the adds
 
 
 def split_outputs(k: torch.Tensor, split: int, repeatable: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -179,13 +179,13 @@ def split_result(buf: torch.Tensor, out: torch.Tensor, split: int, adds: bool) -
 # A causal or windowed grid starts every head's heaviest tiles first (jit.tile_of's ACROSS) where
 # the operand its programs re-read - K/V in the forward and dQ kernels, Q and dO in dK/dV's - fits
 # in these many bytes over all heads; else head by head, so that a head's tiles share it in L2
-# while they run. Measured on the H200 (50 MB of L2; NOTES v18, benchmarks/tile_order_ab.py),
+# while they run. Measured on the H200 (50 MB of L2; NOTES v18),
 # across all heads against head by head: the forward 4 % faster at llama-1b's prefill (K/V 16 MB),
 # 55 % slower at 32 x 16 heads x 1024 keys (256 MB), and in sections of 24 MB still 4 % slower
 # there; the Gluon dK/dV 3-5 % faster at qwen2's and llama's prefill (Q/dO 48 and 64 MB), 23 % at
 # 16 heads x 2048 keys, 2 % at 16 x 8192 (64 MB), 18-29 % slower at 256 MB.
 ACROSS_BYTES = {"kv": 24 << 20, "qdo": 64 << 20}
-ACROSS_OVERRIDE: bool | None = None  # benchmarks/tile_order_ab.py forces an order (then drops the plans)
+ACROSS_OVERRIDE: bool | None = None  # the tests force an order (then drop the plans)
 
 
 def across_heads(heads: int, rows: int, head_dim: int, dtype: torch.dtype, share: float, operand: str) -> int:

@@ -21,7 +21,7 @@ dQ += dS K. dK/dV sum over query tiles, dQ over key tiles, so no one program ord
     query block looping over key blocks in a fixed order - bitwise repeatable. It recomputes
     Q Kᵀ and dO Vᵀ (7 matmuls per pair), yet measured faster on the H200 through v5 (the
     atomic kernel's dQ partial and the transpose of dS it needs cost more than the two
-    matmuls saved; benchmarks/NOTES.md). ``flashrun.limits.DETERMINISTIC_BACKWARD`` names the
+    matmuls saved; NOTES). ``flashrun.limits.DETERMINISTIC_BACKWARD`` names the
     default, whichever measures faster.
 Each backward kernel walks the blocks its tile sees whole first and the masked ones (causal
 diagonal, window edges, ragged end) in one more loop, GQA heads folded into both loops: ptxas
@@ -606,7 +606,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     pair); False one kernel with 5 matmuls that sums dQ (and a split GQA group's dK, dV) with
     float32 atomics in whatever order they land; None (``flashrun.limits.DETERMINISTIC_BACKWARD``,
     the default) the faster per call: the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
-    (benchmarks/NOTES.md v10)."""
+    (NOTES v10)."""
     call = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # no graph to record: no autograd

@@ -63,16 +63,16 @@ DECODE_MAX_QUERIES = 64
 DECODE_MIN_KEYS = 256
 WAVES = 2  # programs per SM the splits aim at (two fit per SM at the config below: ~180 registers)
 MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
-# Fixed configs, not tuned: the work is bound by reading K and V once (benchmarks/NOTES.md v3).
+# Fixed configs, not tuned: the work is bound by reading K and V once (NOTES v3).
 # Past head_dim 128 (and for float32's IEEE dots) a 64-key tile of K and V spills registers
 # (ptxas for sm_90, tests/compile_for_gpu.py): 32 keys there.
 DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
-# programmatic dependent launch (sm_90+; benchmarks/NOTES.md v21): the decode kernel may start while
+# programmatic dependent launch (sm_90+; NOTES v21): the decode kernel may start while
 # the kernel before it drains, and the combine while the decode grid's last programs run; each
 # waits for its predecessor's writes in the kernel (griddepcontrol.wait). FLASHRUN_PDL=0 turns it
-# off; a plan's key holds it, so that benchmarks/decode_probe.py can compare the two in one process
+# off; a plan's key holds it, so that benchmarks/probes/decode_probe.py can compare the two in one process
 PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "off", "no")
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
@@ -161,7 +161,7 @@ def combine_cols(programs: int, head_dim: int, device: torch.device) -> int:
     whole (padded) head dim where they fill WAVES programs per SM, else narrower blocks (at least
     COMBINE_MIN_COLS) so that a few rows' long merges spread over more programs - MQA at batch 1
     is 32 rows merging up to 264 splits each (H200: 0.77 -> 0.87 of cuDNN at 16k keys, 0.75 ->
-    0.93 at 128k, benchmarks/NOTES.md v12)."""
+    0.93 at 128k, NOTES v12)."""
     padded = max(16, next_power_of_2(head_dim))
     blocks = cdiv(WAVES * _multiprocessors(device), programs)
     return min(padded, max(COMBINE_MIN_COLS, next_power_of_2(cdiv(head_dim, blocks))))

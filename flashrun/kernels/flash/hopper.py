@@ -35,12 +35,12 @@ with the next tile's loads prefetched. Shared memory, Q (consumers x 64 rows) + 
                 16 KB + 3 x 32 KB = 112 KB (two per SM)
   head_dim 192: two column blocks (128 + 64), BLOCK_N 64, 3 stages: 48 KB + 3 x 48 KB = 192 KB
   head_dim 256: BLOCK_N 64, 2 stages: 64 KB + 2 x 64 KB = 192 KB; BLOCK_N 32, 4 stages: the same
-Where it runs was decided by v5's H200 probe (NOTES.md v5; its script is in git history): at
+Where it runs was decided by v5's H200 probe (NOTES v5; its script is in git history): at
 head_dim 128 the overlapped 3-stage kernel beat the portable one at every length timed (1024 to
 16384) but causal 512/1024; at 64 only from 4096 keys (8192 causal: at 1024 the portable
-kernel's smaller tiles, several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240). The
-persistent and one-consumer kernels, head_dim 192 and 256 are compiled and checked but wait for
-benchmarks/gluon_probe.py's H200 numbers (NOTES.md v6) before :data:`GATE` sends calls to them.
+kernel's smaller tiles, several per SM, win: 367 vs 358 TFLOP/s, causal 289 vs 240). Later
+probes moved :data:`GATE` to the persistent and one-consumer kernels and to head_dim 192 and 256
+(the comments at :data:`GATE`; docs/design/forward.md).
 """
 
 from __future__ import annotations
@@ -154,9 +154,9 @@ KERNELS = {
 # row is the portable kernel. Rows only where the H200 measured the kernel faster than the
 # portable one.
 GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
-    # round 6's H200 probe (benchmarks/gluon_probe.py, NOTES v6; fp16 at 64/128, bf16 at 192/256):
+    # round 6's H200 probe (NOTES v6; fp16 at 64/128, bf16 at 192/256):
     # where a Gluon kernel beat the portable one; 64 causal keeps v5's row (not re-timed past 4096).
-    # Round 14's (benchmarks/short_forward_probe.py, NOTES v14): the persistent kernels also from
+    # Round 14's (benchmarks/probes/short_forward_probe.py, NOTES v14): the persistent kernels also from
     # 1024 keys at 64 (1.03-1.05x the portable kernel) and from 512 at 128 (1.09-1.12x) - with
     # 1024 tiles or more: with 512 or fewer the portable kernel was faster at those lengths
     (64, False): ((1024, 1024, "d64-persistent"), (2048, 0, "d64-persistent")),
@@ -183,7 +183,7 @@ GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     (256, True): ((0, 0, "d256-base"),),
 }
 TILE_ROWS = 128
-OVERRIDE: HopperConfig | None = None  # benchmarks/gluon_probe.py runs its variants through this
+OVERRIDE: HopperConfig | None = None  # benchmarks/probes/short_forward_probe.py forces a kernel through this
 
 
 def query_tiles(q: torch.Tensor) -> int:
@@ -370,7 +370,7 @@ class _Plan:
     per-call specialization (:class:`~flashrun.kernels.flash.launch._Launch`) and the descriptors'
     checks (:func:`~flashrun.kernels.flash.launch.rebased`). On the H200 a call through
     Triton's path cost ~160 us of host time, more than the kernel at 4 x 2048 (0.124 ms):
-    back-to-back calls ran at the host's pace (NOTES.md v12)."""
+    back-to-back calls ran at the host's pace (NOTES v12)."""
 
     launch: _Launch
     descriptors: tuple  # the first call's (first, second) column-block descriptors of q, k and v, as templates

@@ -1,11 +1,11 @@
 """The Hopper (sm_90) backward path: an FA3-layout Gluon kernel (:mod:`.hopper_bwd_jit`,
-benchmarks/NOTES.md v6 "Design 2", v8, v10), used by :func:`flashrun.kernels.flash._attn_backward`
+NOTES v6 "Design 2", v8, v10), used by :func:`flashrun.kernels.flash._attn_backward`
 when it may be: in the deterministic backward for dK and dV (:data:`DEFAULT`; dQ stays with the
 portable ``_attn_bwd_dq``), in the atomic and the default backward for dQ too (:data:`FUSED`:
 each step's dQ tile added into a float32 buffer by a TMA reduce-add, 5 matmuls per tile pair;
 on the H200 1.07-1.15x the deterministic Gluon path, NOTES v10).
 
-**On by default on sm_90** since the H200 checked and timed it (benchmarks/NOTES.md v9: 93 cases
+**On by default on sm_90** since the H200 checked and timed it (NOTES v9: 93 cases
 right against float64; dK/dV 1.3-1.5x faster than the portable kernel's GPU time, the backward
 1.09-1.23x faster at 2k-8k tokens). ``FLASHRUN_HOPPER_BWD=0`` or ``FLASHRUN_HOPPER=0`` (both read
 at each call; the second turns off both Gluon paths) keeps the portable dK/dV; ``=1`` forces it on
@@ -136,7 +136,7 @@ KERNELS = {
     "d96-dqs": BwdConfig(96, dq_split=True),
     "d192": BwdConfig(192, keys=32),
 }
-# what the path runs; benchmarks/gluon_bwd_probe.py times the rest
+# what the path runs; benchmarks/probes/gluon_bwd_probe.py times the rest
 DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128", 192: "d192"}
 # with dQ inside (the non-deterministic backward's), NOTES v10: at head_dim 64 the consumers take
 # whole steps' dQ in turns (d64 399 TFLOP/s against d64-dqs 359, causal N8192), at 128 each takes
@@ -341,7 +341,7 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
 class _Plan:
     """One launch per (layouts of q, k, v, dO, LSE, delta and dQ, scale, mask, kernel, split):
     everything but the per-call arguments, so that later calls skip Triton's per-call
-    specialization (launch._Launch, NOTES.md v14) and the descriptors' checks (launch.rebased)."""
+    specialization (launch._Launch, NOTES v14) and the descriptors' checks (launch.rebased)."""
 
     launch: _Launch
     descriptors: tuple  # the first call's descriptors of q, k, v, dO, LSE, delta, dQ and the second

@@ -1,4 +1,4 @@
-"""The FA3-layout Hopper (sm_90) backward in Gluon (benchmarks/NOTES.md v6 "Design 2", v8, v10):
+"""The FA3-layout Hopper (sm_90) backward in Gluon (NOTES v6 "Design 2", v8, v10):
 the kernel only. The gate and launcher are in :mod:`flashrun.kernels.flash.hopper_bwd`; the
 maths is in :mod:`flashrun.kernels.flash`. dK/dV always; dQ either stays with the portable
 ``_attn_bwd_dq`` (7 matmuls per tile pair in all, the deterministic backward) or is computed here

@@ -6,7 +6,7 @@ A tile is ``CONSUMERS`` x 64 query rows of one (batch, head). Each program runs 
 (tile ``pid``, ``pid + programs``, ...): launched with one program per tile it runs once; with
 fewer programs (one or two per SM) it is persistent, and the producer loads the next tile's Q and
 first K/V blocks while the consumers still finish this one (FA3's cross-tile prefetch, the piece a
-plain persistent Triton loop lacked: benchmarks/NOTES.md v3, change 4). Tiles go head by head (the
+plain persistent Triton loop lacked: NOTES v3, change 4). Tiles go head by head (the
 programs running at once share K/V in L2), causal ones heaviest first within a head, or where all
 heads' K/V fit in L2 heaviest first across the heads (:func:`~flashrun.kernels.flash.jit.tile_of`).
 Three kinds of partition (``gl.warp_specialize``):

@@ -331,7 +331,7 @@ def tile_of(t, heads, blocks, ACROSS):
     visit). Head by head, or with ACROSS (1) rank r of every head before rank r + 1 of any: the
     grid then ends on light tiles instead of the last heads' heavy ones (at qwen2-1b's prefill,
     4 x 12 heads x 16 query tiles on 132 SMs, 1.18x an even load head by head and 1.01x across, in
-    benchmarks/dispatch_model.py) - but a head's tiles no longer run together, so the K/V (or Q/dO)
+    a dispatch model, NOTES v18) - but a head's tiles no longer run together, so the K/V (or Q/dO)
     they share is read again from HBM once the grid's exceeds L2 (``args.across_heads`` decides,
     NOTES v18)."""
     head = t // blocks
