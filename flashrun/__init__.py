@@ -4,4 +4,4 @@ Importing the package is cheap: torch and triton are imported only by the comman
 modules that need them (``flashrun.kernels``, ``flashrun.harness.reference``, ...).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.9.0"

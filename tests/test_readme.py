@@ -1,5 +1,5 @@
-"""The README is the contract: its test command is what CI runs, its quickstart runs as printed,
-and every config key is in it."""
+"""The README is the contract: its test command is what CI runs, and its quickstart runs as printed
+(every config key is documented by the generated reference: tests/test_docs.py)."""
 
 import re
 import shlex
@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from flashrun.cli import app
-from flashrun.config import SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -25,12 +24,6 @@ def test_ci_runs_the_readme_test_command():
     assert "flashrun verify" in main_job
     assert "pytest" in tests
     assert tests in (ROOT / ".ci" / "run").read_text()
-
-
-def test_every_config_key_is_documented():
-    missing = [f"{section}.{key}" for section, model in SECTIONS.items() for key in model.model_fields
-               if f"`{section}.{key}`" not in README and f"`{key}`" not in README]
-    assert not missing, f"README lacks: {missing}"
 
 
 def test_shipped_default_config_is_the_packaged_one():
