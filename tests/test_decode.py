@@ -4,6 +4,7 @@ and the KV-cache shapes through verify and bench. Big shapes are in tests/test_g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -395,3 +396,112 @@ def test_kernel_registry_routes_cache_arguments():
     out = kernel(inputs.q, inputs.k.clone(), inputs.v.clone(), **inputs.variant_args())
     assert torch.equal(inputs.alibi_slopes, alibi_slopes(4))
     assert Reference.for_kvcache(inputs, causal=False).judge(out)[0].passed
+
+
+# -- lengths past the cache, and the LSE ---------------------------------------------------------
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("new_keys", [0, 3], ids=["read", "append"])
+def test_lengths_past_the_cache_raise_and_nothing_is_written(page_size, new_keys):
+    """FlashAttention-2's bounds test: a length with no room left for the new keys is refused
+    before any slot is written (it used to be clamped, the append overwriting the last keys)."""
+    shape, inputs = _cache_inputs((20, 9), 4, 2, 1, 32, page_size=page_size, new_keys=new_keys)
+    capacity = inputs.k.shape[1] if not page_size else inputs.block_table.shape[1] * page_size
+    k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
+    for lengths, shown in (([9, capacity - new_keys + 1], rf"got 9\.\.{capacity - new_keys + 1}"), ([-1, 9], "got -1")):
+        with pytest.raises(ArgumentError, match=rf"cache_seqlens must be in 0\.\.{capacity - new_keys} .*{shown}"):
+            flash_attention_with_kvcache(inputs.q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32),
+                                         k=inputs.k_new, v=inputs.v_new, block_table=inputs.block_table)
+        assert torch.equal(k_cache, inputs.k) and torch.equal(v_cache, inputs.v)  # not one key lost
+    _check(shape, inputs)  # the same cache with lengths that fit
+
+
+def test_a_page_outside_the_cache_is_refused_and_unused_entries_are_not_read():
+    shape, inputs = _cache_inputs((20, 9), 4, 2, 1, 32, page_size=16, new_keys=1)
+    table = inputs.block_table.clone()
+    table[1, 1:] = -1  # sequence 1's 10 keys fill one page: the rest of its row is never read
+    _check(shape, dataclasses.replace(inputs, block_table=table))
+    table[0, 1] = inputs.k.shape[0]  # sequence 0's second page: past the pool
+    k_cache = inputs.k.clone()
+    with pytest.raises(ArgumentError, match=rf"block_table points at page {inputs.k.shape[0]}; the cache has pages"):
+        flash_attention_with_kvcache(inputs.q, k_cache, inputs.v.clone(), inputs.cache_seqlens, k=inputs.k_new,
+                                     v=inputs.v_new, block_table=table)
+    assert torch.equal(k_cache, inputs.k)
+
+
+def test_lengths_are_read_back_once_per_version(monkeypatch):
+    """A model's layers pass the same lengths in a step: one read-back for all of them; a change
+    in place is seen."""
+    shape, inputs = _cache_inputs((20, 9), 4, 2, 1, 32, new_keys=1)
+    reads = []
+    extremes = decode._extremes
+    monkeypatch.setattr(decode, "_extremes", lambda t: reads.append(t) or extremes(t))
+    lengths = inputs.cache_seqlens.clone()
+    for _ in range(3):
+        flash_attention_with_kvcache(inputs.q, inputs.k.clone(), inputs.v.clone(), lengths, k=inputs.k_new,
+                                     v=inputs.v_new)
+    assert len(reads) == 1
+    lengths[1] = inputs.k.shape[1]  # no room for the new key any more
+    with pytest.raises(ArgumentError, match="cache_seqlens must be in"):
+        flash_attention_with_kvcache(inputs.q, inputs.k.clone(), inputs.v.clone(), lengths, k=inputs.k_new,
+                                     v=inputs.v_new)
+
+
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged"])
+def test_under_graph_capture_the_kernel_refuses_a_sequence_past_the_cache(page_size, monkeypatch):
+    """While a CUDA graph is captured nothing can be read back: the kernel itself writes none of
+    that sequence's slots and gives it NaN, and the other sequences are untouched by it."""
+    shape, inputs = _cache_inputs((20, 9), 4, 2, 2, 32, page_size=page_size, new_keys=2)
+    capacity = inputs.k.shape[1] if not page_size else inputs.block_table.shape[1] * page_size
+    monkeypatch.setattr(decode, "_capturing", lambda device: True)
+    k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
+    bad = torch.tensor([20, capacity - 1], dtype=torch.int32)  # sequence 1 has room for 1 new key, not 2
+    out, lse = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, bad, k=inputs.k_new, v=inputs.v_new,
+                                            block_table=inputs.block_table, return_lse=True)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    assert not out[0].isnan().any() and not lse[0].isnan().any()
+    good_k, good_v = inputs.k.clone(), inputs.v.clone()
+    expected = flash_attention_with_kvcache(inputs.q, good_k, good_v, torch.tensor([20, 0], dtype=torch.int32),
+                                            k=inputs.k_new, v=inputs.v_new, block_table=inputs.block_table)
+    assert torch.equal(out[0], expected[0])
+    # only sequence 0's two new slots changed: sequence 1 wrote nothing
+    changed = (k_cache != inputs.k).any(-1).any(-1)  # (batch or page, slot)
+    assert torch.equal(changed, (good_k != inputs.k).any(-1).any(-1) & ~_slots_of(inputs, 1, page_size, changed))
+
+
+def _slots_of(inputs, b, page_size, like):
+    """The cache slots that belong to sequence ``b`` (its pages, or its row)."""
+    mask = torch.zeros_like(like)
+    if page_size:
+        mask[inputs.block_table[b].long()] = True
+    else:
+        mask[b] = True
+    return mask
+
+
+@pytest.mark.parametrize(("lengths", "page_size", "new_keys", "causal"), [
+    ((600,), 0, 0, False),  # split over programs: the combine writes the LSE
+    ((0, 17, 70), 16, 2, True),  # an empty cache, pages, appended keys, a causal query block
+    ((33, 5), 0, 1, False),
+])
+def test_kvcache_returns_the_log_sum_exp(lengths, page_size, new_keys, causal):
+    """return_lse: each query's natural-log sum of exp(scores) over the keys it sees, (B, H, Sq),
+    within twice PyTorch's own error in float16 of the float64 truth."""
+    from flashrun.harness.reference import attention_ref, gather_kvcache
+
+    shape, inputs = _cache_inputs(lengths, 4, 2, 3, 32, page_size=page_size, new_keys=new_keys, causal=causal)
+    out, lse = flash_attention_with_kvcache(inputs.q, inputs.k.clone(), inputs.v.clone(), inputs.cache_seqlens,
+                                            k=inputs.k_new, v=inputs.v_new, block_table=inputs.block_table,
+                                            causal=causal, return_lse=True)
+    assert lse.shape == (len(lengths), 4, 3) and lse.dtype == torch.float32
+    q, k, v, _, cu_k = gather_kvcache(inputs.q, inputs.k, inputs.v, inputs.cache_seqlens, inputs.block_table,
+                                      inputs.k_new, inputs.v_new)
+    for b in range(len(lengths)):
+        qb = q[b * 3:(b + 1) * 3].transpose(0, 1)[None]  # (1, H, Sq, D)
+        kb, vb = (t[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None] for t in (k, v))
+        _, truth = attention_ref(qb, kb, vb, causal=causal, return_lse=True)
+        _, yard = attention_ref(qb, kb, vb, causal=causal, upcast=False, return_lse=True)
+        seen = truth[0].isfinite()
+        assert torch.equal(seen, lse[b].isfinite()) and (lse[b][~seen] == float("-inf")).all()
+        err = (lse[b][seen].double() - truth[0][seen]).abs().max() if seen.any() else 0
+        allowed = 2 * (yard[0][seen].double() - truth[0][seen]).abs().max() + 1e-3 if seen.any() else 0
+        assert err <= allowed, (b, err, allowed)

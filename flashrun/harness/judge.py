@@ -250,7 +250,7 @@ class Reference:
     def _appended(self, cache: torch.Tensor) -> torch.Tensor:
         """(B, new_keys, H_kv, D): each sequence's cache slots after its cached keys."""
         lengths, new = self.cache.cache_seqlens.tolist(), self.cache.k_new.shape[1]
-        return torch.stack([cached_sequence(cache, self.cache.block_table, b)[n:n + new]
+        return torch.stack([cached_sequence(cache, self.cache.block_table, b, n + new)[n:]
                             for b, n in enumerate(lengths)])
 
     def _sequence(self, t: torch.Tensor, b: int, keys: bool) -> torch.Tensor:

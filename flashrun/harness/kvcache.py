@@ -51,7 +51,7 @@ def gathered(prepare: Callable) -> Callable:
         def gather(cache: torch.Tensor) -> torch.Tensor:  # -> (B, H_kv, N, D), once per input set
             if cache.data_ptr() not in laid_out:
                 laid_out[cache.data_ptr()] = torch.stack([
-                    cached_sequence(cache, table, b)[:length] for b in range(shape.batch_size)]).transpose(1, 2) \
+                    cached_sequence(cache, table, b, length) for b in range(shape.batch_size)]).transpose(1, 2) \
                     .contiguous()
             return laid_out[cache.data_ptr()]
 

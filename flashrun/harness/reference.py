@@ -142,13 +142,15 @@ def attention_ref_varlen(
     return torch.cat(outs, dim=0)
 
 
-def cached_sequence(cache: torch.Tensor, block_table: torch.Tensor | None, b: int) -> torch.Tensor:
-    """Sequence b's slots of a cache, ``(capacity, H_kv, D)``: its row of a contiguous cache
-    ``(B, capacity, H_kv, D)``, or its pages of a paged one ``(pages, page_size, H_kv, D)`` back
-    to back, in ``block_table[b]`` order."""
+def cached_sequence(cache: torch.Tensor, block_table: torch.Tensor | None, b: int, keys: int) -> torch.Tensor:
+    """Sequence b's first ``keys`` slots of a cache, ``(keys, H_kv, D)``: its row of a contiguous
+    cache ``(B, capacity, H_kv, D)``, or its pages of a paged one ``(pages, page_size, H_kv, D)``
+    back to back, in ``block_table[b]`` order - only the pages that hold them (the rest of a
+    block-table row is never read, so it may hold anything)."""
     if block_table is None:
-        return cache[b]
-    return cache.index_select(0, block_table[b].long()).flatten(0, 1)
+        return cache[b, :keys]
+    pages = block_table[b, :-(-keys // cache.shape[1])].long()
+    return cache.index_select(0, pages).flatten(0, 1)[:keys]
 
 
 def gather_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -162,8 +164,8 @@ def gather_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     lengths = cache_seqlens.tolist()
     keys, values = [], []
     for b in range(batch):
-        keys.append(cached_sequence(k_cache, block_table, b)[:lengths[b]])
-        values.append(cached_sequence(v_cache, block_table, b)[:lengths[b]])
+        keys.append(cached_sequence(k_cache, block_table, b, lengths[b]))
+        values.append(cached_sequence(v_cache, block_table, b, lengths[b]))
         if k_new is not None:
             keys.append(k_new[b])
             values.append(v_new[b])

@@ -31,7 +31,15 @@ The host path is built so that a call does no work that depends only on the shap
 :class:`_Plan` per (shapes, strides, dtype, variant, alignment) holds the grid, split count,
 every launch argument but the data pointers, and on a GPU the compiled kernels, which later
 calls launch directly (:mod:`.launch`) instead of through Triton's per-call specialization. The partials live in a per-(device, stream) workspace allocated once (during
-CUDA-graph capture: per call, from the graph's pool). No host sync: a call is graph-capturable.
+CUDA-graph capture: per call, from the graph's pool). A call is graph-capturable.
+
+**Lengths past the cache never lose a key.** Device-side ``cache_seqlens`` (and a paged cache's
+block table) are checked on the host before the launch (:func:`_check_in_cache`): a length with
+no room for the new keys, or a page outside the cache, raises :class:`~flashrun.errors.ArgumentError`
+and nothing is written. The check reads the tensor back (one sync), once per version of it: a
+model's layers passing the same lengths in one step pay it once. While a CUDA graph is being
+captured nothing can be read back; the kernel then refuses such a sequence itself: it writes no
+slot and its output (and LSE) is NaN.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -391,20 +400,78 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dim
                  0 if block_table is None else block_table.stride(0), capacity)
 
 
+# the last lengths (and block table) checked, by identity and version: (tensor ref, version, bounds)
+_checked: dict[str, tuple[weakref.ref, int, tuple]] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _seen(name: str, t: torch.Tensor, bounds: tuple) -> bool:
+    """Whether this very tensor, unchanged since, passed the same check last time (and note it now)."""
+    last = _checked.get(name)
+    if last is not None and last[0]() is t and last[1:] == (t._version, bounds):
+        return True
+    _checked[name] = (weakref.ref(t), t._version, bounds)
+    return False
+
+
+def _extremes(t: torch.Tensor) -> tuple[int, int]:
+    """min and max of a device tensor, read back at once (the one sync of a check)."""
+    low, high = torch.stack([t.min(), t.max()]).tolist()
+    return low, high
+
+
+def _check_in_cache(cache_seqlens: torch.Tensor, k_cache: torch.Tensor, n_new: int,
+                    block_table: torch.Tensor | None) -> None:
+    """Refuse lengths with no room for the ``n_new`` keys, and block-table pages outside the
+    cache, before anything is written (see the module's docstring: one read-back, skipped for a
+    tensor already checked unchanged, and under CUDA-graph capture)."""
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    room = capacity - n_new
+    if _capturing(cache_seqlens.device):
+        return
+    lengths_changed = not _seen("cache_seqlens", cache_seqlens, (room,))
+    if lengths_changed:
+        low, high = _extremes(cache_seqlens)
+        if low < 0 or high > room:
+            _checked.pop("cache_seqlens")
+            raise ArgumentError(
+                f"cache_seqlens must be in 0..{room} (a sequence's cache holds {capacity} keys"
+                + (f", {n_new} of them for the new ones" if n_new else "") + f"), got {low}..{high}",
+                hint="nothing was written: grow the cache (or its block table) or evict keys before appending")
+    if block_table is None:
+        return
+    num_pages = k_cache.shape[0]
+    if not _seen("block_table", block_table, (n_new, num_pages)) or lengths_changed:
+        # the pages that hold each sequence's keys, new ones included; other entries are never read
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] \
+            < ((cache_seqlens + n_new + page_size - 1) // page_size)[:, None]
+        pages = block_table[used]
+        first, last = _extremes(pages) if pages.numel() else (0, 0)
+        if first < 0 or last >= num_pages:
+            _checked.pop("block_table")
+            raise ArgumentError(f"block_table points at page {first if first < 0 else last}; the cache has pages "
+                                f"0..{num_pages - 1}", hint="nothing was written")
+
+
 def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  cache_seqlens: int | torch.Tensor, *, k: torch.Tensor | None = None,
                                  v: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                                  causal: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                                 alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None
-                                 ) -> torch.Tensor:
+                                 alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+                                 return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over a KV cache, FlashAttention-2's ``flash_attn_with_kvcache``
     (forward only). Layouts are (batch, seq, heads, head_dim):
 
     * ``q`` (B, Sq, H, D); ``k_cache``, ``v_cache`` (B, S, H_kv, D), or paged (num_pages,
       page_size, H_kv, D) with ``block_table`` (B, max_pages) int32 (any page size; sequence b's
       key j is in page ``block_table[b, j // page_size]``); H a multiple of H_kv;
-    * ``cache_seqlens``: the keys each sequence holds, an int or an int32 (B,) tensor (read on
-      the device: values are clamped to [0, capacity - S_new], not checked);
+    * ``cache_seqlens``: the keys each sequence holds, an int or an int32 (B,) tensor: each in
+      0..capacity - S_new, else :class:`~flashrun.errors.ArgumentError` and nothing is written
+      (under CUDA-graph capture the kernel refuses the sequence instead: no write, NaN output);
     * ``k``, ``v`` (B, S_new, H_kv, D): written into the cache in place at positions
       cache_seqlens[b] .. + S_new, then attended to with it (``cache_seqlens`` itself is not
       advanced: that is the caller's);
@@ -412,14 +479,18 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       ``window``, ``softcap``, ``alibi_slopes`` ((H,) or (B, H) float32) as in
       :func:`~flashrun.kernels.flash_attention`.
 
-    Returns (B, Sq, H, D). No host sync: the call can be captured in a CUDA graph."""
+    Returns (B, Sq, H, D), and with ``return_lse`` also the log-sum-exp of each row's scores
+    (B, H, Sq) float32, natural log (-inf for a query that sees no key), FlashAttention-2's
+    ``return_softmax_lse``: what merging attention over several caches needs. A tensor
+    ``cache_seqlens`` is read back once per version to check it; the call can be captured in a
+    CUDA graph."""
     slopes = alibi_slopes
     options = (causal, window, softcap, sm_scale)
     if not plain_options(causal, window, softcap, sm_scale):
         options = _hashable(options)  # (a bad value only has to fail its check, once)
     key = ("kvcache", *[_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
                         for t in (q, k_cache, v_cache, k, v, block_table, slopes)], options,
-           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int, PDL)
+           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int, bool(return_lse), PDL)
     plan = _plans.get(key)
     if plan is None:
         dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
@@ -427,13 +498,15 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         variant = _variant(q.transpose(1, 2), dims.batch, dims.capacity, causal, window, softcap, alibi_slopes)
         scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
         plan = keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, scale,
-                                          seqlens=isinstance(cache_seqlens, torch.Tensor), write_lse=False))
+                                          seqlens=isinstance(cache_seqlens, torch.Tensor), write_lse=bool(return_lse)))
     n_k = 0
-    if not isinstance(cache_seqlens, torch.Tensor):
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_in_cache(cache_seqlens, k_cache, 0 if k is None else k.shape[1], block_table)
+    else:
         n_k = int(cache_seqlens)
         if not 0 <= n_k <= plan.room:
             raise ArgumentError(f"cache_seqlens must be in 0..{plan.room} (the cache's capacity less the new "
                                 f"keys), got {n_k}")
         cache_seqlens = None
-    o, _ = plan.run(q, k_cache, v_cache, n_k, k, v, cache_seqlens, block_table, slopes)
-    return o
+    o, lse = plan.run(q, k_cache, v_cache, n_k, k, v, cache_seqlens, block_table, slopes)
+    return (o, lse) if return_lse else o

@@ -168,8 +168,10 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
     head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
-    sequence holds N_K cached keys (or CACHE_SEQLENS[batch], clamped to [0, CAPACITY - N_NEW])
-    and N_NEW appended ones (APPEND). SPLIT: write this split's normalized output and log2-sum-exp2
+    sequence holds N_K cached keys (or CACHE_SEQLENS[batch]) and N_NEW appended ones (APPEND).
+    A length outside [0, CAPACITY - N_NEW] (the launcher refuses one, but cannot read the lengths
+    while a CUDA graph is captured) makes the sequence read and write nothing, its output and LSE
+    NaN. SPLIT: write this split's normalized output and log2-sum-exp2
     into O_PART (splits, BLOCK_M, HEAD_DIM) and LSE_PART per (batch, kv head, row tile), for
     :func:`_attn_decode_combine`; otherwise the output itself (and with WRITE_LSE the
     natural-log LSE, (batch, heads, N_Q)). PDL: launched as a programmatic dependent launch
@@ -191,9 +193,12 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     offs_i = rows // GROUP  # each row's query
     offs_h = off_hkv * GROUP + rows % GROUP  # and query head
     if SEQLENS:
-        n_cache = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + off_z), 0), CAPACITY - N_NEW)
+        n_cache = tl.load(CACHE_SEQLENS + off_z)
+        past = (n_cache < 0) | (n_cache > CAPACITY - N_NEW)  # no slot of the cache may be written or read
+        n_cache = tl.where(past, 0, n_cache)
     else:
         n_cache = N_K
+        past = False
     n_k = n_cache + N_NEW
 
     # keys the tile's queries may see ([lo, hi); [mid_lo, mid_hi) needs no mask), over at most
@@ -203,6 +208,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     if APPEND:  # every new key lies in some split's share, seen by a query or not (it is written there)
         lo = tl.minimum(lo, (n_cache // BLOCK_N) * BLOCK_N)
         hi = tl.maximum(hi, n_k)
+    hi = tl.where(past, lo, hi)  # a length past the cache: no key to append or read
     # this split's share of [lo, hi), in whole key blocks (an empty share: an empty partial)
     chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
     k_lo = lo + split * chunk
@@ -273,6 +279,11 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     if BLOCK_D1 > 0:
         acc1 = acc1 * inv_l[:, None]
     lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+    if SEQLENS:  # a length past the cache: NaN, not a plausible output
+        acc0 = tl.where(past, float("nan"), acc0)
+        if BLOCK_D1 > 0:
+            acc1 = tl.where(past, float("nan"), acc1)
+        lse2 = tl.where(past, float("nan"), lse2)
     if SPLIT:
         part = ((pair * tl.num_programs(1) + tile).to(tl.int64) * SPLITS + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(LSE_PART + part, lse2, mask=row_ok)
