@@ -381,7 +381,8 @@ def model_cmd(
     settings: SettingsOpt = None,
     sets: SetOpt = None,
     arch: Annotated[Optional[str], typer.Option(
-        "--arch", help="llama | mistral | qwen2 | gemma2 (default model.arch = llama).", show_default=False)] = None,
+        "--arch", help="llama | mistral | qwen2 | gemma2 | gemma3 | phi3 (default model.arch = llama).",
+        show_default=False)] = None,
     size: Annotated[Optional[str], typer.Option(
         "--size", help="mini (CPU-sized, 4 layers) | 1b (~1B parameters, for a GPU).", show_default=False)] = None,
     model_path: Annotated[Optional[str], typer.Option(

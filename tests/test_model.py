@@ -117,6 +117,7 @@ def test_what_a_kernel_cannot_express_fails_with_the_reason():
     ("mistral", {"sliding_window": 4096}),
     ("gemma2", {"sliding_window": 4096}),
     ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma3", {"sliding_window": 4096}),
 ])
 def test_the_mini_models_variants_visibly_change_their_logits(arch, disable):
     # random weights hide variants (scores ~0.1 at init); the minis sharpen q/k and use a short

@@ -351,7 +351,7 @@ class ClusterConfig(_Section):
 class ModelConfig(_Section):
     """``flashrun model``: a kernel swapped into a transformers model (flashrun[model])."""
 
-    arch: Literal["llama", "mistral", "qwen2", "gemma2"] = "llama"
+    arch: Literal["llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3"] = "llama"
     """The family `flashrun model` builds (`--arch`)."""
     size: Literal["mini", "1b"] = "mini"
     """`mini` (CPU-sized, 4 layers) or `1b` (about 1B parameters, for a GPU) (`--size`)."""
@@ -367,7 +367,7 @@ class ModelConfig(_Section):
     seq_len: PositiveInt | None = None
     """Tokens per sequence (`--seq-len`); unset: the size's (mini 32, 1b 2048)."""
     sliding_window: PositiveInt | None = None
-    """Overrides the family's window (mistral, gemma2)."""
+    """Overrides the family's window (mistral, gemma2, gemma3)."""
     checks: list[Literal["logits", "train-step", "training", "generate"]] = ["logits", "train-step", "training",
                                                                              "generate"]
     """Which checks run (`logits` with its padded and packed batches); `[]` for speed only."""

@@ -10,11 +10,14 @@ qwen2      q/k/v biases, GQA 6:1 at 1b (head_dim 128); an odd head dim (80 = 64 
 gemma2     an attention softcap, a sliding window on every other layer, head_dim 256,
            ``query_pre_attn_scalar`` scaling; SDPA cannot run it faithfully (it drops the
            softcap), so its baseline is ``eager``
+gemma3     sliding-window layers among global ones (no softcap), head_dim 256, q/k norms,
+           ``query_pre_attn_scalar`` scaling, MQA at 1b; SDPA is its baseline
+phi3       head_dim 96 (= 64 + 32), a fused qkv projection
 =========  ==============================================================================
 
 ``mini`` is a 4-layer model of the family's config class (Liger-Kernel's convergence tests use
 the same idea) small enough for Triton's CPU interpreter at short lengths (2 query heads on 1 KV
-head, hidden 128; qwen2's head_dim is 80, gemma2's 256); ``1b`` is a ~1B-parameter
+head, hidden 128; qwen2's head_dim is 80, gemma2's and gemma3's 256, phi3's 96); ``1b`` is a ~1B-parameter
 shape of the family for the GPU (research/models.md section 4; vocabularies cut to 32000 so that
 logits of 4 x 2048 tokens fit comfortably).
 
@@ -23,7 +26,9 @@ softcap of 50 or a window changes nothing measurable. :func:`build` therefore sh
 (:func:`_sharpen`: the q and k projections scaled so that scores have a standard deviation of
 about :data:`SCORE_STD`), and the mini sizes use windows shorter than their default sequence and
 a softcap of 5, so that every variant a mini model carries visibly changes its logits (a test
-proves it).
+proves it). gemma3 normalizes q and k (RMSNorm) after their projections, which undoes the gain:
+its scores keep the spread its head_dim and scaling give them (about 1), which its short window
+still changes visibly.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "gemma2")
+ARCHS = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3")
 SIZES = ("mini", "1b")
 SCORE_STD = 3.0  # target std of the attention scores after sharpening q and k
 
@@ -96,6 +101,23 @@ FAMILIES: dict[str, Family] = {
                         num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, vocab_size=32000,
                         sliding_window=1024), **_1B_RUN),
     }, variants=("window", "softcap"), faithful_sdpa=False),
+    "gemma3": Family("gemma3", "Gemma3TextConfig", {
+        "mini": Size(dict(_MINI, head_dim=256, query_pre_attn_scalar=256, sliding_window=16,
+                          layer_types=["sliding_attention", "full_attention"] * 2), **_MINI_RUN),
+        # Gemma-3-1B's shape (hidden 1152, 26 layers, 4 heads on 1 KV head, head_dim 256, five
+        # sliding layers to a global one), vocab 32000; a window of 1024 so that it binds at 2048 tokens
+        "1b": Size(dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, vocab_size=32000,
+                        sliding_window=1024,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2),
+             **_1B_RUN),
+    }, variants=("window",)),
+    "phi3": Family("phi3", "Phi3Config", {
+        "mini": Size(dict(_MINI, hidden_size=192), **_MINI_RUN),  # head_dim 96 = 64 + 32
+        # Phi-3's head_dim 96 at ~1B: hidden 2304 (24 heads on 8 KV heads), 18 layers, vocab 32000
+        "1b": Size(dict(hidden_size=2304, intermediate_size=6144, num_hidden_layers=18, num_attention_heads=24,
+                        num_key_value_heads=8, vocab_size=32000), **_1B_RUN),
+    }, variants=(), common=dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),  # its defaults lie past 32000
 }
 
 
@@ -129,10 +151,14 @@ def _sharpen(model: Any, config: Any) -> float:
     scaling = (getattr(text, "query_pre_attn_scalar", None) or head_dim) ** -0.5
     std = math.sqrt(head_dim) * text.hidden_size * text.initializer_range ** 2 * scaling
     gain = math.sqrt(SCORE_STD / std)
+    q_rows = text.num_attention_heads * head_dim  # a fused qkv projection (phi3): q's rows, then k's
+    k_rows = text.num_key_value_heads * head_dim
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(gain)
+            elif name.endswith("qkv_proj.weight"):
+                param[:q_rows + k_rows].mul_(gain)
     return gain
 
 
