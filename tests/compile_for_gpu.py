@@ -82,14 +82,18 @@ def resources(compiled) -> tuple[int, int] | None:
     return (int(regs.group(1)), int(stack.group(1))) if regs and stack else None
 
 
-def kvcache(batch, h, h_kv, n_q, d, dtype, capacity, page_size, n_new, **variants):
-    """flash_attention_with_kvcache with ragged lengths (a tensor), paged when page_size > 0."""
+def kvcache(batch, h, h_kv, n_q, d, dtype, capacity, page_size, n_new, cache_dtype=None, scales=None, **variants):
+    """flash_attention_with_kvcache with ragged lengths (a tensor), paged when page_size > 0; an fp8
+    cache (``cache_dtype``) read with one scale (``scales="tensor"``) or one per key and kv head."""
     q = torch.empty(batch, n_q, h, d, dtype=dtype)
     pages = batch * capacity // max(page_size, 1)
-    cache = torch.empty(pages, page_size, h_kv, d, dtype=dtype) if page_size else \
-        torch.empty(batch, capacity, h_kv, d, dtype=dtype)
+    cache = torch.empty(pages, page_size, h_kv, d, dtype=cache_dtype or dtype) if page_size else \
+        torch.empty(batch, capacity, h_kv, d, dtype=cache_dtype or dtype)
     table = torch.zeros(batch, capacity // page_size, dtype=torch.int32) if page_size else None
-    new = torch.empty(batch, n_new, h_kv, d, dtype=dtype) if n_new else None
+    new = torch.ones(batch, n_new, h_kv, d, dtype=dtype) if n_new else None
+    if scales is not None:
+        scale = 0.5 if scales == "tensor" else torch.ones(cache.shape[:3])
+        variants.update(k_scale=scale, v_scale=scale)
     decode.flash_attention_with_kvcache(q, cache, cache, torch.zeros(batch, dtype=torch.int32), k=new, v=new,
                                         block_table=table, **variants)
 
@@ -170,6 +174,9 @@ def main() -> int:
     print("KV cache: paged (page 16) with 1 new key, causal; contiguous with 3 new keys, MQA, head_dim 256")
     kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, causal=True)
     kvcache(2, 16, 1, 2, 256, torch.float16, 4096, 0, 3)
+    print("an fp8 KV cache: paged (page 16) with token scales and 1 new key, GQA; contiguous with one scale, MQA")
+    kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, cache_dtype=torch.float8_e4m3fn, scales="token")
+    kvcache(2, 32, 1, 1, 128, torch.float16, 16384, 0, 0, cache_dtype=torch.float8_e4m3fn, scales="tensor")
     print("head_dim 192 = 128 + 64 columns: causal, GQA; the forward through TMA (two descriptors per tensor)")
     # the backward on 4-warp tiles: one warpgroup spans a tile's columns, so its 128 + 64 blocks are
     # n128 and n64 wgmmas (8 warps over a 64-row dK tile split the columns: n64 and n32)

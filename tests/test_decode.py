@@ -151,7 +151,7 @@ def test_plans_are_cached_and_launch_every_parameter():
     plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
     # the lean launch passes the per-call arguments, then the tail, in the kernel's parameter order
     assert plan.splits > 1 and plan.combine is not None
-    assert 13 + len(plan.decode.tail) == len(_attn_decode.arg_names)
+    assert 17 + len(plan.decode.tail) == len(_attn_decode.arg_names)  # 13 + an fp8 cache's 4 scale tensors
     assert 4 + len(plan.combine.tail) == len(_attn_decode_combine.arg_names)
     # the combine: a program per (row, batch and kv head, column block of the head dim)
     assert plan.combine.grid == (2, 2, 1)  # a group of 2 rows, 1 x 2 (batch, kv head) pairs, all 16 columns
@@ -505,3 +505,91 @@ def test_kvcache_returns_the_log_sum_exp(lengths, page_size, new_keys, causal):
         err = (lse[b][seen].double() - truth[0][seen]).abs().max() if seen.any() else 0
         allowed = 2 * (yard[0][seen].double() - truth[0][seen]).abs().max() + 1e-3 if seen.any() else 0
         assert err <= allowed, (b, err, allowed)
+
+
+# -- an fp8 cache --------------------------------------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two at or above amax / 448 (1 for zeros): the call's own rule for new keys."""
+    scale = torch.exp2(torch.ceil(torch.log2(amax.float() / 448.0)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _to_fp8(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """A cache (or new keys) in e4m3 with its scale: one power of two for the whole tensor, or one
+    per key and kv head (the tensor's shape without head_dim)."""
+    scale = _pow2_scale(x.abs().amax()) if mode == "tensor" else _pow2_scale(x.abs().amax(-1))
+    scale = float(scale) if mode == "tensor" else scale
+    divisor = scale if mode == "tensor" else scale[..., None]
+    return (x.float() / divisor).to(E4M3), scale
+
+
+def _dequantized(x8: torch.Tensor, scale, dtype) -> torch.Tensor:
+    return (x8.float() * (scale if not isinstance(scale, torch.Tensor) else scale[..., None])).to(dtype)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "token"])
+@pytest.mark.parametrize(("lengths", "page_size", "new_keys", "causal"), [
+    ((0, 17, 300), 16, 2, False),  # an empty cache, pages, appended keys
+    ((600,), 0, 0, False),  # split over programs
+    ((33, 70), 48, 3, True),  # pages of 48, causal queries over appended keys
+], ids=["paged-append", "split", "causal-p48"])
+def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, lengths, page_size, new_keys, causal):
+    """An e4m3 cache read as cache · scale, bf16 queries: judged by the usual rule on the
+    dequantized cache (all the maths after the dequantization is bf16/fp32). New bf16 keys are
+    quantized by the call (their own power-of-two scales in token mode) and land in the cache."""
+    shape, inputs = _cache_inputs(lengths, 4, 2, 3 if causal else 1, 32, dtype=BF16, page_size=page_size,
+                                  new_keys=new_keys, causal=causal)
+    k8, k_scale = _to_fp8(inputs.k, mode)
+    v8, v_scale = _to_fp8(inputs.v, mode)
+    k_cache, v_cache = k8.clone(), v8.clone()
+    scales = (k_scale.clone(), v_scale.clone()) if mode == "token" else (k_scale, v_scale)
+    out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
+                                       v=inputs.v_new, block_table=inputs.block_table, causal=causal,
+                                       k_scale=scales[0], v_scale=scales[1])
+    assert out.dtype == BF16
+    new = {}
+    if new_keys:  # what the call must have appended: the new keys quantized by the same rule
+        for name, x in (("k", inputs.k_new), ("v", inputs.v_new)):
+            new[name] = _dequantized(*_to_fp8(x, mode), BF16) if mode == "token" else \
+                _dequantized((x.float() / (k_scale if name == "k" else v_scale)).to(E4M3),
+                             k_scale if name == "k" else v_scale, BF16)
+    truth = dataclasses.replace(inputs, k=_dequantized(k8, k_scale, BF16), v=_dequantized(v8, v_scale, BF16),
+                                k_new=new.get("k"), v_new=new.get("v"))
+    checks = Reference.for_kvcache(truth, causal=causal).judge(out, None, None,
+                                                                cache=(_dequantized(k_cache, scales[0], BF16),
+                                                                       _dequantized(v_cache, scales[1], BF16)))
+    for check in checks:  # the output, and each appended slot exactly (scale included)
+        assert check.passed, check.reason()
+
+
+def test_fp8_cache_argument_errors():
+    q = torch.randn(2, 1, 4, 16, dtype=BF16)
+    cache = torch.randn(2, 32, 2, 16).to(E4M3)
+    scales = torch.ones(2, 32, 2)
+    lengths = torch.tensor([3, 5], dtype=torch.int32)
+
+    def fails(kind, match, *args, **kwargs):
+        with pytest.raises(kind, match=match):
+            flash_attention_with_kvcache(*args, **kwargs)
+
+    fails(KernelError, "an fp8 cache takes float16 or bfloat16 queries", q.float(), cache, cache, lengths)
+    fails(KernelError, "v_cache must have", q, cache, cache.to(BF16), lengths)
+    fails(ArgumentError, r"token scales: k_scale and v_scale must both be float32 tensors \(2, 32, 2\)", q, cache,
+          cache, lengths, k_scale=scales[:, :8], v_scale=scales[:, :8])
+    fails(ArgumentError, "token scales", q, cache, cache, lengths, k_scale=scales, v_scale=0.5)
+    fails(ArgumentError, "k_scale must be a positive number", q, cache, cache, lengths, k_scale=-1.0)
+    fails(ArgumentError, "k_scale and v_scale dequantize an fp8 cache", q, cache.to(BF16), cache.to(BF16), lengths,
+          k_scale=2.0)
+
+
+def test_an_fp8_cache_with_unit_scales_is_the_bf16_cache_it_holds():
+    """e4m3 values are exact in bf16: the same cache stored both ways gives the same output."""
+    shape, inputs = _cache_inputs((40, 9), 4, 2, 1, 32, dtype=BF16, page_size=16)
+    k8, v8 = inputs.k.to(E4M3), inputs.v.to(E4M3)
+    as_fp8 = flash_attention_with_kvcache(inputs.q, k8, v8, inputs.cache_seqlens, block_table=inputs.block_table)
+    as_bf16 = flash_attention_with_kvcache(inputs.q, k8.to(BF16), v8.to(BF16), inputs.cache_seqlens,
+                                           block_table=inputs.block_table)
+    assert torch.equal(as_fp8, as_bf16)

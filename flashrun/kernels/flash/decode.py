@@ -197,6 +197,10 @@ class _Dims:
     page_size: int = 0  # 0: contiguous cache
     table_stride: int = 0  # the block table's row stride
     keys: int = 0  # the most keys a sequence may hold: what the splits are sized for
+    kv_fp8: bool = False  # an fp8 cache, dequantized as it is read
+    k_scale: float = 1.0  # an fp8 cache's scales for the whole cache (1.0 with token scales)
+    v_scale: float = 1.0
+    scales: tuple[int, int, int] | None = None  # token scales' strides (page or batch, key, kv head)
 
 
 @dataclass(frozen=True)
@@ -210,14 +214,16 @@ class _Plan:
     room: int  # cached keys a sequence may hold before the new ones (KV cache)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k: int, k_new=None, v_new=None,
-            seqlens=None, block_table=None, alibi=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            seqlens=None, block_table=None, alibi=None, scales=(None, None, None, None)
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``scales``: an fp8 cache's token scales, the cache's K and V then the new keys' K and V."""
         o = q.new_empty(self.out_shape)
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         stream = _current_stream(q.device)
         o_part = lse_part = None
         if self.combine is not None:
             o_part, lse_part = _workspace(q.device, stream, *self.partials)
-        self.decode(stream, q, k, v, o, lse, k_new, v_new, seqlens, block_table, alibi, o_part, lse_part, n_k)
+        self.decode(stream, q, k, v, o, lse, k_new, v_new, seqlens, block_table, alibi, o_part, lse_part, *scales, n_k)
         if self.combine is not None:
             self.combine(stream, o_part, lse_part, o, lse)
         return o, lse
@@ -238,12 +244,13 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     var = variant.kernel_args(sm_scale, dtype)
     pdl = _pdl(device)
     queries = bm // group + (2 if bm % group else 0)  # queries a tile's rows can belong to (at most)
+    new_scales = (dims.n_new * dims.kv_heads, dims.kv_heads, 1)  # the new keys' token scales: (B, S_new, H_kv)
     tail = (*dims.q, *dims.k, *dims.v, *dims.o, *dims.new, dims.table_stride, var["stride_az"], var["stride_ah"],
-            dims.kv_heads, dims.n_q, dims.n_new, dims.capacity, splits, var["qk_scale"], var["softcap2"],
-            var["win_left"], var["win_right"],
+            *(dims.scales or (0, 0, 0)), *new_scales, dims.kv_heads, dims.n_q, dims.n_new, dims.capacity, splits,
+            var["qk_scale"] * dims.k_scale, dims.v_scale, var["softcap2"], var["win_left"], var["win_right"],
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
-            *dot_options(dtype).values(), pdl)
+            *dot_options(dtype).values(), dims.kv_fp8, dims.scales is not None, pdl)
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, _options(cfg, pdl))
     combine = None
     if splits > 1:
@@ -324,7 +331,11 @@ def _check_device(q: torch.Tensor) -> None:
                           hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported")
 
 
-def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dims:
+FP8_CACHE = (torch.float8_e4m3fn,)  # cache dtypes stored in 8 bits, dequantized as they are read
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale=None, v_scale=None) -> _Dims:
     """Check the KV-cache call's tensors (every message names the argument) and size it."""
     _tensor_arg(q, "q", 4, "(batch, seqlen_q, heads, head_dim)")
     paged = block_table is not None
@@ -337,9 +348,10 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dim
     if k_cache.shape != v_cache.shape:
         raise KernelError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                           f"{tuple(v_cache.shape)}")
+    fp8 = k_cache.dtype in FP8_CACHE
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise KernelError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.dtype != (k_cache.dtype if fp8 else q.dtype):
+            raise KernelError(f"{name} must have q's dtype {q.dtype} (or both caches float8_e4m3fn), got {t.dtype}")
         if t.device != q.device:
             raise KernelError(f"{name} is on {t.device}, q on {q.device}")
     kv_heads = k_cache.shape[2]
@@ -394,10 +406,51 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> _Dim
                                 hint="pass cache_seqlens.to(torch.int32)")
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
         raise ArgumentError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    scales = _fp8_scales(q, k_cache, k_scale, v_scale) if fp8 else None
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise ArgumentError("k_scale and v_scale dequantize an fp8 cache; this one is " + str(k_cache.dtype)[6:])
+    if fp8 and k is not None:  # the new keys are quantized by the call into contiguous fp8 tensors
+        new_strides = _contiguous_strides(tuple(k.shape))
     o_strides = _contiguous_strides(q.shape)
+    whole = (float(k_scale or 1.0), float(v_scale or 1.0)) if fp8 and scales is None else (1.0, 1.0)
     return _Dims(batch, heads, kv_heads, n_q, head_dim, tuple(q.stride()), tuple(k_cache.stride()),
                  tuple(v_cache.stride()), tuple(q.shape), o_strides, new_strides, n_new, capacity, page_size,
-                 0 if block_table is None else block_table.stride(0), capacity)
+                 0 if block_table is None else block_table.stride(0), capacity, fp8, *whole, scales)
+
+
+def _fp8_scales(q, k_cache, k_scale, v_scale) -> tuple[int, int, int] | None:
+    """An fp8 cache's scales: None (1.0) or numbers for the whole cache (-> None), or float32
+    tensors with one scale per key and kv head, shaped like the cache without head_dim (-> their
+    strides)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise KernelError(f"an fp8 cache takes float16 or bfloat16 queries, got {q.dtype}")
+    tensors = [isinstance(s, torch.Tensor) for s in (k_scale, v_scale)]
+    if not any(tensors):
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0):
+                raise ArgumentError(f"{name} must be a positive number (the whole cache's) or a float32 tensor of "
+                                    f"one scale per key and kv head, got {scale!r}")
+        return None
+    shape = tuple(k_cache.shape[:3])
+    if not all(tensors) or any(s.dtype != torch.float32 or tuple(s.shape) != shape or s.device != q.device
+                               for s in (k_scale, v_scale)) or k_scale.stride() != v_scale.stride():
+        raise ArgumentError(f"token scales: k_scale and v_scale must both be float32 tensors {shape} on {q.device} "
+                            "(the cache's shape without head_dim) with the same strides",
+                            hint="or pass a number each: one scale for the whole cache")
+    return tuple(k_scale.stride())
+
+
+def _quantize(x: torch.Tensor, scale: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """New keys or values (B, S_new, H_kv, D) into e4m3: divided by the cache's scale (a number),
+    or by a scale of their own per key and kv head (``scale`` a tensor: the cache's, which the
+    kernel copies theirs into): the power of two at or above amax / 448, so that nothing
+    saturates and ``x8 * scale`` is exact in bf16 and fp16. -> (x8, token scales or None)."""
+    if isinstance(scale, torch.Tensor):
+        amax = x.float().abs().amax(-1)  # (B, S_new, H_kv)
+        own = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+        own = torch.where(amax > 0, own, torch.ones_like(own))  # an all-zero row: any scale, 1
+        return (x.float() / own[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), own
+    return (x.float() / float(scale or 1.0)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), None
 
 
 # the last lengths (and block table) checked, by identity and version: (tensor ref, version, bounds)
@@ -462,6 +515,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  v: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                                  causal: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                  alibi_slopes: torch.Tensor | None = None, sm_scale: float | None = None,
+                                 k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
                                  return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over a KV cache, FlashAttention-2's ``flash_attn_with_kvcache``
     (forward only). Layouts are (batch, seq, heads, head_dim):
@@ -477,7 +531,13 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
       advanced: that is the caller's);
     * ``causal`` is bottom-right aligned against the sequence's cache_seqlens[b] + S_new keys,
       ``window``, ``softcap``, ``alibi_slopes`` ((H,) or (B, H) float32) as in
-      :func:`~flashrun.kernels.flash_attention`.
+      :func:`~flashrun.kernels.flash_attention`;
+    * an **fp8 cache**: ``k_cache``, ``v_cache`` float8_e4m3fn with float16/bfloat16 ``q``, read
+      as ``cache * scale``: ``k_scale``, ``v_scale`` numbers for the whole cache (default 1), or
+      float32 tensors of one scale per key and kv head, shaped like the cache without head_dim
+      ((B, S, H_kv), or (num_pages, page_size, H_kv)). New ``k``, ``v`` come in q's dtype and are
+      quantized by the call: divided by the cache's scale, or each key and value by its own
+      (amax / 448, written into the scale tensors beside it).
 
     Returns (B, Sq, H, D), and with ``return_lse`` also the log-sum-exp of each row's scores
     (B, H, Sq) float32, natural log (-inf for a query that sees no key), FlashAttention-2's
@@ -489,11 +549,11 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if not plain_options(causal, window, softcap, sm_scale):
         options = _hashable(options)  # (a bad value only has to fail its check, once)
     key = ("kvcache", *[_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
-                        for t in (q, k_cache, v_cache, k, v, block_table, slopes)], options,
+                        for t in (q, k_cache, v_cache, k, v, block_table, slopes, k_scale, v_scale)], options,
            _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int, bool(return_lse), PDL)
     plan = _plans.get(key)
     if plan is None:
-        dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+        dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
         # the mask folded as flash_attention folds it, against the longest a sequence can be
         variant = _variant(q.transpose(1, 2), dims.batch, dims.capacity, causal, window, softcap, alibi_slopes)
         scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
@@ -508,5 +568,12 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             raise ArgumentError(f"cache_seqlens must be in 0..{plan.room} (the cache's capacity less the new "
                                 f"keys), got {n_k}")
         cache_seqlens = None
-    o, lse = plan.run(q, k_cache, v_cache, n_k, k, v, cache_seqlens, block_table, slopes)
+    scales = (None, None, None, None)
+    if k_cache.dtype in FP8_CACHE:
+        new_k_scale = new_v_scale = None
+        if k is not None:
+            (k, new_k_scale), (v, new_v_scale) = _quantize(k, k_scale), _quantize(v, v_scale)
+        if isinstance(k_scale, torch.Tensor):
+            scales = (k_scale, v_scale, new_k_scale, new_v_scale)
+    o, lse = plan.run(q, k_cache, v_cache, n_k, k, v, cache_seqlens, block_table, slopes, scales)
     return (o, lse) if return_lse else o

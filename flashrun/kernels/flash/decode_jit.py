@@ -32,12 +32,11 @@ def _load_cols(ptrs_rows, row_ok, stride_d, COL: tl.constexpr, WIDTH: tl.constex
 
 
 @triton.jit
-def _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE: tl.constexpr,
-             MASKED: tl.constexpr, ONE_PAGE: tl.constexpr):
-    """Pointers to the rows of keys ``cols`` (from start_n) in K and V: row j of a contiguous
-    cache, or slot j % PAGE_SIZE of page PAGES[j // PAGE_SIZE] of a paged one (K, V point at the kv
-    head, and for a contiguous cache at the sequence). ONE_PAGE: the keys lie in one page (a
-    block that starts on a multiple of BLOCK_N, which divides PAGE_SIZE), found by one load."""
+def _slots(PAGES, start_n, cols, n_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """Where keys ``cols`` (from start_n) of a sequence live: (page, slot) - slot j % PAGE_SIZE of
+    page PAGES[j // PAGE_SIZE] of a paged cache, or (0, j) of a contiguous one (whose pointers are
+    already at the sequence). ONE_PAGE: the keys lie in one page (a block that starts on a
+    multiple of BLOCK_N, which divides PAGE_SIZE), found by one load."""
     if PAGE_SIZE > 0:
         if ONE_PAGE:  # the block starts below n_k, so its page is in the block table row
             page = tl.load(PAGES + start_n // PAGE_SIZE).to(tl.int64)
@@ -46,12 +45,10 @@ def _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, s
         else:
             page = tl.load(PAGES + cols // PAGE_SIZE).to(tl.int64)
         slot = cols % PAGE_SIZE
-        k_rows = K + page * stride_kz + slot * stride_kn
-        v_rows = V + page * stride_vz + slot * stride_vn
     else:
-        k_rows = K + cols.to(tl.int64) * stride_kn
-        v_rows = V + cols.to(tl.int64) * stride_vn
-    return k_rows, v_rows
+        page = 0
+        slot = cols.to(tl.int64)
+    return page, slot
 
 
 @triton.jit
@@ -78,45 +75,66 @@ def _kv_tile(rows, row_ok, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.conste
 
 
 @triton.jit
-def _append(K, V, K_NEW, V_NEW, PAGES, lo, hi, n_cache, n_k, stride_kz, stride_kn, stride_kk, stride_vz, stride_vn,
-            stride_vk, stride_nn, stride_nk, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            PAGE_SIZE: tl.constexpr):
+def _append(K, V, K_NEW, V_NEW, K_SCALE, V_SCALE, K_NEW_SCALE, V_NEW_SCALE, PAGES, lo, hi, n_cache, n_k,
+            stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk, stride_nn, stride_nk,
+            stride_sz, stride_sn, stride_tn, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, TOKEN_SCALES: tl.constexpr):
     """Copy the new keys and values among [lo, hi) (positions n_cache .. n_k) from K_NEW, V_NEW
-    into the cache, 16 rows at a time (few keys are new: a small tile keeps registers free)."""
+    into the cache, 16 rows at a time (few keys are new: a small tile keeps registers free); with
+    TOKEN_SCALES, each new key's and value's scale (K_NEW_SCALE, V_NEW_SCALE) into the cache's."""
     offs_n = tl.arange(0, 16)
     cols_d = tl.arange(0, BLOCK_D)
     for start_n in range(tl.maximum(lo, n_cache), tl.minimum(hi, n_k), 16):
         cols = start_n + offs_n
-        k_rows, v_rows = _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn,
-                                  PAGE_SIZE, True, False)
-        mask = (cols < tl.minimum(hi, n_k))[:, None] & (cols_d[None, :] < HEAD_DIM)
-        new = (cols - n_cache).to(tl.int64) * stride_nn
-        k = tl.load((K_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
-        tl.store(k_rows[:, None] + cols_d[None, :] * stride_kk, k, mask=mask)
-        v = tl.load((V_NEW + new)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
-        tl.store(v_rows[:, None] + cols_d[None, :] * stride_vk, v, mask=mask)
+        page, slot = _slots(PAGES, start_n, cols, n_k, PAGE_SIZE, True, False)
+        row_ok = cols < tl.minimum(hi, n_k)
+        mask = row_ok[:, None] & (cols_d[None, :] < HEAD_DIM)
+        new = (cols - n_cache).to(tl.int64)
+        k = tl.load((K_NEW + new * stride_nn)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
+        tl.store((K + page * stride_kz + slot * stride_kn)[:, None] + cols_d[None, :] * stride_kk, k, mask=mask)
+        v = tl.load((V_NEW + new * stride_nn)[:, None] + cols_d[None, :] * stride_nk, mask=mask)
+        tl.store((V + page * stride_vz + slot * stride_vn)[:, None] + cols_d[None, :] * stride_vk, v, mask=mask)
+        if TOKEN_SCALES:
+            at = page * stride_sz + slot * stride_sn
+            tl.store(K_SCALE + at, tl.load(K_NEW_SCALE + new * stride_tn, mask=row_ok), mask=row_ok)
+            tl.store(V_SCALE + at, tl.load(V_NEW_SCALE + new * stride_tn, mask=row_ok), mask=row_ok)
 
 
 @triton.jit
-def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
-                  stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
+def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, K_SCALE, V_SCALE, PAGES, lo, hi, n_k, N_Q,
+                  stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk, stride_sz, stride_sn,
                   offs_i, qk_scale, softcap2, slope2, left, right,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr):
     """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
     (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
-    cache); PAGES at the sequence's block table row (paged cache)."""
+    cache); PAGES at the sequence's block table row (paged cache). KV_FP8: the cache holds fp8,
+    widened to q's dtype tile by tile (exact); TOKEN_SCALES: each key's and value's scale
+    (K_SCALE, V_SCALE, laid out as the cache without head_dim) multiplies its score's column and
+    its probability's column (q·(s k) = s (q·k); Σ p (s v) = Σ (p s) v), not the tile."""
     offs_n = tl.arange(0, BLOCK_N)
     shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_rows, v_rows = _kv_rows(K, V, PAGES, start_n, cols, n_k, stride_kz, stride_kn, stride_vz, stride_vn,
-                                  PAGE_SIZE, MASKED, PAGE_SIZE % BLOCK_N == 0)
+        page, slot = _slots(PAGES, start_n, cols, n_k, PAGE_SIZE, MASKED, PAGE_SIZE % BLOCK_N == 0)
+        k_rows = K + page * stride_kz + slot * stride_kn
+        v_rows = V + page * stride_vz + slot * stride_vn
         k0, k1 = _kv_tile(k_rows, cols < n_k, stride_kk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
         v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
+        if KV_FP8:
+            k0 = k0.to(q0.dtype)
+            v0 = v0.to(q0.dtype)
+            if BLOCK_D1 > 0:
+                k1 = k1.to(q0.dtype)
+                v1 = v1.to(q0.dtype)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
+        if TOKEN_SCALES:
+            at = page * stride_sz + slot * stride_sn
+            k_scale = tl.load(K_SCALE + at, mask=cols < n_k, other=0.0)
+            v_scale = tl.load(V_SCALE + at, mask=cols < n_k, other=0.0)
+            qk = qk * k_scale[None, :]
         # -- update m_i and l_i --
         if MASKED:
             qk, _ = _scores(qk, offs_i[:, None], cols[None, :], shift, qk_scale, softcap2, slope2, SOFTCAP, ALIBI)
@@ -141,6 +159,8 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
         acc0 = acc0 * alpha[:, None]
         if BLOCK_D1 > 0:
             acc1 = acc1 * alpha[:, None]
+        if TOKEN_SCALES:
+            p = p * v_scale[None, :]
         acc0, acc1 = _dot_cols(p.to(v0.dtype), v0, v1, acc0, acc1, BLOCK_D1, UPCAST, PRECISION)
         m_i = m_ij
     return acc0, acc1, l_i, m_i
@@ -153,19 +173,22 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, PAGES, lo, hi, n_k, N_Q,
 # The per-call N_K and the plan's counts vary between calls of one compiled kernel (or would
 # compile a variant per value for nothing): not specialized. Strides are, as they decide vector widths.
 @triton.jit(do_not_specialize=["N_K", "H_KV", "N_NEW", "CAPACITY", "SPLITS"])
-def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIBI_SLOPES, O_PART, LSE_PART, N_K,
+def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIBI_SLOPES, O_PART, LSE_PART,
+                 K_SCALE, V_SCALE, K_NEW_SCALE, V_NEW_SCALE, N_K,
                  stride_qz, stride_qm, stride_qh, stride_qk,
                  stride_kz, stride_kn, stride_kh, stride_kk,
                  stride_vz, stride_vn, stride_vh, stride_vk,
                  stride_oz, stride_om, stride_oh, stride_ok,
                  stride_nz, stride_nn, stride_nh, stride_nk,
                  stride_bz, stride_az, stride_ah,
-                 H_KV, N_Q, N_NEW, CAPACITY, SPLITS, qk_scale, softcap2, win_left, win_right,
+                 stride_sz, stride_sn, stride_sh, stride_tz, stride_tn, stride_th,
+                 H_KV, N_Q, N_NEW, CAPACITY, SPLITS, qk_scale, v_scale, softcap2, win_left, win_right,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+                 PDL: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
     head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
     sequence holds N_K cached keys (or CACHE_SEQLENS[batch]) and N_NEW appended ones (APPEND).
@@ -174,7 +197,10 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     NaN. SPLIT: write this split's normalized output and log2-sum-exp2
     into O_PART (splits, BLOCK_M, HEAD_DIM) and LSE_PART per (batch, kv head, row tile), for
     :func:`_attn_decode_combine`; otherwise the output itself (and with WRITE_LSE the
-    natural-log LSE, (batch, heads, N_Q)). PDL: launched as a programmatic dependent launch
+    natural-log LSE, (batch, heads, N_Q)). An fp8 cache (KV_FP8) is dequantized as it is read: a
+    scale for the whole cache (K's folded into qk_scale by the launcher, ``v_scale`` applied with
+    the normalization), or with TOKEN_SCALES one per key and kv head (K_SCALE, V_SCALE laid out as
+    (batch or page, key, kv head); appended keys bring theirs in K_NEW_SCALE, V_NEW_SCALE). PDL: launched as a programmatic dependent launch
     (sm_90+): the program may start while the kernel before it drains, so it waits for that
     kernel's writes before reading anything, and lets the combine launch as the grid's last
     programs start (the combine waits for this grid's writes in turn)."""
@@ -226,16 +252,30 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     else:
         k_src = K + off_z * stride_kz + off_hkv * stride_kh
         v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    k_scales = K_SCALE  # (absent without TOKEN_SCALES: used only where it says they exist)
+    v_scales = V_SCALE
+    if TOKEN_SCALES:
+        at = off_hkv * stride_sh
+        if PAGE_SIZE == 0:
+            at += off_z * stride_sz
+        k_scales = K_SCALE + at
+        v_scales = V_SCALE + at
     pages = BLOCK_TABLE  # (an absent argument is None: used only where a constexpr says it exists)
     if PAGE_SIZE > 0:
         pages = BLOCK_TABLE + off_z * stride_bz
     if APPEND:
         # this split's new keys and values go into the cache first; every program with them in
         # its share writes the same values there, so whichever write a read sees is right
+        k_new_scales = K_NEW_SCALE  # (absent without TOKEN_SCALES)
+        v_new_scales = V_NEW_SCALE
+        if TOKEN_SCALES:
+            k_new_scales = K_NEW_SCALE + off_z * stride_tz + off_hkv * stride_th
+            v_new_scales = V_NEW_SCALE + off_z * stride_tz + off_hkv * stride_th
         _append(k_src, v_src, K_NEW + off_z * stride_nz + off_hkv * stride_nh,
-                V_NEW + off_z * stride_nz + off_hkv * stride_nh, pages, k_lo, k_hi, n_cache, n_k, stride_kz, stride_kn, stride_kk,
-                stride_vz, stride_vn, stride_vk, stride_nn, stride_nk, HEAD_DIM,
-                BLOCK_D0 if BLOCK_D1 == 0 else 2 * BLOCK_D0, PAGE_SIZE)
+                V_NEW + off_z * stride_nz + off_hkv * stride_nh, k_scales, v_scales, k_new_scales,
+                v_new_scales, pages, k_lo, k_hi, n_cache, n_k, stride_kz, stride_kn, stride_kk,
+                stride_vz, stride_vn, stride_vk, stride_nn, stride_nk, stride_sz, stride_sn, stride_tn, HEAD_DIM,
+                BLOCK_D0 if BLOCK_D1 == 0 else 2 * BLOCK_D0, PAGE_SIZE, TOKEN_SCALES)
         tl.debug_barrier()  # the program's own copies are visible to all its threads
     if ALIBI:  # one slope per row's head, times log2 e
         slope2 = (tl.load(ALIBI_SLOPES + off_z * stride_az + offs_h * stride_ah, mask=row_ok, other=0.0)
@@ -250,31 +290,34 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     if BLOCK_D1 > 0:
         acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     if WINDOW:  # stage 0: the window's left edge - masked
-        acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+        acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, k_scales, v_scales, pages,
                                              tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), n_k, N_Q,
                                              stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
-                                             offs_i, qk_scale, softcap2, slope2, win_left,
+                                             stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                              win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
-                                             CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+                                             CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
+                                             TOKEN_SCALES)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, k_scales, v_scales, pages,
                                          tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
-                                         offs_i, qk_scale, softcap2, slope2, win_left,
+                                         stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, False,
-                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
+                                             TOKEN_SCALES)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
-    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, pages,
+    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, k_scales, v_scales, pages,
                                          tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
-                                         offs_i, qk_scale, softcap2, slope2, win_left,
+                                         stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
-                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION)
+                                         CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
+                                             TOKEN_SCALES)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    inv_l = 1.0 / l_safe  # one reciprocal per row, a multiply per output
+    inv_l = v_scale / l_safe  # one reciprocal per row, a multiply per output (a whole-cache V scale with it)
     acc0 = acc0 * inv_l[:, None]
     if BLOCK_D1 > 0:
         acc1 = acc1 * inv_l[:, None]
