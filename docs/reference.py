@@ -126,7 +126,7 @@ def _type_name(schema: dict[str, typing.Any]) -> str:
         text = " or ".join(_type_name(s) for s in parts)
         return text + (" (or unset)" if len(parts) < len(schema["anyOf"]) else "")
     if "enum" in schema:
-        return "one of " + ", ".join(f"`{value}`" for value in schema["enum"])
+        return "one of " + ", ".join(f"`{json.dumps(value) if value == '' else value}`" for value in schema["enum"])
     if "const" in schema:
         return f"`{schema['const']}`"
     kind = schema.get("type", "any")
@@ -148,7 +148,7 @@ def _default(value: typing.Any) -> str:
         return "unset"
     if isinstance(value, tuple):
         value = list(value)
-    return f"`{json.dumps(value) if not isinstance(value, (str, Path)) else value}`"
+    return f"`{json.dumps(value) if not isinstance(value, (str, Path)) or value == '' else value}`"
 
 
 def config_reference() -> str:

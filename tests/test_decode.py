@@ -593,3 +593,44 @@ def test_an_fp8_cache_with_unit_scales_is_the_bf16_cache_it_holds():
     as_bf16 = flash_attention_with_kvcache(inputs.q, k8.to(BF16), v8.to(BF16), inputs.cache_seqlens,
                                            block_table=inputs.block_table)
     assert torch.equal(as_fp8, as_bf16)
+
+
+def test_verify_judges_an_fp8_cache_on_what_it_holds(tmp_path):
+    """verify's fp8 cases: the verdict on the dequantized cache (and the appended slots as the fp8
+    cache holds them), the error against the unquantized keys reported beside it; a kernel that
+    reads the fp8 cache without its scales fails."""
+    (tmp_path / "fp8.py").write_text(
+        "from flashrun.kernels import flash_attention_with_kvcache\n\n"
+        "def unscaled(q, k, v, causal=False, sm_scale=None, cache_seqlens=None, block_table=None, k_new=None,\n"
+        "             v_new=None, k_scale=None, v_scale=None):\n"
+        "    return flash_attention_with_kvcache(q, k, v, cache_seqlens, k=k_new, v=v_new, block_table=block_table,\n"
+        "                                        causal=causal, sm_scale=sm_scale)\n")
+    code, data = _verify(tmp_path, "-k", "flash", "-k", f"{tmp_path / 'fp8.py'}:unscaled",
+                         "--set", "verify.cache_seqlens=[[0,17,70]]", "--set", "verify.page_size=[0,16]",
+                         "--set", "verify.new_keys=[2]", "--set", "verify.kv_scale=['', 'tensor', 'token']",
+                         "--set", "verify.dtype=['float16', 'bfloat16']")
+    results = {(r["kernel"], r["label"]): r for r in data["results"]}
+    labels = {label for kernel, label in results if kernel == "flash"}
+    assert "B3 H4/2 N2x72 D32 bf16 causal cache[0,17,70] page16 new2 e4m3/token" in labels
+    assert {r["status"] for (kernel, _), r in results.items() if kernel == "flash"} == {"pass"}, data["verdict"]
+    fp8 = [r for (kernel, label), r in results.items() if kernel == "flash" and "e4m3" in label]
+    assert len(fp8) == 8 and all([c["name"] for c in r["checks"]] == ["out", "k_cache", "v_cache"] for r in fp8)
+    assert all(any("against the unquantized keys" in note for note in r["notes"]) for r in fp8)
+    # a user's kernel on the CPU: bf16 cases skipped (the interpreter's bf16 tl.dot), fp16 ones judged
+    unscaled = [r for (kernel, label), r in results.items()
+                if kernel != "flash" and "e4m3" in label and "fp16" in label]
+    assert len(unscaled) == 4 and {r["status"] for r in unscaled} == {"fail"}
+    assert code == 1
+
+
+def test_an_fp8_cache_needs_a_kv_cache_and_half_precision():
+    with pytest.raises(ValueError, match="kv_scale .* needs cache_seqlens"):
+        ExperimentConfig(kv_scale="tensor")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        ExperimentConfig(kv_scale="token", cache_seqlens=(3,), dtype="float32")
+    shapes = bench_shapes(BenchConfig(seq_len=[1], seq_len_k=[64], head_dim=[32], causal=[False], hidden=64,
+                                      tokens=128, dtype=["float16", "float32"], page_size=[16],
+                                      kv_scale=["", "token"]))
+    cached = [s.label for s in shapes if s.kvcache]
+    assert cached == ["B2 H2 N1x64 D32 fp16 cache[64,64] page16", "B2 H2 N1x64 D32 fp16 cache[64,64] page16 e4m3/token",
+                      "B2 H2 N1x64 D32 fp32 cache[64,64] page16"]  # fp32 has no fp8 cache

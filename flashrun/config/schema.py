@@ -54,6 +54,7 @@ def _window_sides(value: tuple[int, int]) -> tuple[int, int]:
 # (left, right): query i sees keys i + off - left .. i + off + right (off = Nk - Nq); -1 unbounded
 Window = Annotated[tuple[int, int], BeforeValidator(_pair), AfterValidator(_window_sides)]
 Softcap = Annotated[float, Field(ge=0)]  # 0: none
+KvScale = Literal["", "tensor", "token"]  # a KV cache in the inputs' dtype, or e4m3 with these scales
 # packed sequences' lengths, 0 allowed; a tuple, so that shapes and cases holding them hash
 SeqLens = Annotated[tuple[NonNegativeInt, ...], BeforeValidator(_pair), Field(min_length=1)]
 
@@ -156,6 +157,9 @@ class ExperimentConfig(_Section):
     """The KV cache's page size (0: contiguous); needs `cache_seqlens`."""
     new_keys: NonNegativeInt = 0
     """Keys and values the KV-cache call appends to each sequence; needs `cache_seqlens`."""
+    kv_scale: KvScale = ""
+    """The KV cache's format: `""` in `dtype`; `"tensor"` or `"token"`: float8_e4m3fn with one scale for the whole
+    cache, or one per key and kv head (needs `cache_seqlens` and a float16/bfloat16 `dtype`)."""
     seed: int = 0
     """Inputs of case i use seed + i."""
     kernel: list[str] = ["flash"]
@@ -191,6 +195,8 @@ class ExperimentConfig(_Section):
             raise ValueError("page_size and new_keys describe a KV cache: they need cache_seqlens")
         if self.cache_seqlens is not None and self.seqlens is not None:
             raise ValueError("cache_seqlens (a KV-cache call) and seqlens (packed sequences) exclude each other")
+        if self.kv_scale and (self.cache_seqlens is None or self.dtype == "float32"):
+            raise ValueError("kv_scale (an fp8 KV cache) needs cache_seqlens and a float16 or bfloat16 dtype")
         return self
 
 
@@ -257,6 +263,8 @@ class VerifyConfig(_Section):
     """Sweep over `experiment.page_size`."""
     new_keys: list[NonNegativeInt] | None = None
     """Sweep over `experiment.new_keys`."""
+    kv_scale: list[KvScale] | None = None
+    """Sweep over `experiment.kv_scale` (`""` among them: the cache in the case's dtype)."""
     grad: bool = False
     """Also check dq, dk, dv (`--grad`)."""
     diagnose: bool = False
@@ -267,7 +275,7 @@ class VerifyConfig(_Section):
 
     _lists = field_validator(
         "batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal",
-        "softcap", "alibi", "page_size", "new_keys", mode="before",
+        "softcap", "alibi", "page_size", "new_keys", "kv_scale", mode="before",
     )(_as_list)
     _pairs = field_validator("window", "seqlens", "cache_seqlens", mode="before")(_as_list_of_lists)
 
@@ -316,6 +324,9 @@ class BenchConfig(_Section):
     """Packed batches, each a list of sequence lengths (keys = queries): adds one shape per batch."""
     page_size: list[NonNegativeInt] | None = None
     """Each dense shape again as a KV-cache call with full caches, once per page size (0: contiguous)."""
+    kv_scale: list[KvScale] = [""]
+    """The KV-cache shapes' formats: `""` the cache in the sweep's dtype; `"tensor"`/`"token"`: float8_e4m3fn with one
+    scale, or one per key and kv head (fp16/bf16 sweeps)."""
     warmup_ms: PositiveInt = 25
     """`triton.testing.do_bench` warm-up time."""
     rep_ms: PositiveInt = 100
@@ -327,7 +338,7 @@ class BenchConfig(_Section):
     committed runs."""
 
     _lists = field_validator("mode", "dtype", "seq_len", "seq_len_k", "head_dim", "causal", "softcap", "alibi",
-                             "page_size", "compare", mode="before")(_as_list)
+                             "page_size", "compare", "kv_scale", mode="before")(_as_list)
     _pairs = field_validator("window", "varlen", mode="before")(_as_list_of_lists)
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashrun.config import Dtype, HeadDim, PositiveInt
 from flashrun.config.schema import NonNegativeInt
-from flashrun.config.schema import SeqLens, Softcap, Window
+from flashrun.config.schema import KvScale, SeqLens, Softcap, Window
 from flashrun.errors import InputError
 from flashrun.records.files import atomic_write_json
 from flashrun.records.redact import redact_data
@@ -54,7 +54,8 @@ def variant_cases(max_seq_len: int) -> list[CaseSpec]:
     both ways (bottom-right alignment, rows that see no key), softcap and ALiBi with a window,
     packed batches with an empty and a length-1 sequence, and KV-cache calls: ragged lengths
     with an empty cache, page boundaries inside sequences (pages of 16 and of 48 keys), new keys
-    appended across a page boundary, new keys no query sees (a window of 0). Lengths above
+    appended across a page boundary, new keys no query sees (a window of 0), fp8 caches (one scale,
+    and one per key and kv head with new keys). Lengths above
     ``max_seq_len`` are left out."""
     cases = [
         CaseSpec(seq_len=97, head_dim=64, window=(0, 0)),
@@ -72,6 +73,10 @@ def variant_cases(max_seq_len: int) -> list[CaseSpec]:
         CaseSpec(seq_len=2, head_dim=64, cache_seqlens=[15, 33], page_size=16, new_keys=3, causal=True,
                  softcap=5.0, alibi=True),
         CaseSpec(seq_len=1, head_dim=32, cache_seqlens=[9, 20], new_keys=3, window=(0, 0)),
+        # an fp8 cache: one scale, and one per key and kv head with new keys across a page boundary
+        CaseSpec(seq_len=1, head_dim=64, num_heads=8, num_kv_heads=2, cache_seqlens=[0, 17, 70], kv_scale="tensor"),
+        CaseSpec(seq_len=2, head_dim=40, num_heads=4, num_kv_heads=1, cache_seqlens=[15, 47], page_size=16,
+                 new_keys=2, causal=True, kv_scale="token"),
     ]
     def longest(c: CaseSpec) -> int:
         return max([c.seq_len or 0, c.seq_len_k or 0, *(c.seqlens or []), *(c.seqlens_k or []),
@@ -125,6 +130,7 @@ class CaseSpec(BaseModel):
     cache_seqlens: Optional[SeqLens] = None  # a KV-cache call: batch_size and seq_len_k follow from these
     page_size: Optional[NonNegativeInt] = None
     new_keys: Optional[NonNegativeInt] = None
+    kv_scale: Optional[KvScale] = None  # an fp8 KV cache's scales
 
 
 # Tags that the writer puts on a case and that are not part of its shape.

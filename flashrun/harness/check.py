@@ -20,7 +20,7 @@ import math
 import os
 import time
 import traceback as tb_module
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,7 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     """One kernel on one case: forward (and backward) against the reference."""
     import torch
 
-    from flashrun.harness.inputs import make_inputs
+    from flashrun.harness.inputs import from_e4m3, make_inputs
     from flashrun.harness.judge import Reference
     from flashrun.harness.reference import logit_range
 
@@ -163,8 +163,10 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     if not kernel.takes_causal:
         result.notes.append("called as (q, k, v): judged against causal="
                             f"{case.causal} and scale 1/sqrt({case.head_dim})")
-    # the kernel works on clones; the reference on the originals
+    # the kernel works on clones (an fp8 cache's scales too: it writes the new keys'); the reference on the originals
     kq, kk, kv = (t.clone().requires_grad_(job.grad) for t in (q, k, v))
+    if isinstance(variant.get("k_scale"), torch.Tensor):
+        variant.update(k_scale=variant["k_scale"].clone(), v_scale=variant["v_scale"].clone())
     if kernel.configs is not None:
         kernel.configs()  # from here on: what this check's calls choose
     start = time.perf_counter()
@@ -210,7 +212,15 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         if not is_oom(exc):
             raise
         return _oom(result, device, "the reference")
-    result.checks = reference.judge(out, grads, POISON, cache=(kk, kv) if case.kvcache else None)
+    cache = (kk, kv) if case.kvcache else None
+    if cache is not None and inputs.k_scale is not None:  # the slots it appended, as the fp8 cache holds them now
+        cache = (from_e4m3(kk, variant["k_scale"], q.dtype), from_e4m3(kv, variant["v_scale"], q.dtype))
+    result.checks = reference.judge(out, grads, POISON, cache=cache)
+    if inputs.unquantized is not None:  # what fp8 costs, beside the verdict: against the caches before quantizing
+        exact = replace(inputs, k=inputs.unquantized[0], v=inputs.unquantized[1], k_scale=None, v_scale=None)
+        against = Reference.for_kvcache(exact, causal=case.causal).judge(out)[0]
+        result.notes.append(f"e4m3 cache: against the unquantized keys max error {against.max_abs:.3g}, rel-L2 "
+                            f"{against.rel_l2:.3g} (not judged: the verdict is on what the cache holds)")
     failing = [c for c in result.checks if not c.passed]
     if failing:
         result.status = "fail"
@@ -278,7 +288,8 @@ def _time_forward(kernel: Any, q: Any, k: Any, v: Any, causal: bool, sm_scale: f
 
 
 def _poisoned_allocations():
-    """A dispatch mode that fills every fresh floating-point allocation with POISON."""
+    """A dispatch mode that fills every fresh floating-point allocation with POISON (an 8-bit
+    float's, which cannot hold it, with NaN)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -287,7 +298,7 @@ def _poisoned_allocations():
             out = func(*args, **(kwargs or {}))
             if (func.overloadpacket.__name__.startswith(("empty", "new_empty"))
                     and isinstance(out, torch.Tensor) and out.is_floating_point()):
-                out.fill_(POISON)
+                out.fill_(POISON if out.element_size() > 1 else float("nan"))  # fp8 cannot hold POISON
             return out
 
     return PoisonEmpty()

@@ -26,18 +26,18 @@ def graphed(provider: Provider) -> Provider:
         attn = provider.prepare(shape, device)
         replays: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **per_set) -> torch.Tensor:
             key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
             if key not in replays:
                 with torch.no_grad():
                     side = torch.cuda.Stream()
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
-                        attn.fn(q, k, v)  # compile, tune, allocate: nothing of that may happen in a capture
+                        attn.fn(q, k, v, **per_set)  # compile, tune, allocate: nothing of that may happen in a capture
                     torch.cuda.current_stream().wait_stream(side)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
-                        out = attn.fn(q, k, v)
+                        out = attn.fn(q, k, v, **per_set)
                 replays[key] = graph, out
             graph, out = replays[key]
             graph.replay()

@@ -11,7 +11,9 @@ Packed shapes (``shape.seqlens``) draw q and dout as ``(total_q, H, D)`` and k, 
 FlashAttention's ``(batch, seq, heads, head_dim)`` layout: q and dout ``(B, Nq, H, D)``, k and v
 the caches - ``(B, capacity, H_kv, D)``, or paged ``(pages, page_size, H_kv, D)`` with a
 :func:`block_table` - filled whole (slots past a sequence's length hold keys too), then the new
-keys and values ``(B, new_keys, H_kv, D)``. Each :class:`Inputs` also carries what a kernel and
+keys and values ``(B, new_keys, H_kv, D)``. An fp8 cache (``shape.kv_scale``) is those caches
+quantized to float8_e4m3fn (:func:`to_e4m3`), the originals kept for the error against them.
+Each :class:`Inputs` also carries what a kernel and
 the judge need besides the tensors: the variant arguments, the ALiBi slopes, the
 ``cu_seqlens`` offsets and the cache's lengths and block table (:meth:`Inputs.variant_args`,
 :meth:`Inputs.reference_args`).
@@ -45,9 +47,17 @@ class Inputs:
     block_table: torch.Tensor | None = None  # paged: int32 (B, pages per sequence)
     k_new: torch.Tensor | None = None  # (B, new_keys, H_kv, D), appended to the cache by the call
     v_new: torch.Tensor | None = None
+    k_scale: float | torch.Tensor | None = None  # an fp8 cache's scales (one, or one per key and kv head)
+    v_scale: float | torch.Tensor | None = None
+    unquantized: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's k and v before quantizing
 
     def leaves(self) -> list[torch.Tensor]:
         return [self.q, self.k, self.v]
+
+    def per_set(self) -> dict[str, Any]:
+        """What a bench call on this input set takes besides ``(q, k, v)`` and differs from set to
+        set: an fp8 cache's scales (drawn with its values); empty otherwise."""
+        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def variant_args(self) -> dict[str, Any]:
         """The keyword arguments a kernel needs for this case beyond ``(q, k, v, causal,
@@ -68,6 +78,8 @@ class Inputs:
                 args["block_table"] = self.block_table
             if self.k_new is not None:
                 args.update(k_new=self.k_new, v_new=self.v_new)
+            if self.k_scale is not None:
+                args.update(k_scale=self.k_scale, v_scale=self.v_scale)
         return args
 
     def reference_args(self) -> dict[str, Any]:
@@ -102,6 +114,40 @@ def slopes(shape: Shape, device: torch.device | str) -> torch.Tensor | None:
     )
 
     return alibi_slopes(shape.num_heads, device=device)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two at or above ``amax / 448`` (1 where amax is 0): the scale that keeps every
+    value finite in e4m3, and whose products with e4m3 values are exact in bf16 and fp16 (the
+    rule ``flash_attention_with_kvcache`` quantizes new keys by, restated here as the spec)."""
+    scale = torch.exp2(torch.ceil(torch.log2(amax.float() / FP8_MAX)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def to_e4m3(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """``x`` (..., D) in float8_e4m3fn and its scale: one for the whole tensor (``"tensor"``, a
+    float) or one per row of D (``"token"``: per key and kv head, x's shape without D)."""
+    scale = e4m3_scale(x.abs().amax()) if mode == "tensor" else e4m3_scale(x.abs().amax(-1))
+    divisor = scale if mode == "tensor" else scale[..., None]
+    x8 = (x.float() / divisor).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x8, float(scale) if mode == "tensor" else scale
+
+
+def from_e4m3(x8: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What an fp8 tensor holds, ``x8 · scale``, in ``dtype`` (exact for power-of-two scales)."""
+    return (x8.float() * (scale[..., None] if isinstance(scale, torch.Tensor) else scale)).to(dtype)
+
+
+def as_cached(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """New keys or values as an fp8 cache holds them once appended (in x's dtype): by the whole
+    cache's ``scale``, or (``scale`` a tensor: per key and kv head) by each row's own."""
+    if isinstance(scale, torch.Tensor):
+        return from_e4m3(*to_e4m3(x, "token"), x.dtype)
+    x8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return from_e4m3(x8, scale, x.dtype)
 
 
 def make_inputs(shape: Shape, seed: int, device: torch.device | str, sets: int = 1,
@@ -139,6 +185,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device | str, sets: int =
         tensors = [draw(q_shape, requires_grad), draw(kv_shape, requires_grad), draw(kv_shape, requires_grad),
                    draw(q_shape, False)]
         new = {"k_new": draw(new_shape, False), "v_new": draw(new_shape, False)} if new_shape else {}
+        if shape.kv_scale:  # the caches in e4m3; the originals kept for the error against them
+            (k8, k_scale), (v8, v_scale) = (to_e4m3(t, shape.kv_scale) for t in tensors[1:3])
+            new.update(k_scale=k_scale, v_scale=v_scale, unquantized=(tensors[1], tensors[2]))
+            tensors[1:3] = [k8, v8]
         return Inputs(*tensors, shape.window, shape.softcap, alibi, **packing, **new)
 
     return [one_set() for _ in range(sets)]

@@ -20,13 +20,27 @@ far off (it would otherwise excuse anything).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from flashrun.harness.inputs import Inputs
+from flashrun.harness.inputs import Inputs, as_cached, from_e4m3
 from flashrun.harness.reference import attention_ref, cached_sequence, gather_kvcache
 from flashrun.harness.shapes import Shape
+
+def dequantized(inputs: Inputs) -> Inputs:
+    """A KV-cache case's inputs as its fp8 cache holds them, in the queries' dtype: the caches
+    times their scales, the new keys and values as they are once quantized into the cache (the
+    inputs themselves when the cache is not fp8)."""
+    if inputs.k_scale is None:
+        return inputs
+    dtype = inputs.q.dtype
+    new = {}
+    if inputs.k_new is not None:
+        new = {"k_new": as_cached(inputs.k_new, inputs.k_scale), "v_new": as_cached(inputs.v_new, inputs.v_scale)}
+    return replace(inputs, k=from_e4m3(inputs.k, inputs.k_scale, dtype), v=from_e4m3(inputs.v, inputs.v_scale, dtype),
+                   k_scale=None, v_scale=None, **new)
+
 
 FACTOR = 2.0
 SCORE_TILE_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}  # one block x Nk score matrix of the reference
@@ -207,7 +221,10 @@ class Reference:
     def for_kvcache(cls, inputs: Inputs, *, causal: bool, sm_scale: float | None = None) -> Reference:
         """The reference for a KV-cache call (no gradients): the attention of each sequence's
         queries over its cached keys and then its new ones, gathered from the cache as it was
-        before the call (:func:`~flashrun.harness.reference.gather_kvcache`)."""
+        before the call (:func:`~flashrun.harness.reference.gather_kvcache`). An fp8 cache is
+        judged on what it holds (:func:`dequantized`): after the dequantization all the maths is
+        the queries' dtype's, so the usual rule applies."""
+        inputs = dequantized(inputs)
         q, k, v, cu_q, cu_k = gather_kvcache(inputs.q, inputs.k, inputs.v, inputs.cache_seqlens, inputs.block_table,
                                              inputs.k_new, inputs.v_new)
         reference = cls(Inputs(q, k, v, q), causal=causal, grads=False, sm_scale=sm_scale, window=inputs.window,

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from flashrun.errors import KernelError
-from flashrun.harness.inputs import block_table
+from flashrun.harness.inputs import block_table, from_e4m3
 from flashrun.harness.provider import Attention, variant_args
 from flashrun.harness.reference import cached_sequence
 from flashrun.harness.shapes import Shape
@@ -37,7 +37,7 @@ def dense_shape(shape: Shape) -> Shape:
     """The shape a provider that reads no cache runs: the cached keys laid out as (B, H_kv, N, D)."""
     if shape.new_keys or len(set(shape.cache_seqlens)) != 1:
         raise KernelError("only kernels that read the cache run a KV-cache shape with ragged lengths or new keys")
-    return replace(shape, seq_len_k=shape.cache_seqlens[0], cache_seqlens=None, page_size=0, new_keys=0)
+    return replace(shape, seq_len_k=shape.cache_seqlens[0], cache_seqlens=None, page_size=0, new_keys=0, kv_scale="")
 
 
 def gathered(prepare: Callable) -> Callable:
@@ -48,17 +48,23 @@ def gathered(prepare: Callable) -> Callable:
         table, length = block_table(shape, device), shape.cache_seqlens[0]
         laid_out: dict[int, torch.Tensor] = {}
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> (B, H_kv, N, D), once per input set
+        def gather(cache: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+            """-> (B, H_kv, N, D) in q's dtype (an fp8 cache dequantized), once per input set."""
             if cache.data_ptr() not in laid_out:
-                laid_out[cache.data_ptr()] = torch.stack([
-                    cached_sequence(cache, table, b, length) for b in range(shape.batch_size)]).transpose(1, 2) \
-                    .contiguous()
+                rows = [cached_sequence(cache, table, b, length) for b in range(shape.batch_size)]
+                if scale is not None:
+                    scales = [cached_sequence(scale, table, b, length) if isinstance(scale, torch.Tensor) else scale
+                              for b in range(shape.batch_size)]
+                    rows = [from_e4m3(r, s, getattr(torch, shape.dtype)) for r, s in zip(rows, scales)]
+                laid_out[cache.data_ptr()] = torch.stack(rows).transpose(1, 2).contiguous()
             return laid_out[cache.data_ptr()]
 
-        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attn.fn(q.transpose(1, 2), gather(k), gather(v)).transpose(1, 2)  # (B, Nq, H, D) in and out
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale=None, v_scale=None) -> torch.Tensor:
+            # (B, Nq, H, D) in and out
+            return attn.fn(q.transpose(1, 2), gather(k, k_scale), gather(v, v_scale)).transpose(1, 2)
 
-        note = "on the cache gathered into (B, H_kv, N, D) once per input set, outside the timing"
+        note = ("on the cache gathered into (B, H_kv, N, D)" + (", dequantized," if shape.kv_scale else "")
+                + " once per input set, outside the timing")
         return Attention(fn, attn.scope, "; ".join(filter(None, [attn.note, note])), attn.path)
 
     return prepare_cached
@@ -74,6 +80,8 @@ def flex_paged(shape: Shape, device: torch.device, flex: Callable, mods: Callabl
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         raise KernelError(f"this torch ({torch.__version__}) has no FlexAttention paged attention") from None
+    if shape.kv_scale:
+        raise KernelError("FlexAttention's paged path reads no fp8 cache")
     dense = dense_shape(shape)
     table = block_table(shape, device)
     batch, per_sequence = table.shape
@@ -115,6 +123,8 @@ def flash_attn_kvcache(shape: Shape, device: torch.device):
         raise KernelError(f"flash-attn could not be loaded: {exc}") from None
     if shape.page_size % 256:
         raise KernelError(f"flash-attn pages hold a multiple of 256 keys, this cache's {shape.page_size}")
+    if shape.kv_scale:
+        raise KernelError("flash-attn (FlashAttention-2) reads no fp8 cache")
     if shape.new_keys:
         raise KernelError("bench times no new keys")
     args = variant_args(shape, device)

@@ -143,7 +143,7 @@ def check(provider: Provider, attn: Attention, shape: Shape, inputs: Inputs, ref
     reset_grads([inputs])
     start = len(caught)
     try:
-        out = attn.fn(q, k, v)
+        out = attn.fn(q, k, v, **inputs.per_set())
     except Exception as exc:  # noqa: BLE001 - any failure of the first try is a verdict
         verdict = _failure(provider.name, shape, exc, caught[start:])
         return verdict, verdict
@@ -227,9 +227,9 @@ def inference(shape: Shape, mode: str) -> bool:
 
 def _forward(attn: Attention, s: Inputs, grad: bool) -> object:
     if grad:
-        return attn.fn(s.q, s.k, s.v)
+        return attn.fn(s.q, s.k, s.v, **s.per_set())
     with torch.no_grad():
-        return attn.fn(s.q, s.k, s.v)
+        return attn.fn(s.q, s.k, s.v, **s.per_set())
 
 
 def _timed_call(attn: Attention, sets: list[Inputs], mode: str, grad: bool = True
@@ -240,10 +240,10 @@ def _timed_call(attn: Attention, sets: list[Inputs], mode: str, grad: bool = Tru
     if mode == "fwd":
         calls = [lambda s=s: _forward(attn, s, grad) for s in sets]
     elif mode == "bwd":
-        outs = [attn.fn(s.q, s.k, s.v) for s in sets]  # forward once, outside the timed region
+        outs = [attn.fn(s.q, s.k, s.v, **s.per_set()) for s in sets]  # forward once, outside the timed region
         calls = [lambda o=o, s=s: o.backward(s.dout, retain_graph=True) for o, s in zip(outs, sets)]
     else:  # fwd_bwd
-        calls = [lambda s=s: attn.fn(s.q, s.k, s.v).backward(s.dout) for s in sets]
+        calls = [lambda s=s: attn.fn(s.q, s.k, s.v, **s.per_set()).backward(s.dout) for s in sets]
     leaves = None if mode == "fwd" else [t for s in sets for t in s.leaves()]
     if len(calls) == 1:
         return calls[0], leaves

@@ -163,12 +163,13 @@ class CallMetrics:
 def bytes_moved(shape: Shape, mode: str) -> float:
     """Bytes one call must move to or from HBM at least: forward reads q, k, v and writes o;
     backward reads q, k, v, o, do and writes dq, dk, dv; fwd_bwd both. Under GQA k and v have
-    the kv heads; packed sequences count their tokens."""
+    the kv heads; packed sequences count their tokens; an fp8 KV cache one byte an element (its
+    scales not counted)."""
     size = DTYPE_BYTES[shape.dtype] * shape.head_dim
     tokens_q = sum(shape.seqlens) if shape.seqlens is not None else shape.batch_size * shape.seq_len
     tokens_k = sum(shape.key_lengths) if shape.seqlens is not None else shape.batch_size * shape.seq_len_k
     q = size * tokens_q * shape.num_heads  # q, o, do, dq each
-    kv = size * tokens_k * shape.num_kv_heads  # k, v, dk, dv each
+    kv = (shape.head_dim if shape.kv_scale else size) * tokens_k * shape.num_kv_heads  # k, v, dk, dv each
     forward, backward = 2 * q + 2 * kv, 4 * q + 4 * kv
     return {"fwd": forward, "bwd": backward, "fwd_bwd": forward + backward}[mode]
 

@@ -232,7 +232,7 @@ def _bench_launches(job: Any, name: str, device: Any) -> Callable[[], None]:
 
         attn = resolve(name, device).prepare(job.shape, device)
         inputs = make_inputs(job.shape, job.seed, device, requires_grad=True)[0]
-        out = attn.fn(inputs.q, inputs.k, inputs.v)
+        out = attn.fn(inputs.q, inputs.k, inputs.v, **inputs.per_set())
         if any(mode != "fwd" for mode in job.modes):
             out.backward(inputs.dout)
 

@@ -17,7 +17,7 @@ from flashrun.errors import KernelError
 from flashrun.harness.inputs import block_table, cu_seqlens, slopes
 from flashrun.harness.shapes import Shape
 
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttnFn = Callable[..., torch.Tensor]  # fn(q, k, v, **per_set): per_set, an fp8 cache's scales (Inputs.per_set)
 
 
 @dataclass(frozen=True)

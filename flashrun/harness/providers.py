@@ -149,11 +149,11 @@ def _kernel(spec: str) -> Provider:
 
     def prepare(shape: Shape, device: torch.device) -> Attention:
         args = variant_args(shape, device)
-        missing = kernel.missing(args)
+        missing = kernel.missing({**args, **dict.fromkeys(("k_scale", "v_scale") if shape.kv_scale else ())})
         if missing:
             raise KernelError(f"{kernel.name} does not take {', '.join(missing)}, which this shape needs")
-        return Attention(lambda q, k, v: kernel(q, k, v, causal=shape.causal, **args), path=kernel.path,
-                         backward_path=kernel.backward_path, configs=kernel.configs)
+        return Attention(lambda q, k, v, **per_set: kernel(q, k, v, causal=shape.causal, **args, **per_set),
+                         path=kernel.path, backward_path=kernel.backward_path, configs=kernel.configs)
 
     return Provider(spec, prepare, backward=kernel.supports_backward, is_kernel=True)
 

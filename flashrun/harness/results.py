@@ -30,10 +30,10 @@ COLUMNS = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", 
 EXTRA_COLUMNS = ("seq_len_k", "status", "max_err", "note", "setup_s", "gpu", "torch", "triton", "timestamp",
                  "window", "softcap", "alibi", "seqlens", "seqlens_k", "where", "path",
                  "gbps", "intensity", "pct_roof", "bound", "gpu_us", "wall_us", "kernels", "gpu_kernels",
-                 "config", "cache_seqlens", "page_size", "new_keys")  # new columns go at the end
+                 "config", "cache_seqlens", "page_size", "new_keys", "kv_scale")  # new columns go at the end
 # What makes two rows the same measurement, across runs (for --compare).
 KEY = ("provider", "mode", "dtype", "causal", "batch", "heads", "kv_heads", "seq_len", "seq_len_k", "head_dim",
-       "window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys")
+       "window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys", "kv_scale")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class Row:
     cache_seqlens: tuple[int, ...] | None = None  # a KV-cache call (shapes.Shape's fields)
     page_size: int = 0
     new_keys: int = 0
+    kv_scale: str = ""  # the KV cache's format: "" the dtype, "tensor"/"token" e4m3
 
     @property
     def valid(self) -> bool:
@@ -99,7 +100,7 @@ class Row:
     def shape(self) -> Shape:
         return Shape(self.batch, self.heads, self.kv_heads, self.seq_len, self.seq_len_k, self.head_dim,
                      self.dtype, self.causal, self.window, self.softcap, self.alibi, self.seqlens, self.seqlens_k,
-                     self.cache_seqlens, self.page_size, self.new_keys)
+                     self.cache_seqlens, self.page_size, self.new_keys, self.kv_scale)
 
     def key(self) -> tuple:
         return tuple(getattr(self, name) for name in KEY)
@@ -214,7 +215,7 @@ def _typed(raw: dict[str, Any]) -> dict[str, Any]:
         "alibi": str(raw.get("alibi")).strip().lower() == "true",
         "seqlens": _tuple_or_none(raw.get("seqlens")), "seqlens_k": _tuple_or_none(raw.get("seqlens_k")),
         "cache_seqlens": _tuple_or_none(raw.get("cache_seqlens")), "page_size": int(raw.get("page_size") or 0),
-        "new_keys": int(raw.get("new_keys") or 0),
+        "new_keys": int(raw.get("new_keys") or 0), "kv_scale": str(raw.get("kv_scale") or ""),
     }
 
 

@@ -18,7 +18,8 @@ sequence holds in the cache, ``new_keys`` the keys (and values) the call appends
 ``page_size`` the cache's page size (0: a contiguous cache). ``seq_len`` queries per sequence
 attend to its cached and new keys; ``batch_size`` is the number of sequences and ``seq_len_k``
 the longest cached + new (:func:`kvcache` builds such a shape); the cache holds
-:attr:`Shape.capacity` keys per sequence, past every sequence's end.
+:attr:`Shape.capacity` keys per sequence, past every sequence's end. ``kv_scale`` stores it in
+float8_e4m3fn with one scale (``"tensor"``) or one per key and kv head (``"token"``).
 
 Where shapes come from:
   * ``flashrun verify``: ``[experiment]`` as one shape, or the cartesian product of the
@@ -42,9 +43,10 @@ from flashrun.limits import SHORT_DTYPES
 
 FIELDS = ("batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal")
 # The variants, after the fields above (records, JSON and CSV keep the old order, these appended).
-VARIANT_FIELDS = ("window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys")
+VARIANT_FIELDS = ("window", "softcap", "alibi", "seqlens", "seqlens_k", "cache_seqlens", "page_size", "new_keys",
+                  "kv_scale")
 PLAIN = {"window": (-1, -1), "softcap": 0.0, "alibi": False, "seqlens": None, "seqlens_k": None,
-         "cache_seqlens": None, "page_size": 0, "new_keys": 0}
+         "cache_seqlens": None, "page_size": 0, "new_keys": 0, "kv_scale": ""}
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 # FLOPs of a mode relative to the forward. Forward: 2 matrix products (S = QKᵀ, O = PV).
@@ -74,6 +76,7 @@ class Shape:
     cache_seqlens: tuple[int, ...] | None = None  # KV cache: keys cached per sequence (a length may be 0)
     page_size: int = 0  # KV cache: 0 contiguous, else paged
     new_keys: int = 0  # KV cache: keys appended to each sequence by the call
+    kv_scale: str = ""  # KV cache: "" in dtype; "tensor"/"token": e4m3, one scale / one per key and kv head
 
     def __post_init__(self) -> None:
         # JSON records give lists; a frozen, hashable shape keeps tuples
@@ -117,7 +120,7 @@ class Shape:
 
     @property
     def variant_label(self) -> str:
-        """``w128,0 cap30 alibi varlen[0,1,17] cache[0,300] page16 new1`` (empty for plain attention)."""
+        """``w128,0 cap30 alibi varlen[0,1,17] cache[0,300] page16 new1 e4m3`` (empty for plain attention)."""
         parts = []
         if self.window != (-1, -1):
             parts.append(f"w{self.window[0]},{self.window[1]}")
@@ -134,6 +137,8 @@ class Shape:
                 parts.append(f"page{self.page_size}")
             if self.new_keys:
                 parts.append(f"new{self.new_keys}")
+            if self.kv_scale:
+                parts.append("e4m3" + ("/token" if self.kv_scale == "token" else ""))
         return " ".join(parts)
 
     @property
@@ -161,7 +166,7 @@ class Shape:
         if given.get("seqlens") == []:  # [] in a [verify] seqlens list: not packed
             given["seqlens"] = given["seqlens_k"] = None
         if given.get("cache_seqlens") == []:  # [] in a [verify] cache_seqlens list: no KV cache
-            given.update(cache_seqlens=None, page_size=0, new_keys=0)
+            given.update(cache_seqlens=None, page_size=0, new_keys=0, kv_scale="")
         merged = {**base.model_dump(), **given}
         try:  # the same checks as [experiment] (types, ranges, heads divisible, packed lengths)
             exp = ExperimentConfig.model_validate({k: merged[k] for k in names if merged.get(k) is not None})
@@ -173,7 +178,7 @@ class Shape:
                     exp.seq_len_k or exp.seq_len, exp.head_dim, exp.dtype, exp.causal, tuple(exp.window),
                     float(exp.softcap), exp.alibi)
         if exp.cache_seqlens is not None:
-            return kvcache(shape, exp.cache_seqlens, exp.page_size, exp.new_keys)
+            return kvcache(shape, exp.cache_seqlens, exp.page_size, exp.new_keys, exp.kv_scale)
         return packed(shape, exp.seqlens, exp.seqlens_k) if exp.seqlens is not None else shape
 
 
@@ -186,12 +191,12 @@ def packed(shape: Shape, seqlens: list[int] | tuple[int, ...], seqlens_k: list[i
                    seqlens=tuple(seqlens), seqlens_k=tuple(seqlens_k) if seqlens_k else None)
 
 
-def kvcache(shape: Shape, cache_seqlens: list[int] | tuple[int, ...], page_size: int = 0, new_keys: int = 0
-            ) -> Shape:
+def kvcache(shape: Shape, cache_seqlens: list[int] | tuple[int, ...], page_size: int = 0, new_keys: int = 0,
+            kv_scale: str = "") -> Shape:
     """``shape`` as a KV-cache call over caches holding these lengths: batch = their number,
     seq_len_k = the longest cached + new."""
     return replace(shape, batch_size=len(cache_seqlens), seq_len_k=max(cache_seqlens) + new_keys,
-                   cache_seqlens=tuple(cache_seqlens), page_size=page_size, new_keys=new_keys)
+                   cache_seqlens=tuple(cache_seqlens), page_size=page_size, new_keys=new_keys, kv_scale=kv_scale)
 
 
 def verify_shapes(cfg: Config) -> list[Shape]:
@@ -211,7 +216,8 @@ def bench_shapes(bench: BenchConfig) -> list[Shape]:
     The variant lists (``window``, ``softcap``, ``alibi``) multiply the sweep like the others;
     each ``varlen`` batch (a list of sequence lengths, packed back to back) adds shapes after the
     dense ones, for every dtype, head_dim, causal and variant value; each ``page_size`` adds
-    every dense shape again as a KV-cache call whose caches are full (seq_len_k keys each)."""
+    every dense shape again as a KV-cache call whose caches are full (seq_len_k keys each), once
+    per ``kv_scale`` format (an fp8 one for fp16/bf16 shapes only)."""
     keys = ["mode", "dtype", "head_dim", "causal", "window", "softcap", "alibi"]
     if not bench.varlen:
         keys.append("seq_len")  # packed batches alone need no dense length
@@ -232,8 +238,11 @@ def bench_shapes(bench: BenchConfig) -> list[Shape]:
                           alibi)
             if shape not in shapes:
                 shapes.append(shape)
-    for shape, page_size in itertools.product([s for s in shapes if not s.varlen], bench.page_size or []):
-        cached = kvcache(shape, (shape.seq_len_k,) * shape.batch_size, page_size)
+    for shape, page_size, kv_scale in itertools.product([s for s in shapes if not s.varlen], bench.page_size or [],
+                                                         bench.kv_scale):
+        if kv_scale and shape.dtype == "float32":
+            continue
+        cached = kvcache(shape, (shape.seq_len_k,) * shape.batch_size, page_size, kv_scale=kv_scale)
         if cached not in shapes:
             shapes.append(cached)
     for lengths, dtype, head_dim, causal in itertools.product(bench.varlen or [], bench.dtype, bench.head_dim,

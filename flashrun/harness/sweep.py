@@ -189,7 +189,7 @@ def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, cei
         note=cell.note, setup_s=cell.setup_s, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
         timestamp=now_iso(), where=env["where"], window=shape.window, softcap=shape.softcap, alibi=shape.alibi,
         seqlens=shape.seqlens, seqlens_k=shape.seqlens_k, path=cell.path, config=cell.config,
-        cache_seqlens=shape.cache_seqlens, page_size=shape.page_size, new_keys=shape.new_keys,
+        cache_seqlens=shape.cache_seqlens, page_size=shape.page_size, new_keys=shape.new_keys, kv_scale=shape.kv_scale,
         gbps=moved / ms / 1e6 if ms else None, intensity=intensity,  # bytes per ms -> GB/s
         pct_roof=100 * tflops / roof if tflops and roof else None, bound=ceilings.bound(intensity) or "",
         gpu_us=metrics.gpu_us if metrics else None, wall_us=metrics.wall_us if metrics else None,

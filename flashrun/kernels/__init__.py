@@ -18,10 +18,10 @@ argument the kernel does not accept is not run (:meth:`Kernel.missing`). ``flash
 all and routes packed inputs to :func:`flash_attention_varlen`; ``minimal`` takes none.
 
 A KV-cache case calls the kernel as ``kernel(q, k_cache, v_cache, causal, sm_scale,
-cache_seqlens=..., [block_table=...], [k_new=..., v_new=...])`` in FlashAttention's (batch, seq,
-heads, head_dim) layout (:func:`flash_attention_with_kvcache`'s arguments; the new keys and
-values are ``k_new``/``v_new`` here, as ``k``/``v`` are the caches). ``flash`` routes it to
-:func:`flash_attention_with_kvcache`.
+cache_seqlens=..., [block_table=...], [k_new=..., v_new=...], [k_scale=..., v_scale=...])`` in
+FlashAttention's (batch, seq, heads, head_dim) layout (:func:`flash_attention_with_kvcache`'s
+arguments, an fp8 cache's scales among them; the new keys and values are ``k_new``/``v_new``
+here, as ``k``/``v`` are the caches). ``flash`` routes it to :func:`flash_attention_with_kvcache`.
 
 Import this package only after :func:`flashrun.device.select`: Triton decides between
 compiling and interpreting when the kernels are defined.
@@ -67,7 +67,7 @@ __all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_
 BUILTIN = BUILTIN_KERNELS
 # Keyword arguments a case may pass beyond (q, k, v, causal, sm_scale), FlashAttention-2's names.
 VARIANT_ARGS = ("window", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                "cache_seqlens", "block_table", "k_new", "v_new")
+                "cache_seqlens", "block_table", "k_new", "v_new", "k_scale", "v_scale")
 # Of those, the ones a kernel may go without: the longest lengths are read off cu_seqlens otherwise.
 OPTIONAL_ARGS = ("max_seqlen_q", "max_seqlen_k")
 
@@ -109,11 +109,12 @@ def get(spec: str, launch: Launch = None, deterministic: bool | None = DETERMINI
 
         def flash(q, k, v, causal=False, sm_scale=None, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, cache_seqlens=None,
-                  block_table=None, k_new=None, v_new=None):
+                  block_table=None, k_new=None, v_new=None, k_scale=None, v_scale=None):
             if cache_seqlens is not None:  # a KV cache, (batch, seq, heads, head_dim)
                 return flash_attention_with_kvcache(q, k, v, cache_seqlens, k=k_new, v=v_new, block_table=block_table,
                                                     causal=causal, window=window, softcap=softcap,
-                                                    alibi_slopes=alibi_slopes, sm_scale=sm_scale)
+                                                    alibi_slopes=alibi_slopes, sm_scale=sm_scale, k_scale=k_scale,
+                                                    v_scale=v_scale)
             if cu_seqlens_q is not None:  # packed (total, heads, head_dim)
                 return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                               sm_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
