@@ -18,7 +18,7 @@ from flashrun.harness import flex as flex_provider
 from flashrun.harness import kvcache as bench_kvcache
 from flashrun.harness import providers
 from flashrun.harness.check import POISON, _poisoned_allocations
-from flashrun.harness.inputs import block_table, make_inputs
+from flashrun.harness.inputs import as_cached, block_table, from_e4m3, make_inputs, to_e4m3
 from flashrun.harness.judge import Reference
 from flashrun.harness.probe import launches
 from flashrun.harness.shapes import Shape, bench_shapes, flops, kvcache
@@ -511,25 +511,6 @@ def test_kvcache_returns_the_log_sum_exp(lengths, page_size, new_keys, causal):
 E4M3 = torch.float8_e4m3fn
 
 
-def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The power of two at or above amax / 448 (1 for zeros): the call's own rule for new keys."""
-    scale = torch.exp2(torch.ceil(torch.log2(amax.float() / 448.0)))
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
-
-
-def _to_fp8(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, float | torch.Tensor]:
-    """A cache (or new keys) in e4m3 with its scale: one power of two for the whole tensor, or one
-    per key and kv head (the tensor's shape without head_dim)."""
-    scale = _pow2_scale(x.abs().amax()) if mode == "tensor" else _pow2_scale(x.abs().amax(-1))
-    scale = float(scale) if mode == "tensor" else scale
-    divisor = scale if mode == "tensor" else scale[..., None]
-    return (x.float() / divisor).to(E4M3), scale
-
-
-def _dequantized(x8: torch.Tensor, scale, dtype) -> torch.Tensor:
-    return (x8.float() * (scale if not isinstance(scale, torch.Tensor) else scale[..., None])).to(dtype)
-
-
 @pytest.mark.parametrize("mode", ["tensor", "token"])
 @pytest.mark.parametrize(("lengths", "page_size", "new_keys", "causal"), [
     ((0, 17, 300), 16, 2, False),  # an empty cache, pages, appended keys
@@ -542,8 +523,8 @@ def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, length
     quantized by the call (their own power-of-two scales in token mode) and land in the cache."""
     shape, inputs = _cache_inputs(lengths, 4, 2, 3 if causal else 1, 32, dtype=BF16, page_size=page_size,
                                   new_keys=new_keys, causal=causal)
-    k8, k_scale = _to_fp8(inputs.k, mode)
-    v8, v_scale = _to_fp8(inputs.v, mode)
+    k8, k_scale = to_e4m3(inputs.k, mode)
+    v8, v_scale = to_e4m3(inputs.v, mode)
     k_cache, v_cache = k8.clone(), v8.clone()
     scales = (k_scale.clone(), v_scale.clone()) if mode == "token" else (k_scale, v_scale)
     out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
@@ -551,16 +532,13 @@ def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, length
                                        k_scale=scales[0], v_scale=scales[1])
     assert out.dtype == BF16
     new = {}
-    if new_keys:  # what the call must have appended: the new keys quantized by the same rule
-        for name, x in (("k", inputs.k_new), ("v", inputs.v_new)):
-            new[name] = _dequantized(*_to_fp8(x, mode), BF16) if mode == "token" else \
-                _dequantized((x.float() / (k_scale if name == "k" else v_scale)).to(E4M3),
-                             k_scale if name == "k" else v_scale, BF16)
-    truth = dataclasses.replace(inputs, k=_dequantized(k8, k_scale, BF16), v=_dequantized(v8, v_scale, BF16),
+    if new_keys:  # what the call must have appended: the new keys as the cache stores them
+        new = {"k": as_cached(inputs.k_new, scales[0]), "v": as_cached(inputs.v_new, scales[1])}
+    truth = dataclasses.replace(inputs, k=from_e4m3(k8, k_scale, BF16), v=from_e4m3(v8, v_scale, BF16),
                                 k_new=new.get("k"), v_new=new.get("v"))
     checks = Reference.for_kvcache(truth, causal=causal).judge(out, None, None,
-                                                                cache=(_dequantized(k_cache, scales[0], BF16),
-                                                                       _dequantized(v_cache, scales[1], BF16)))
+                                                                cache=(from_e4m3(k_cache, scales[0], BF16),
+                                                                       from_e4m3(v_cache, scales[1], BF16)))
     for check in checks:  # the output, and each appended slot exactly (scale included)
         assert check.passed, check.reason()
 
