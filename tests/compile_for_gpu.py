@@ -32,7 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from flashrun.kernels import LaunchConfig  # noqa: E402
-from flashrun.kernels.flash import args as flash_args, attention as flash, decode  # noqa: E402
+from flashrun.kernels.flash import args as flash_args, attention as flash, decode, fp8  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100/H200
 PTX = []  # (kernel name, its constexprs, its PTX) for every kernel compiled
@@ -159,7 +159,8 @@ def main() -> int:
         setattr(decode, name, CompileOnly(getattr(decode, name)))
     decode._multiprocessors = lambda device: 132  # an H100/H200's
     decode._current_stream = lambda device: None  # no GPU here: no stream
-    decode._check_device = lambda q: None  # CPU tensors stand in for the GPU's
+    decode._check_device = fp8._check_device = lambda q: None  # CPU tensors stand in for the GPU's
+    fp8._attn_fwd_fp8 = CompileOnly(fp8._attn_fwd_fp8)
     flash._tma_ok = lambda q, k, v: True
     flash._dq_tma_ok = lambda dq: flash_args._split_head_dim(dq.shape[-1])[1] == 0  # as on Hopper
     start = time.perf_counter()
@@ -174,6 +175,11 @@ def main() -> int:
     print("KV cache: paged (page 16) with 1 new key, causal; contiguous with 3 new keys, MQA, head_dim 256")
     kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, causal=True)
     kvcache(2, 16, 1, 2, 256, torch.float16, 4096, 0, 3)
+    print("the fp8 forward: e4m3 q, k and seq-contiguous v, causal, GQA 4:1, head_dim 128; a window at head_dim 64")
+    q8 = torch.empty(2, 8, 1000, 128, dtype=torch.float8_e4m3fn)
+    kv8 = torch.empty(2, 2, 128, 1000, dtype=torch.float8_e4m3fn).transpose(2, 3)
+    fp8.flash_attention_fp8(q8, kv8, kv8, torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), causal=True)
+    fp8.flash_attention_fp8(q8[..., :64], kv8[..., :64], kv8[..., :64], window=(100, 0))
     print("an fp8 KV cache: paged (page 16) with token scales and 1 new key, GQA; contiguous with one scale, MQA")
     kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, cache_dtype=torch.float8_e4m3fn, scales="token")
     kvcache(2, 32, 1, 1, 128, torch.float16, 16384, 0, 0, cache_dtype=torch.float8_e4m3fn, scales="tensor")

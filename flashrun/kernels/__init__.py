@@ -49,10 +49,12 @@ from flashrun.kernels.flash import (
     attention_forward,
     attention_forward_varlen,
     flash_attention,
+    flash_attention_fp8,
     flash_attention_varlen,
     flash_attention_with_kvcache,
     hopper,
     hopper_bwd,
+    quantize_qkv,
 )
 from flashrun.kernels import tuning, warmup
 from flashrun.kernels.minimal import minimal_attention
@@ -61,8 +63,9 @@ from flashrun.limits import BUILTIN_KERNELS, DETERMINISTIC_BACKWARD
 
 warmup.prime()  # Triton hashes its own installation before its first compile: start that now
 
-__all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
-           "flash_attention_varlen", "flash_attention_with_kvcache", "get", "minimal_attention"]
+__all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_forward", "attention_forward_varlen",
+           "flash_attention", "flash_attention_fp8", "flash_attention_varlen", "flash_attention_with_kvcache", "get",
+           "minimal_attention", "quantize_qkv"]
 
 BUILTIN = BUILTIN_KERNELS
 # Keyword arguments a case may pass beyond (q, k, v, causal, sm_scale), FlashAttention-2's names.

@@ -9,6 +9,7 @@
 ``bwd``        backward kernels
 ``hopper``     the sm_90 forward path (gate, first-use check, launcher); ``hopper_jit`` its Gluon kernel
 ``hopper_bwd`` the sm_90 backward path (dK/dV, or dQ too); ``hopper_bwd_jit`` its Gluon kernel
+``fp8``        the e4m3 forward (and :func:`quantize_qkv`); ``fp8_jit`` its kernel
 """
 
 from flashrun.kernels.flash.args import alibi_slopes
@@ -20,6 +21,7 @@ from flashrun.kernels.flash.attention import (
     forward_path,
 )
 from flashrun.kernels.flash.decode import flash_attention_with_kvcache
+from flashrun.kernels.flash.fp8 import flash_attention_fp8, quantize_qkv
 
-__all__ = ["alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention",
-           "flash_attention_varlen", "flash_attention_with_kvcache", "forward_path"]
+__all__ = ["alibi_slopes", "attention_forward", "attention_forward_varlen", "flash_attention", "flash_attention_fp8",
+           "flash_attention_varlen", "flash_attention_with_kvcache", "forward_path", "quantize_qkv"]

@@ -206,6 +206,13 @@ def dot_options(dtype: torch.dtype) -> dict:
     }
 
 
+
+def _check_device(q: torch.Tensor) -> None:
+    """Tensors on the CPU need the interpreter (TRITON_INTERPRET=1 when the kernels were loaded)."""
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise KernelError("tensors are on the CPU but Triton is set up for the GPU",
+                          hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported")
+
 # -- variants: checked arguments, in the kernels' terms --------------------------------------------
 
 

@@ -56,6 +56,7 @@ from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.args import (
     SUPPORTED_DTYPES,
     Variant,
+    _check_device,
     _split_head_dim,
     _variant,
     dot_options,
@@ -323,12 +324,6 @@ def _tensor_arg(t, name: str, dims: int, layout: str) -> torch.Tensor:
     if t.dim() != dims:
         raise KernelError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
     return t
-
-
-def _check_device(q: torch.Tensor) -> None:
-    if q.device.type == "cpu" and not INTERPRETED:
-        raise KernelError("tensors are on the CPU but Triton is set up for the GPU",
-                          hint="move them to cuda, or set TRITON_INTERPRET=1 before flashrun.kernels is imported")
 
 
 FP8_CACHE = (torch.float8_e4m3fn,)  # cache dtypes stored in 8 bits, dequantized as they are read

@@ -1,0 +1,100 @@
+"""The fp8 (e4m3) forward through the CPU interpreter: flash_attention_fp8 on fresh inputs made by
+quantize_qkv, judged by FlashAttention-3's rule - the truth in float64 on the dequantized inputs,
+the yardstick the same maths with P rounded to e4m3, a pass within twice the yardstick's error
+plus the bf16 floor - across awkward shapes; its error against the unquantized inputs (outliers
+included) is measured beside, bounded loosely; and its argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrun.errors import ArgumentError, KernelError
+from flashrun.harness.judge import compare
+from flashrun.harness.reference import attention_fp8_yardstick, attention_ref
+from flashrun.kernels import flash_attention_fp8, quantize_qkv
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _dequantized(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """x8 · descale in float64, the descale per (batch, kv head) spread over x8's heads."""
+    if descale.dim() == 0:
+        return x8.double() * descale.double()
+    return x8.double() * descale.double().repeat_interleave(x8.shape[1] // descale.shape[1], 1)[..., None, None]
+
+
+def _inputs(b, h, h_kv, n_q, n_k, d, seed, outliers=0.0):
+    """bf16 q, k, v from N(0, 1); ``outliers``: that fraction of the elements drawn from N(0, 10)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        x = torch.randn(shape, generator=gen)
+        if outliers:
+            x = torch.where(torch.rand(shape, generator=gen) < outliers, 10 * torch.randn(shape, generator=gen), x)
+        return x.to(torch.bfloat16)
+
+    return draw(b, h, n_q, d), draw(b, h_kv, n_k, d), draw(b, h_kv, n_k, d)
+
+
+CASES = [  # (B, H, H_kv, Nq, Nk, D, causal, window)
+    (1, 2, 2, 1, 1, 64, False, (-1, -1)),
+    (2, 4, 2, 17, 17, 64, True, (-1, -1)),
+    (1, 4, 1, 97, 130, 40, True, (-1, -1)),  # MQA, Nq < Nk, an odd head dim
+    (2, 2, 2, 130, 97, 128, True, (-1, -1)),  # Nq > Nk: the first rows see no key
+    (1, 4, 2, 97, 97, 64, False, (16, 0)),  # a sliding window
+    (1, 2, 1, 65, 200, 64, False, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-tensor"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_the_fp8_forward_is_within_twice_the_yardstick(case, per_head):
+    b, h, h_kv, n_q, n_k, d, causal, window = case
+    q, k, v = _inputs(b, h, h_kv, n_q, n_k, d, seed=n_q + n_k + d)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, per_head=per_head)
+    assert (q8.dtype, k8.dtype, v8.dtype) == (E4M3,) * 3 and v8.stride(2) == 1  # v seq-contiguous
+    assert qd.shape == ((b, h_kv) if per_head else ()) and qd.dtype == torch.float32
+    out = flash_attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, window=window)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    truth_inputs = (_dequantized(q8, qd), _dequantized(k8, kd), _dequantized(v8, vd))
+    truth = attention_ref(*truth_inputs, causal=causal, window=window)
+    yardstick = attention_fp8_yardstick(*truth_inputs, causal=causal, window=window)
+    check = compare("out", out, truth, yardstick)
+    assert check.passed, check.reason()
+
+
+@pytest.mark.parametrize("outliers", [0.0, 1e-3], ids=["normal", "outliers"])
+def test_the_error_against_the_unquantized_inputs(outliers):
+    """Not the judge (that is the dequantized inputs'), but what a user gets: bounded loosely (a
+    tenth of the output's range, TransformerEngine's fp8 check) with 0.1 % outliers too."""
+    q, k, v = _inputs(1, 4, 2, 128, 256, 64, seed=7, outliers=outliers)
+    out = flash_attention_fp8(*quantize_qkv(q, k, v), causal=True)
+    exact = attention_ref(q.double(), k.double(), v.double(), causal=True)
+    rmse = float((out.double() - exact).pow(2).mean().sqrt())
+    assert rmse < 0.1 * float(exact.max() - exact.min())
+
+
+def test_a_scalar_descale_and_none_are_one():
+    q, k, v = _inputs(1, 2, 2, 33, 33, 64, seed=3)
+    q8, k8, v8 = (x.to(E4M3) for x in (q, k, v))
+    assert torch.equal(flash_attention_fp8(q8, k8, v8), flash_attention_fp8(q8, k8, v8, 1.0, 1.0, 1.0))
+    doubled = flash_attention_fp8(q8, k8, v8, v_descale=2.0)
+    assert torch.allclose(doubled.float(), 2 * flash_attention_fp8(q8, k8, v8).float(), rtol=1e-2)
+
+
+def test_fp8_argument_errors():
+    q8 = torch.randn(1, 2, 8, 64).to(E4M3)
+
+    def fails(kind, match, *args, **kwargs):
+        with pytest.raises(kind, match=match):
+            flash_attention_fp8(*args, **kwargs)
+
+    fails(KernelError, "q must be float8_e4m3fn", q8.to(torch.bfloat16), q8, q8)
+    fails(ArgumentError, "q_descale must be float32", q8, q8, q8, torch.ones(3, 3))
+    fails(ArgumentError, "k_descale must be a positive number", q8, q8, q8, k_descale=-1.0)
+    fails(KernelError, "heads are not a multiple", q8, q8[:, :1].expand(1, 3, 8, 64), q8[:, :1].expand(1, 3, 8, 64))
+    wants_grad = torch.randn(1, 2, 8, 64).to(E4M3).requires_grad_()
+    fails(ArgumentError, "the fp8 forward has no backward", wants_grad, q8, q8)
+    with pytest.raises(ArgumentError, match="4-D"):
+        quantize_qkv(torch.randn(2, 8, 64), q8, q8)
