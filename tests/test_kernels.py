@@ -58,6 +58,8 @@ SHAPES = [
     (1, 2, 2, 33, 70, 80),
     (1, 2, 1, 17, 97, 192),
     (1, 2, 2, 97, 33, 96),  # causal: the first 64 rows see no key
+    (1, 2, 1, 17, 97, 256),  # Gemma's head dim: one 256-wide block, MQA
+    (2, 2, 2, 1, 33, 256),
 ]
 
 

@@ -67,6 +67,11 @@ CASES = [
     ("all-d160-gqa", (1, 4, 2, 70, 90, 160), FP16, False, {"window": (8, 2), "softcap": 5.0, "alibi_slopes": "BH"}, 4),
     ("sliding-causal-d48-mqa", (1, 4, 1, 97, 70, 48), BF16, True, {"window": (20, -1)}, 1),
     ("softcap-alibi-d192-nq>nk", (1, 2, 2, 97, 33, 192), FP32, False, {"softcap": 5.0, "alibi_slopes": "H"}, 4),
+    # the head dims of Phi-3 (96 = 64 + 32) and Gemma (256, one block) with every variant at once
+    ("all-causal-d96-gqa", (1, 4, 2, 33, 70, 96), FP16, True, {"window": (16, -1), "softcap": 5.0,
+                                                                "alibi_slopes": "BH"}, 4),
+    ("all-d256-mqa-nq>nk", (1, 2, 1, 70, 17, 256), BF16, False, {"window": (8, 2), "softcap": 5.0,
+                                                                 "alibi_slopes": "H"}, 4),
 ]
 
 
@@ -197,6 +202,7 @@ VARLEN_CASES = [
     # right = 5 is unbounded in the first sequence only (4 keys): each sequence decides on its own
     ("window-wider-than-one-sequence", [30, 5, 20], [4, 40, 60], 2, 2, 16, FP32, False, {"window": (2, 5)}),
     ("causal-window-d96", [40, 1, 70, 5], [33, 7, 50, 90], 4, 2, 96, FP16, True, {"window": (20, -1)}),
+    ("causal-softcap-d256", [17, 0, 33], [17, 5, 40], 2, 1, 256, FP16, True, {"softcap": 5.0}),
 ]
 
 
