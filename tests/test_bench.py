@@ -724,3 +724,22 @@ def test_a_decode_like_forward_is_timed_as_inference(monkeypatch, n_q, n_k, grad
                             torch.device("cpu"), measure.Timing(1, 2))
     assert [c.status for c in cells] == ["ok", "ok"], [c.note for c in cells]
     assert seen == [grad, "backward"]
+
+
+def test_flash_fp8_is_judged_by_the_fp8_rule_and_refused_where_it_cannot_run() -> None:
+    """The e4m3 provider through the interpreter: right by FlashAttention-3's rule on the inputs
+    it quantized (a plain bf16 judge would fail it: its error is e4m3's), n/a for a backward, for a
+    shape that is not bf16, and for a variant it does not run; on the CPU bench refuses to time it."""
+    fp8 = provider.Provider("flash-fp8", providers._flash_fp8, backward=False, is_kernel=True)
+    shape = Shape(2, 4, 2, 33, 33, 64, "bfloat16", True)
+    cells = run_one(fp8, modes=("fwd", "bwd"), tiny=shape)
+    assert [(c.mode, c.status) for c in cells] == [("fwd", "ok"), ("bwd", "n/a")], cells
+    sets = measure.make_sets(shape, CPU, seed=0)
+    plain_judge = Reference.for_shape(sets[0], shape, grads=False, edges=True)
+    out = providers._flash_fp8(shape, CPU).fn(sets[0].q, sets[0].k, sets[0].v)
+    assert not all(c.passed for c in plain_judge.judge(out))  # e4m3's error is beyond bf16's rule
+    for bad, reason in ((Shape(1, 2, 2, 8, 8, 64, "float16", False), "writes bf16"),
+                        (Shape(1, 2, 2, 8, 8, 64, "bfloat16", False, softcap=5.0), "not cap5")):
+        with pytest.raises(KernelError, match=reason):
+            providers._flash_fp8(bad, CPU)
+    assert "not timed on the CPU" in run_one(providers.resolve("flash-fp8", CPU), ("fwd",), shape)[0].note

@@ -110,7 +110,7 @@ def _anchors(page: Path) -> set[str]:
     """The ids mkdocs (and, near enough, GitHub) gives a page's headings."""
     slugs = set()
     for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", _text(page), flags=re.S), flags=re.M):
-        text = re.sub(r"[`*_]|\[([^]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+        text = re.sub(r"[`*]|\[([^]]*)\]\([^)]*\)", r"\1", heading).strip().lower()  # _ stays, as in mkdocs
         slugs.add(re.sub(r"\s+", "-", re.sub(r"[^\w\s-]", "", text)))
     return slugs
 

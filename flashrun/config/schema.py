@@ -291,9 +291,9 @@ class CasesConfig(_Section):
 
 class BenchConfig(_Section):
     providers: list[str] = ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "torch-naive"]
-    """What to time: `flash`, `flash-atomic`, `flash-deterministic`, `minimal`, `PATH.py:FUNCTION`, `torch-naive`,
-    `sdpa`, `sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`, `sdpa-math`, `flex`, `flash-attn`, any of them with
-    `+graph`; unavailable ones show n/a and why."""
+    """What to time: `flash`, `flash-atomic`, `flash-deterministic`, `flash-fp8`, `minimal`, `PATH.py:FUNCTION`,
+    `torch-naive`, `sdpa`, `sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`, `sdpa-math`, `flex`, `flash-attn`, any of
+    them with `+graph`; unavailable ones show n/a and why."""
     baseline: str = "sdpa"
     """The provider speedups are against (`--baseline`; always measured)."""
     mode: list[Literal["fwd", "bwd", "fwd_bwd"]] = ["fwd"]

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from flashrun.harness.inputs import Inputs, as_cached, from_e4m3
-from flashrun.harness.reference import attention_ref, cached_sequence, gather_kvcache
+from flashrun.harness.reference import attention_fp8_yardstick, attention_ref, cached_sequence, gather_kvcache
 from flashrun.harness.shapes import Shape
 
 def dequantized(inputs: Inputs) -> Inputs:
@@ -178,7 +178,9 @@ class Reference:
     each with every query head it serves (so dk/dv are complete sums); otherwise every batch
     element (always every sequence of a packed batch) and head. ``grads``: also the gradients
     for ``inputs.dout``. ``window``, ``softcap``, ``alibi_slopes``: the variants, with
-    :func:`~flashrun.harness.reference.attention_ref`'s meaning. A KV-cache call
+    :func:`~flashrun.harness.reference.attention_ref`'s meaning. ``fp8``: the inputs are what an
+    e4m3 forward's hold (dequantized), and the yardstick is
+    :func:`~flashrun.harness.reference.attention_fp8_yardstick` (FlashAttention-3's rule). A KV-cache call
     (:meth:`for_kvcache`) is judged as the packed sequences it attends to.
     """
 
@@ -187,8 +189,11 @@ class Reference:
     def __init__(self, inputs: Inputs, *, causal: bool, grads: bool, sm_scale: float | None = None,
                  edges: bool = False, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  alibi_slopes: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 cu_seqlens_k: torch.Tensor | None = None) -> None:
+                 cu_seqlens_k: torch.Tensor | None = None, fp8: bool = False) -> None:
+        if fp8 and (grads or softcap or alibi_slopes is not None or cu_seqlens_q is not None):
+            raise ValueError("an fp8 reference is a dense forward's: no gradients, softcap, ALiBi or packing")
         q, k = inputs.q, inputs.k
+        self.fp8 = fp8
         self.packed = cu_seqlens_q is not None
         heads, kv_heads = q.shape[1], k.shape[1]  # (B, H, N, D) and packed (total, H, D) alike
         if self.packed:
@@ -307,9 +312,13 @@ class Reference:
                     for start in range(0, n_q, block):  # query blocks: each is exact on its own
                         qh = leaf(qb[h, start:start + block])
                         with torch.set_grad_enabled(grads):
-                            o = attention_ref(qh, kj, vj, causal=self.causal, sm_scale=self.sm_scale, upcast=upcast,
-                                              window=self.window, softcap=self.softcap,
-                                              alibi_slopes=self._slope(b, h), q_start=start, seq_len_q=n_q)
+                            if self.fp8 and not upcast:
+                                o = attention_fp8_yardstick(qh, kj, vj, causal=self.causal, sm_scale=self.sm_scale,
+                                                            window=self.window, q_start=start, seq_len_q=n_q)
+                            else:
+                                o = attention_ref(qh, kj, vj, causal=self.causal, sm_scale=self.sm_scale,
+                                                  upcast=upcast, window=self.window, softcap=self.softcap,
+                                                  alibi_slopes=self._slope(b, h), q_start=start, seq_len_q=n_q)
                         rows.append(o.detach()[0, 0])
                         if grads:
                             do = dob[h, start:start + block][None, None].to(dtype)

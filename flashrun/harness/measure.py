@@ -152,7 +152,7 @@ def check(provider: Provider, attn: Attention, shape: Shape, inputs: Inputs, ref
                else type(out).__name__)
         verdict = Verdict("wrong", f"returned {got}, expected a tensor of shape {tuple(q.shape)} on {q.device}")
         return verdict, verdict
-    forward = _verdict(ref.judge(out))
+    forward = _verdict((attn.reference(inputs) if attn.reference is not None else ref).judge(out))
     if not grads:
         return forward, None
     if out.grad_fn is None:

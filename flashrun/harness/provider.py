@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from flashrun.errors import KernelError
-from flashrun.harness.inputs import block_table, cu_seqlens, slopes
+from flashrun.harness.inputs import Inputs, block_table, cu_seqlens, slopes
 from flashrun.harness.shapes import Shape
 
 AttnFn = Callable[..., torch.Tensor]  # fn(q, k, v, **per_set): per_set, an fp8 cache's scales (Inputs.per_set)
@@ -30,6 +30,9 @@ class Attention:
     # the launch configs its Triton kernels ran since last asked, and where each came from
     # (flashrun.kernels.Kernel.configs); asked before and after the checked call
     configs: Callable[[], dict[str, dict[str, str]]] | None = None
+    # a provider that computes in another format (flash-fp8: e4m3) is judged against the reference
+    # of what it computes from: the judge's Reference for an input set (None: the shape's own)
+    reference: Callable[[Inputs], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ get the same inputs as verify: packed ones ``(total, heads, head_dim)``. Who run
   * ``flash``, ``flash-attn`` and ``flex``: every variant (flash and flash-attn natively, flex
     through ``score_mod`` for softcap/ALiBi and a ``block_mask`` for the window, the causal mask
     and, packed, the sequences as documents of one long sequence);
+  * ``flash-fp8`` (flashrun's e4m3 forward, bf16 shapes): plain, causal and windowed attention;
   * ``torch-naive``: every variant (the scores are materialized anyway);
   * ``sdpa``, ``sdpa-math``, ``sdpa-efficient``: window, ALiBi and packing as one explicit
     float mask (-inf outside, the ALiBi bias inside; packed: block-diagonal over the packed
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 
 from flashrun.errors import InputError, KernelError
 from flashrun.harness import graphs, kvcache
-from flashrun.harness.inputs import slopes
+from flashrun.harness.inputs import Inputs, slopes
 from flashrun.harness.provider import Attention, Provider, sequences, unpacked, variant_args
 from flashrun.harness.reference import alibi_bias, allowed, causal_mask, expand_kv
 from flashrun.harness.shapes import Shape
@@ -64,7 +65,7 @@ SDPA = {
     "sdpa-efficient": "EFFICIENT_ATTENTION",
     "sdpa-math": "MATH",
 }
-NAMES = (*KERNELS, "torch-naive", *SDPA, "flex", "flash-attn")
+NAMES = (*KERNELS, "flash-fp8", "torch-naive", *SDPA, "flex", "flash-attn")
 # What a `--device cpu` run times: plain PyTorch only. Triton kernels would run through the
 # interpreter, whose timings mean nothing.
 CPU_PROVIDERS = ("torch-naive", "sdpa", "sdpa-math")
@@ -107,11 +108,13 @@ def resolve(name: str, device: torch.device) -> Provider:
             "CUDA graphs need a CUDA GPU"), is_kernel=base.is_kernel)
     if device.type == "cpu" and name not in CPU_PROVIDERS:
         reason = ("Triton kernels are not timed on the CPU: the interpreter's timings mean nothing"
-                  if is_kernel_spec(name) else
+                  if is_kernel_spec(name) or name == "flash-fp8" else
                   f"not timed on the CPU (a --device cpu run times only {', '.join(CPU_PROVIDERS)})")
-        return Provider(name, _refuse(reason), is_kernel=is_kernel_spec(name))
+        return Provider(name, _refuse(reason), is_kernel=is_kernel_spec(name) or name == "flash-fp8")
     if is_kernel_spec(name):
         return _kernel(name)
+    if name == "flash-fp8":
+        return Provider(name, _flash_fp8, backward=False, is_kernel=True)
     if name == "torch-naive":
         return Provider(name, _dense_only(_naive))
     if name in SDPA:
@@ -156,6 +159,42 @@ def _kernel(spec: str) -> Provider:
                          path=kernel.path, backward_path=kernel.backward_path, configs=kernel.configs)
 
     return Provider(spec, prepare, backward=kernel.supports_backward, is_kernel=True)
+
+
+# -- flash-fp8: ours in e4m3 ----------------------------------------------------------------------------
+def _flash_fp8(shape: Shape, device: torch.device) -> Attention:
+    """flash_attention_fp8 on the shape's bf16 inputs quantized by quantize_qkv (descales per batch
+    and kv head), once per input set and outside the timing; judged by FlashAttention-3's rule
+    against the dequantized inputs (:class:`~flashrun.harness.judge.Reference` with ``fp8``)."""
+    from flashrun import kernels  # after device.select: Triton reads TRITON_INTERPRET at import
+    from flashrun.harness.judge import Reference
+
+    if shape.dtype != "bfloat16":
+        raise KernelError("flash-fp8 writes bf16: time it on bfloat16 shapes (--dtype bf16)")
+    if shape.softcap or shape.alibi or shape.varlen or shape.kvcache:
+        raise KernelError(f"flash-fp8 runs plain, causal and windowed attention, not {shape.variant_label}")
+    quantized: dict[int, tuple] = {}
+
+    def inputs_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        if q.data_ptr() not in quantized:
+            with torch.no_grad():
+                quantized[q.data_ptr()] = kernels.quantize_qkv(q, k, v)
+        return quantized[q.data_ptr()]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernels.flash_attention_fp8(*inputs_of(q, k, v), causal=shape.causal, window=shape.window)
+
+    def reference(inputs: Inputs) -> Reference:
+        q8, k8, v8, qd, kd, vd = inputs_of(inputs.q, inputs.k, inputs.v)
+
+        def dequantized(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+            return x8.float() * descale.repeat_interleave(x8.shape[1] // descale.shape[1], 1)[..., None, None]
+
+        held = Inputs(dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd), inputs.dout)
+        return Reference(held, causal=shape.causal, grads=False, edges=True, window=shape.window, fp8=True)
+
+    return Attention(fn, note="e4m3 inputs quantized once per input set, outside the timing; bf16 out",
+                     reference=reference)
 
 
 # -- torch-naive: scores materialized -------------------------------------------------------------

@@ -143,19 +143,21 @@ def attention_ref_varlen(
 
 
 def attention_fp8_yardstick(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                            sm_scale: float | None = None, window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+                            sm_scale: float | None = None, window: tuple[int, int] = (-1, -1), q_start: int = 0,
+                            seq_len_q: int | None = None) -> torch.Tensor:
     """What an fp8 forward cannot avoid, computed plainly: the yardstick of an e4m3 attention
     (FlashAttention-3's rule, research/fp8.md section 5). On the dequantized inputs (B, H, N, D),
     scores in float32, P = exp2(s - rowmax + 8) rounded to e4m3 (round to nearest), O = P·V / ΣP
     in float32, returned in bf16 - the maths of :mod:`flashrun.kernels.flash.fp8` with one max per
-    row instead of a running one."""
+    row instead of a running one. ``q_start``/``seq_len_q``: a block of query rows, as
+    :func:`attention_ref` takes them."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = q.float(), expand_kv(k.float(), q.shape[1]), expand_kv(v.float(), q.shape[1])
     n_q, n_k = q.shape[2], k.shape[2]
     scores = torch.matmul(q, k.transpose(-2, -1)) * (sm_scale / math.log(2))  # log2 units
     if causal or window != (-1, -1):
-        scores = scores.masked_fill(~allowed(n_q, n_k, q.device, causal, window), float("-inf"))
+        scores = scores.masked_fill(~allowed(n_q, n_k, q.device, causal, window, q_start, seq_len_q), float("-inf"))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row that sees no key
     p = torch.exp2(scores - top + 8.0).to(torch.float8_e4m3fn).float()
