@@ -101,7 +101,7 @@ def test_bench_on_workers_keeps_the_shape_order_and_adds_where_last(ray_cluster,
     assert header == [*results.COLUMNS, *results.EXTRA_COLUMNS]
     where = header.index("where")  # appended after the variants, then path, and never moved
     assert header[where - 1:where + 2] == ["seqlens_k", "where", "path"]
-    assert header[-4:] == ["config", "cache_seqlens", "page_size", "new_keys"]  # the last ones appended
+    assert header[-5:] == ["config", "cache_seqlens", "page_size", "new_keys", "kv_scale"]  # the last ones appended
 
 
 def test_workers_on_this_host_share_the_drivers_caches_and_switches(ray_cluster, isolated: Path, monkeypatch) -> None:
