@@ -2,9 +2,11 @@
 launchers all check against these. No torch here (the config imports it)."""
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # non powers of two are handled inside the kernels
-DTYPES = ("float16", "bfloat16", "float32")
+# A verify case's dtype may also be e4m3: q, k, v in float8_e4m3fn with descales, a bf16 output
+# (the fp8 forward); bench times that as the provider flash-fp8 on bf16 shapes instead.
+FP8_DTYPE = "float8_e4m3fn"
 # The short names flashrun prints in labels, accepted wherever a dtype is read.
-SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", FP8_DTYPE: "e4m3"}
 DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
 # flashrun's own kernels, by name (anything else is a user's PATH.py:FUNCTION);
 # flash-deterministic: flash with its atomic-free, bitwise-repeatable backward;

@@ -372,5 +372,16 @@ def test_short_dtype_names_are_read_everywhere_and_kept_full(tmp_path: Path) -> 
 def test_an_unknown_dtype_names_the_short_names_too(cli) -> None:
     result = cli("runs", "--set", "verify.dtype=[fp16,fp8]")
     assert result.exit_code == 2
-    assert ("error: --set: verify.dtype.1: expected one of 'float16', 'bfloat16' or 'float32' (or fp16, bf16, fp32), "
-            'got "fp8"') in result.stderr
+    assert ("error: --set: verify.dtype.1: expected one of 'float16', 'bfloat16', 'float32' or 'float8_e4m3fn' (or "
+            'fp16, bf16, fp32, e4m3), got "fp8"') in result.stderr
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_the_shipped_example_configs_load_as_written(path: Path) -> None:
+    from flashrun.harness.shapes import verify_shapes
+
+    shapes = verify_shapes(load_config(path))
+    assert shapes
+    if path.name == "fp8.toml":  # the e4m3 forward's awkward shapes, every one dense
+        assert len(shapes) == 72 and {s.dtype for s in shapes} == {"float8_e4m3fn"}
+        assert {s.seq_len for s in shapes} == {1, 17, 97} and {s.head_dim for s in shapes} == {40, 64, 128}

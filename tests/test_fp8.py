@@ -6,6 +6,8 @@ included) is measured beside, bounded loosely; and its argument errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -98,3 +100,74 @@ def test_fp8_argument_errors():
     fails(ArgumentError, "the fp8 forward has no backward", wants_grad, q8, q8)
     with pytest.raises(ArgumentError, match="4-D"):
         quantize_qkv(torch.randn(2, 8, 64), q8, q8)
+
+
+MINE = '''import torch
+
+def unscaled(q, k, v, causal=False, sm_scale=None, q_descale=None, k_descale=None, v_descale=None):
+    # reads the e4m3 values without their descales: must fail
+    from flashrun.kernels import flash_attention_fp8
+    return flash_attention_fp8(q, k, v, causal=causal, sm_scale=sm_scale)
+
+def exact(q, k, v, causal=False, sm_scale=None, q_descale=None, k_descale=None, v_descale=None):
+    # the dequantized inputs in float32, P never rounded: more precise than the rule asks, so it passes
+    def held(x, d):
+        return x.float() * d.repeat_interleave(x.shape[1] // d.shape[1], 1)[..., None, None]
+    q, k, v = held(q, q_descale), held(k, k_descale), held(v, v_descale)
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * sm_scale
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q).logical_not(), float("-inf"))
+    return (torch.nan_to_num(torch.softmax(s, -1)) @ v).to(torch.bfloat16)
+
+def wrong_dtype(q, k, v, causal=False, sm_scale=None, q_descale=None, k_descale=None, v_descale=None):
+    return exact(q, k, v, causal, sm_scale, q_descale, k_descale, v_descale).float()  # e4m3 cases return bf16
+
+def plain(q, k, v, causal=False, sm_scale=None):
+    return q
+'''
+
+
+def test_verify_judges_e4m3_cases_by_the_fp8_rule(cli, tmp_path):
+    """dtype e4m3 in verify: flash (routed to the fp8 forward) passes on awkward shapes; a kernel
+    that drops the descales fails, one more precise than the rule passes, one returning float32
+    errors, one that takes no descales is skipped (and windows, for the users' kernels without one); the error against the unquantized inputs (and
+    with outliers) is a note beside the verdict; --grad checks the forward only."""
+    (tmp_path / "mine.py").write_text(MINE)
+    kernels = [arg for name in ("unscaled", "exact", "wrong_dtype", "plain") for arg in ("-k", f"mine.py:{name}")]
+    result = cli("verify", "--device", "cpu", "--json", "--grad", "-k", "flash", *kernels,
+                 "--set", "experiment.dtype=e4m3", "--set", "experiment.num_heads=4",
+                 "--set", "experiment.num_kv_heads=1", "--set", "experiment.head_dim=40",
+                 "--set", "verify.seq_len=[1,17,97]", "--set", "verify.seq_len_k=[130]",
+                 "--set", "verify.causal=[false,true]", "--set", "verify.window=[[-1,-1],[16,0]]")
+    assert "Traceback" not in result.stderr, result.stderr  # (the JSON keeps the raising kernel's, for -v)
+    data = json.loads(result.stdout)
+    status: dict[str, set[str]] = {}
+    for r in data["results"]:
+        if r["case"]["window"] == [-1, -1] or r["kernel"] == "flash":
+            status.setdefault(r["kernel"], set()).add(r["status"])
+    assert status == {"flash": {"pass"}, "mine.py:unscaled": {"fail"}, "mine.py:exact": {"pass"},
+                      "mine.py:wrong_dtype": {"error"}, "mine.py:plain": {"skipped"}}, data["verdict"]
+    windowed = {r["status"] for r in data["results"] if r["kernel"] != "flash" and r["case"]["window"] != [-1, -1]}
+    assert windowed == {"skipped"}
+    flash = [r for r in data["results"] if r["kernel"] == "flash"]
+    assert len(flash) == 12 and "B1 H4/1 N97x130 D40 e4m3 causal w16,0" in {r["label"] for r in flash}
+    assert all([c["name"] for c in r["checks"]] == ["out"] for r in flash)  # no gradients: forward only
+    assert all(any("against the unquantized ones" in n and "outliers" in n for n in r["notes"]) for r in flash)
+    assert all("forward only" in " ".join(r["notes"]) for r in flash)
+    assert result.exit_code == 1
+
+
+@pytest.mark.parametrize("variant", ["experiment.softcap=2", "experiment.alibi=true", "experiment.seqlens=[3,5]",
+                                     "experiment.cache_seqlens=[4]"])
+def test_e4m3_cases_are_dense_attention(cli, variant):
+    result = cli("verify", "--device", "cpu", "--set", "experiment.dtype=e4m3", "--set", variant)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "dtype e4m3 (the fp8 forward) runs dense attention" in result.output
+
+
+def test_bench_has_no_e4m3_dtype_but_names_the_fp8_provider(cli):
+    result = cli("bench", "--device", "cpu", "--dtype", "e4m3")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "expected one of 'float16', 'bfloat16' or 'float32' (or fp16, bf16, fp32)" in result.output

@@ -182,8 +182,10 @@ def _expected(error: dict[str, Any], loc: tuple[Any, ...]) -> str:
     if kind in simple:
         return simple[kind]
     if kind == "literal_error":
-        aliases = f" (or {', '.join(DTYPE_ALIASES)})" if "dtype" in loc[-2:] else ""  # dtype, or dtype.<index>
-        return f"expected one of {ctx.get('expected')}{aliases}"
+        expected = str(ctx.get("expected"))
+        short = [alias for alias, name in DTYPE_ALIASES.items() if f"'{name}'" in expected]
+        aliases = f" (or {', '.join(short)})" if "dtype" in loc[-2:] and short else ""  # dtype, or dtype.<index>
+        return f"expected one of {expected}{aliases}"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from flashrun.limits import DETERMINISTIC_BACKWARD, DTYPE_ALIASES, MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashrun.limits import DETERMINISTIC_BACKWARD, DTYPE_ALIASES, FP8_DTYPE, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 # The default config ships inside the package so that a non-editable install has it.
 DEFAULT_CONFIG = Path(__file__).parents[1] / "data" / "default.toml"
@@ -36,6 +36,8 @@ def _full_dtype(value: Any) -> Any:
 
 
 Dtype = Annotated[Literal["float16", "bfloat16", "float32"], BeforeValidator(_full_dtype)]
+# a verify case's: e4m3 too (q, k, v in float8_e4m3fn with descales; the fp8 forward)
+CaseDtype = Annotated[Literal["float16", "bfloat16", "float32", "float8_e4m3fn"], BeforeValidator(_full_dtype)]
 HeadDim = Annotated[int, Field(ge=MIN_HEAD_DIM, le=MAX_HEAD_DIM)]
 
 
@@ -122,8 +124,10 @@ class ExperimentConfig(_Section):
     """A label for your records."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """`cpu` runs Triton's interpreter; `auto` uses the GPU when torch sees one."""
-    dtype: Dtype = "float16"
-    """Input dtype (`fp16`, `bf16`, `fp32` accepted; records keep the full name)."""
+    dtype: CaseDtype = "float16"
+    """Input dtype (`fp16`, `bf16`, `fp32`, `e4m3` accepted; records keep the full name). `e4m3`: the fp8 forward - q,
+    k, v drawn in bf16 and quantized to float8_e4m3fn with a descale per batch and kv head, a bf16 output, judged by
+    FlashAttention-3's rule; dense attention only (causal, window, GQA), no backward."""
     batch_size: PositiveInt = 2
     """Batch."""
     seq_len: PositiveInt = 128
@@ -195,8 +199,19 @@ class ExperimentConfig(_Section):
             raise ValueError("page_size and new_keys describe a KV cache: they need cache_seqlens")
         if self.cache_seqlens is not None and self.seqlens is not None:
             raise ValueError("cache_seqlens (a KV-cache call) and seqlens (packed sequences) exclude each other")
-        if self.kv_scale and (self.cache_seqlens is None or self.dtype == "float32"):
+        if self.kv_scale and (self.cache_seqlens is None or self.dtype not in ("float16", "bfloat16")):
             raise ValueError("kv_scale (an fp8 KV cache) needs cache_seqlens and a float16 or bfloat16 dtype")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_dense(self) -> ExperimentConfig:
+        if self.dtype == FP8_DTYPE:
+            given = [name for name, on in (("softcap", self.softcap), ("alibi", self.alibi),
+                                           ("seqlens", self.seqlens is not None),
+                                           ("cache_seqlens", self.cache_seqlens is not None)) if on]
+            if given:
+                raise ValueError(f"dtype e4m3 (the fp8 forward) runs dense attention - causal, window, GQA - not "
+                                 f"{', '.join(given)}")
         return self
 
 
@@ -245,7 +260,7 @@ class VerifyConfig(_Section):
     """Sweep over `experiment.seq_len_k`."""
     head_dim: list[HeadDim] | None = None
     """Sweep over `experiment.head_dim`."""
-    dtype: list[Dtype] | None = None
+    dtype: list[CaseDtype] | None = None
     """Sweep over `experiment.dtype`."""
     causal: list[bool] | None = None
     """Sweep over `experiment.causal`."""

@@ -26,7 +26,7 @@ from typing import Any
 
 from flashrun.errors import KernelError, is_oom
 from flashrun.harness.shapes import Shape
-from flashrun.limits import BUILTIN_KERNELS as BUILTIN, DETERMINISTIC_BACKWARD
+from flashrun.limits import BUILTIN_KERNELS as BUILTIN, DETERMINISTIC_BACKWARD, FP8_DTYPE
 
 POISON = 7168.0  # exact in fp16/bf16/fp32 and far outside any attention output of these inputs
 TIMED_MS = 25  # GPU time spent timing each checked kernel (median of the repeats)
@@ -45,6 +45,11 @@ class Job:
     deterministic: bool | None = DETERMINISTIC_BACKWARD  # which flash backward ([experiment] deterministic)
     bf16_dots_ok: bool = True  # False: this interpreter's bf16 tl.dot is wrong (users' kernels skip)
     estimate_s: float | None = None  # expected interpreter seconds (None on a GPU)
+
+    @property
+    def grads(self) -> bool:
+        """Whether the gradients are checked: asked for, and the case has a backward."""
+        return self.grad and not self.case.forward_only
 
 
 @dataclass
@@ -130,6 +135,7 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
 
     case = job.case
     result = CaseResult(kernel.name, case, "pass")
+    fp8, grad = case.dtype == FP8_DTYPE, job.grads
     if case.dtype == "bfloat16" and not job.bf16_dots_ok and kernel.name not in BUILTIN:
         result.status = "skipped"
         result.message = "bfloat16 on this Triton's interpreter: its tl.dot is wrong for bf16; run on a GPU"
@@ -163,10 +169,12 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     if not kernel.takes_causal:
         result.notes.append("called as (q, k, v): judged against causal="
                             f"{case.causal} and scale 1/sqrt({case.head_dim})")
-    # the kernel works on clones (an fp8 cache's scales too: it writes the new keys'); the reference on the originals
-    kq, kk, kv = (t.clone().requires_grad_(job.grad) for t in (q, k, v))
-    if isinstance(variant.get("k_scale"), torch.Tensor):
-        variant.update(k_scale=variant["k_scale"].clone(), v_scale=variant["v_scale"].clone())
+    if job.grad and case.forward_only:
+        result.notes.append("forward only: the fp8 forward has no backward")
+    # the kernel works on clones (scales too: an fp8 cache's, which it writes the new keys'); the reference on the originals
+    kq, kk, kv = (t.clone().requires_grad_(grad) for t in (q, k, v))
+    variant.update({name: value.clone() for name, value in variant.items()
+                    if name.endswith(("_scale", "_descale")) and isinstance(value, torch.Tensor)})
     if kernel.configs is not None:
         kernel.configs()  # from here on: what this check's calls choose
     start = time.perf_counter()
@@ -174,9 +182,9 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
         with _poisoned_allocations():
             out = kernel(kq, kk, kv, causal=case.causal, sm_scale=sm_scale, **variant)
             _sync(device)
-        _check_output_shape(out, q)
+        _check_output_shape(out, q, torch.bfloat16 if fp8 else q.dtype)
         grads = None
-        if job.grad:
+        if grad:
             if not out.requires_grad:
                 result.notes.append("forward only: no gradients to check")
             else:
@@ -216,11 +224,8 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     if cache is not None and inputs.k_scale is not None:  # the slots it appended, as the fp8 cache holds them now
         cache = (from_e4m3(kk, variant["k_scale"], q.dtype), from_e4m3(kv, variant["v_scale"], q.dtype))
     result.checks = reference.judge(out, grads, POISON, cache=cache)
-    if inputs.unquantized is not None:  # what fp8 costs, beside the verdict: against the caches before quantizing
-        exact = replace(inputs, k=inputs.unquantized[0], v=inputs.unquantized[1], k_scale=None, v_scale=None)
-        against = Reference.for_kvcache(exact, causal=case.causal).judge(out)[0]
-        result.notes.append(f"e4m3 cache: against the unquantized keys max error {against.max_abs:.3g}, rel-L2 "
-                            f"{against.rel_l2:.3g} (not judged: the verdict is on what the cache holds)")
+    if inputs.unquantized is not None:  # what fp8 costs, beside the verdict
+        result.notes.append(_fp8_cost(kernel, inputs, out, job, device, sm_scale))
     failing = [c for c in result.checks if not c.passed]
     if failing:
         result.status = "fail"
@@ -228,6 +233,33 @@ def check_case(kernel: Any, job: Job, device: str) -> CaseResult:
     if device == "cuda":
         result.ms = _time_forward(kernel, kq.detach(), kk.detach(), kv.detach(), case.causal, sm_scale, variant)
     return result
+
+
+OUTLIERS = 1e-3  # the fraction of an e4m3 case's second draw that is ten times larger
+
+
+def _fp8_cost(kernel: Any, inputs: Any, out: Any, job: Job, device: str, sm_scale: float) -> str:
+    """The error against the inputs before they were quantized (not judged: the verdict is on what
+    the fp8 tensors hold). An e4m3 case also runs its kernel on a second draw with outliers, where
+    one descale per head costs the small values their precision."""
+    from flashrun.harness.inputs import make_inputs
+    from flashrun.harness.judge import Reference
+
+    def against(drawn: Any, got: Any) -> str:
+        exact = replace(drawn, **drawn.unquantized, k_scale=None, v_scale=None, descales=None)
+        error = Reference.for_shape(exact, job.case, grads=False).judge(got)[0]
+        return f"max error {error.max_abs:.3g}, rel-L2 {error.rel_l2:.3g}"
+
+    if job.case.kvcache:
+        return f"e4m3 cache against the unquantized keys (not judged): {against(inputs, out)}"
+    spiky = make_inputs(job.case, job.seed, device, outliers=OUTLIERS)[0]
+    try:
+        with_outliers = against(spiky, kernel(spiky.q, spiky.k, spiky.v, causal=job.case.causal, sm_scale=sm_scale,
+                                              **spiky.variant_args()))
+    except Exception as exc:  # noqa: BLE001 - a note; the verdict above stands
+        with_outliers = f"the kernel raised {type(exc).__name__}"
+    return (f"e4m3 inputs against the unquantized ones (not judged): {against(inputs, out)}; with {OUTLIERS:.1%} "
+            f"outliers (x10) {with_outliers}")
 
 
 def _kernel_frame(exc: BaseException, kernel: Any) -> str | None:
@@ -304,15 +336,15 @@ def _poisoned_allocations():
     return PoisonEmpty()
 
 
-def _check_output_shape(out: Any, q: Any) -> None:
+def _check_output_shape(out: Any, q: Any, dtype: Any) -> None:
     import torch
 
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the kernel returned {type(out).__name__}, expected a tensor")
     if out.shape != q.shape:
         raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected {tuple(q.shape)}")
-    if out.dtype != q.dtype:
-        raise ValueError(f"the kernel returned {out.dtype}, expected {q.dtype}")
+    if out.dtype != dtype:
+        raise ValueError(f"the kernel returned {out.dtype}, expected {dtype}")
 
 
 def interpreter_bf16_dot_ok() -> bool:

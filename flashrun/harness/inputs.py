@@ -13,6 +13,8 @@ the caches - ``(B, capacity, H_kv, D)``, or paged ``(pages, page_size, H_kv, D)`
 :func:`block_table` - filled whole (slots past a sequence's length hold keys too), then the new
 keys and values ``(B, new_keys, H_kv, D)``. An fp8 cache (``shape.kv_scale``) is those caches
 quantized to float8_e4m3fn (:func:`to_e4m3`), the originals kept for the error against them.
+An e4m3 shape (the fp8 forward) draws q, k, v, dout in bf16 (its output's dtype) and quantizes
+q, k, v with a descale per (batch, kv head) (:func:`to_e4m3_heads`), keeping the originals too.
 Each :class:`Inputs` also carries what a kernel and
 the judge need besides the tensors: the variant arguments, the ALiBi slopes, the
 ``cu_seqlens`` offsets and the cache's lengths and block table (:meth:`Inputs.variant_args`,
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from flashrun.harness.shapes import Shape
+from flashrun.limits import FP8_DTYPE
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class Inputs:
     v_new: torch.Tensor | None = None
     k_scale: float | torch.Tensor | None = None  # an fp8 cache's scales (one, or one per key and kv head)
     v_scale: float | torch.Tensor | None = None
-    unquantized: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's k and v before quantizing
+    descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # e4m3 q, k, v's: float32 (B, H_kv)
+    unquantized: dict[str, torch.Tensor] | None = None  # what was quantized (k, v; or q, k, v), as drawn
 
     def leaves(self) -> list[torch.Tensor]:
         return [self.q, self.k, self.v]
@@ -80,6 +84,8 @@ class Inputs:
                 args.update(k_new=self.k_new, v_new=self.v_new)
             if self.k_scale is not None:
                 args.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.descales is not None:
+            args.update(zip(("q_descale", "k_descale", "v_descale"), self.descales))
         return args
 
     def reference_args(self) -> dict[str, Any]:
@@ -136,6 +142,21 @@ def to_e4m3(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, float | torch.Ten
     return x8, float(scale) if mode == "tensor" else scale
 
 
+def to_e4m3_heads(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (B, H, N, D) in float8_e4m3fn and its descales, float32 (B, kv_heads): amax / 448 over
+    each kv head's group of heads (FlashAttention-3's layout; 1 where the group is all zeros)."""
+    batch, heads = x.shape[:2]
+    amax = x.abs().amax(dim=(2, 3)).float().view(batch, kv_heads, heads // kv_heads).amax(-1)
+    descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    x8 = (x.float() / head_scales(descale, heads)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+def head_scales(descale: torch.Tensor, heads: int) -> torch.Tensor:
+    """Descales (B, H_kv) broadcast over (B, heads, N, D)."""
+    return descale.repeat_interleave(heads // descale.shape[1], 1)[..., None, None]
+
+
 def from_e4m3(x8: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """What an fp8 tensor holds, ``x8 · scale``, in ``dtype`` (exact for power-of-two scales)."""
     return (x8.float() * (scale[..., None] if isinstance(scale, torch.Tensor) else scale)).to(dtype)
@@ -151,10 +172,13 @@ def as_cached(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
 
 
 def make_inputs(shape: Shape, seed: int, device: torch.device | str, sets: int = 1,
-                requires_grad: bool = False) -> list[Inputs]:
+                requires_grad: bool = False, outliers: float = 0.0) -> list[Inputs]:
     """``sets`` input sets for ``shape``; ``requires_grad`` marks q, k, v as autograd leaves (not
-    for a KV-cache call: it has no backward)."""
-    dtype = getattr(torch, shape.dtype)
+    for a KV-cache call or an e4m3 one: they have no backward). ``outliers``: that fraction of q,
+    k and v's elements drawn ten times larger (what fp8's per-head scales meet in real activations)."""
+    fp8 = shape.dtype == FP8_DTYPE
+    dtype = torch.bfloat16 if fp8 else getattr(torch, shape.dtype)
+    requires_grad = requires_grad and not shape.forward_only
     new_shape = None
     if shape.cache_seqlens is not None:
         q_shape = (shape.batch_size, shape.seq_len, shape.num_heads, shape.head_dim)
@@ -177,18 +201,24 @@ def make_inputs(shape: Shape, seed: int, device: torch.device | str, sets: int =
     gen = torch.Generator(device=device).manual_seed(seed)
     alibi = slopes(shape, device)
 
-    def draw(size: tuple[int, ...], grad: bool) -> torch.Tensor:
-        x = torch.randn(size, generator=gen, device=device, dtype=torch.float32).to(dtype)
-        return x.requires_grad_(grad)
+    def draw(size: tuple[int, ...], grad: bool, spread: float = 0.0) -> torch.Tensor:
+        x = torch.randn(size, generator=gen, device=device, dtype=torch.float32)
+        if spread:
+            x = torch.where(torch.rand(size, generator=gen, device=device) < spread, 10 * x, x)
+        return x.to(dtype).requires_grad_(grad)
 
     def one_set() -> Inputs:
-        tensors = [draw(q_shape, requires_grad), draw(kv_shape, requires_grad), draw(kv_shape, requires_grad),
-                   draw(q_shape, False)]
+        tensors = [draw(q_shape, requires_grad, outliers), draw(kv_shape, requires_grad, outliers),
+                   draw(kv_shape, requires_grad, outliers), draw(q_shape, False)]
         new = {"k_new": draw(new_shape, False), "v_new": draw(new_shape, False)} if new_shape else {}
         if shape.kv_scale:  # the caches in e4m3; the originals kept for the error against them
             (k8, k_scale), (v8, v_scale) = (to_e4m3(t, shape.kv_scale) for t in tensors[1:3])
-            new.update(k_scale=k_scale, v_scale=v_scale, unquantized=(tensors[1], tensors[2]))
+            new.update(k_scale=k_scale, v_scale=v_scale, unquantized={"k": tensors[1], "v": tensors[2]})
             tensors[1:3] = [k8, v8]
+        if fp8:  # q, k, v in e4m3; the originals kept for the error against them
+            quantized = [to_e4m3_heads(t, shape.num_kv_heads) for t in tensors[:3]]
+            new.update(descales=tuple(d for _, d in quantized), unquantized=dict(zip("qkv", tensors[:3])))
+            tensors[:3] = [x8 for x8, _ in quantized]
         return Inputs(*tensors, shape.window, shape.softcap, alibi, **packing, **new)
 
     return [one_set() for _ in range(sets)]

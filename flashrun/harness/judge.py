@@ -24,14 +24,18 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from flashrun.harness.inputs import Inputs, as_cached, from_e4m3
+from flashrun.harness.inputs import Inputs, as_cached, from_e4m3, head_scales
 from flashrun.harness.reference import attention_fp8_yardstick, attention_ref, cached_sequence, gather_kvcache
 from flashrun.harness.shapes import Shape
 
 def dequantized(inputs: Inputs) -> Inputs:
-    """A KV-cache case's inputs as its fp8 cache holds them, in the queries' dtype: the caches
-    times their scales, the new keys and values as they are once quantized into the cache (the
-    inputs themselves when the cache is not fp8)."""
+    """What fp8 inputs stand for. An e4m3 case's q, k, v times their descales, in float32 (exact).
+    A KV-cache case's as its fp8 cache holds them, in the queries' dtype: the caches times their
+    scales, the new keys and values as they are once quantized into the cache. The inputs
+    themselves when nothing is fp8."""
+    if inputs.descales is not None:
+        q, k, v = (x8.float() * head_scales(d, x8.shape[1]) for x8, d in zip(inputs.leaves(), inputs.descales))
+        return replace(inputs, q=q, k=k, v=v, descales=None)
     if inputs.k_scale is None:
         return inputs
     dtype = inputs.q.dtype
@@ -220,6 +224,9 @@ class Reference:
         KV-cache calls too)."""
         if inputs.cache_seqlens is not None:
             return cls.for_kvcache(inputs, causal=shape.causal)
+        if inputs.descales is not None:  # e4m3: FlashAttention-3's rule on what the inputs stand for
+            return cls(dequantized(inputs), causal=shape.causal, grads=False, edges=edges, window=inputs.window,
+                       fp8=True)
         return cls(inputs, causal=shape.causal, grads=grads, edges=edges, **inputs.reference_args())
 
     @classmethod

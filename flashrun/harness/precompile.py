@@ -193,9 +193,9 @@ def _verify_launches(job: Job, device: str) -> Callable[[], None]:
         variant = inputs.variant_args()
         if kernel.missing(variant):
             return
-        q, k, v = (t.clone().requires_grad_(job.grad) for t in (inputs.q, inputs.k, inputs.v))
+        q, k, v = (t.clone().requires_grad_(job.grads) for t in (inputs.q, inputs.k, inputs.v))
         out = kernel(q, k, v, causal=job.case.causal, sm_scale=1.0 / math.sqrt(job.case.head_dim), **variant)
-        if job.grad and out.requires_grad:
+        if job.grads and out.requires_grad:
             torch.autograd.grad(out, (q, k, v), inputs.dout)
 
     return launches

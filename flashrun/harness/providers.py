@@ -43,6 +43,7 @@ import inspect
 import math
 import re
 import warnings
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -185,13 +186,9 @@ def _flash_fp8(shape: Shape, device: torch.device) -> Attention:
         return kernels.flash_attention_fp8(*inputs_of(q, k, v), causal=shape.causal, window=shape.window)
 
     def reference(inputs: Inputs) -> Reference:
-        q8, k8, v8, qd, kd, vd = inputs_of(inputs.q, inputs.k, inputs.v)
-
-        def dequantized(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-            return x8.float() * descale.repeat_interleave(x8.shape[1] // descale.shape[1], 1)[..., None, None]
-
-        held = Inputs(dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd), inputs.dout)
-        return Reference(held, causal=shape.causal, grads=False, edges=True, window=shape.window, fp8=True)
+        q8, k8, v8, *descales = inputs_of(inputs.q, inputs.k, inputs.v)
+        held = replace(inputs, q=q8, k=k8, v=v8, descales=tuple(descales))
+        return Reference.for_shape(held, shape, grads=False, edges=True)
 
     return Attention(fn, note="e4m3 inputs quantized once per input set, outside the timing; bf16 out",
                      reference=reference)

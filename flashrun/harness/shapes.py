@@ -39,7 +39,7 @@ from typing import Any
 
 from flashrun.config import BenchConfig, Config, ExperimentConfig
 from flashrun.errors import InputError
-from flashrun.limits import SHORT_DTYPES
+from flashrun.limits import FP8_DTYPE, SHORT_DTYPES
 
 FIELDS = ("batch_size", "num_heads", "num_kv_heads", "seq_len", "seq_len_k", "head_dim", "dtype", "causal")
 # The variants, after the fields above (records, JSON and CSV keep the old order, these appended).
@@ -99,6 +99,11 @@ class Shape:
     @property
     def kvcache(self) -> bool:
         return self.cache_seqlens is not None
+
+    @property
+    def forward_only(self) -> bool:
+        """No gradients to check, whatever --grad says: e4m3 (the fp8 forward has no backward)."""
+        return self.dtype == FP8_DTYPE
 
     @property
     def capacity(self) -> int:

@@ -185,7 +185,7 @@ def _run(cfg: Config, plan: Plan, console: Console | None, argv: list[str] | Non
     job_device = plan.device if pool is None else pool.kind  # "cpu" keeps a worker off a GPU it was not given
     jobs = [Job(index, spec, case, plan.seed + index // len(plan.kernels), plan.grad, plan.diagnose, job_device,
                 launch, cfg.experiment.deterministic, bf16_ok or not interpreter,
-                interpreter_seconds(case, plan.grad) if interpreter else None)
+                interpreter_seconds(case, plan.grad and not case.forward_only) if interpreter else None)
             for index, (case, spec) in enumerate((c, s) for c in plan.cases for s in plan.kernels)]
     # every kernel sees the same inputs per case: the seed is seed + case number
     over = [job for job in jobs if job.estimate_s is not None and 0 < plan.budget_s < job.estimate_s]

@@ -23,6 +23,11 @@ FlashAttention's (batch, seq, heads, head_dim) layout (:func:`flash_attention_wi
 arguments, an fp8 cache's scales among them; the new keys and values are ``k_new``/``v_new``
 here, as ``k``/``v`` are the caches). ``flash`` routes it to :func:`flash_attention_with_kvcache`.
 
+An e4m3 case calls it as ``kernel(q8, k8, v8, causal, sm_scale, q_descale=..., k_descale=...,
+v_descale=...)``: float8_e4m3fn tensors standing for ``x8 · descale`` (float32 (B, H_kv)
+descales, FlashAttention-3's names), a bf16 output expected. ``flash`` routes it to
+:func:`flash_attention_fp8`.
+
 Import this package only after :func:`flashrun.device.select`: Triton decides between
 compiling and interpreting when the kernels are defined.
 
@@ -43,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from flashrun.errors import KernelError
+from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash import (
     alibi_slopes,
     attention_forward,
@@ -70,7 +75,8 @@ __all__ = ["VARIANT_ARGS", "Kernel", "LaunchConfig", "alibi_slopes", "attention_
 BUILTIN = BUILTIN_KERNELS
 # Keyword arguments a case may pass beyond (q, k, v, causal, sm_scale), FlashAttention-2's names.
 VARIANT_ARGS = ("window", "softcap", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                "cache_seqlens", "block_table", "k_new", "v_new", "k_scale", "v_scale")
+                "cache_seqlens", "block_table", "k_new", "v_new", "k_scale", "v_scale",
+                "q_descale", "k_descale", "v_descale")
 # Of those, the ones a kernel may go without: the longest lengths are read off cu_seqlens otherwise.
 OPTIONAL_ARGS = ("max_seqlen_q", "max_seqlen_k")
 
@@ -112,7 +118,14 @@ def get(spec: str, launch: Launch = None, deterministic: bool | None = DETERMINI
 
         def flash(q, k, v, causal=False, sm_scale=None, *, window=(-1, -1), softcap=0.0, alibi_slopes=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, cache_seqlens=None,
-                  block_table=None, k_new=None, v_new=None, k_scale=None, v_scale=None):
+                  block_table=None, k_new=None, v_new=None, k_scale=None, v_scale=None, q_descale=None, k_descale=None,
+                  v_descale=None):
+            if q.dtype == torch.float8_e4m3fn:  # e4m3 q, k, v: the fp8 forward (dense; bf16 out)
+                if softcap or alibi_slopes is not None or cu_seqlens_q is not None or cache_seqlens is not None:
+                    raise ArgumentError("the fp8 forward runs dense attention (causal, window, GQA): no softcap, "
+                                        "ALiBi, packed sequences or KV cache")
+                return flash_attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal, sm_scale=sm_scale,
+                                           window=window)
             if cache_seqlens is not None:  # a KV cache, (batch, seq, heads, head_dim)
                 return flash_attention_with_kvcache(q, k, v, cache_seqlens, k=k_new, v=v_new, block_table=block_table,
                                                     causal=causal, window=window, softcap=softcap,
