@@ -464,3 +464,21 @@ def test_the_metrics_tables_stay_whole_at_80_columns() -> None:
                   "12 regs", "31.03", "19 regs", "check"):
         assert whole in text, whole
     assert "B16 H32/8 N16384 D128 bf16 causal" in " ".join(text.split())  # a heading row may wrap, not lose words
+
+
+def test_an_fp8_providers_row_is_judged_against_the_e4m3_roof_and_moves_one_byte_per_input() -> None:
+    prefill = shape(seq_len=4096, seq_len_k=4096, dtype="bfloat16")
+    cell = measure.Cell("fwd", "ok", True, ms=(1.0, 1.0, 1.0))
+    env = {"gpu": "g", "torch": None, "triton": None, "where": ""}
+    roofs = Ceilings(700.0, 4000.0, fp8_tflops=1300.0)
+    bf16 = sweep._row("flash", prefill, cell, None, roofs, env)
+    fp8 = sweep._row("flash-fp8", prefill, cell, None, roofs, env, fp8=True)
+    assert bf16.tflops == fp8.tflops  # the same attention's FLOPs
+    assert fp8.pct_peak == pytest.approx(100 * fp8.tflops / 1300.0) and bf16.pct_peak == pytest.approx(
+        100 * bf16.tflops / 700.0)
+    q = 2 * 64 * 4096 * prefill.batch_size * prefill.num_heads  # bf16 q (or o), bytes
+    kv = 2 * 64 * 4096 * prefill.batch_size * prefill.num_kv_heads
+    assert bytes_moved(prefill, "fwd") == 2 * q + 2 * kv
+    assert bytes_moved(prefill, "fwd", fp8=True) == q / 2 + q + kv  # e4m3 q, k, v; bf16 o
+    assert fp8.gbps == pytest.approx(bf16.gbps * (1.5 * q + kv) / (2 * q + 2 * kv))
+    assert Ceilings(700.0, 4000.0).in_fp8().tflops is None  # no fp8 tensor cores: no % peak

@@ -50,6 +50,7 @@ class BenchReport:
     ceiling_tflops: float | None
     notices: list[str] = field(default_factory=list)
     ceiling_gbps: float | None = None
+    ceiling_fp8_tflops: float | None = None  # the e4m3 matmul roof (fp8 providers' % peak)
     metrics: bool = False  # --metrics: the rows carry what harness.probe read, and render shows it
     compare_file: str | None = None
     ratios: list[results.Ratio] = field(default_factory=list)
@@ -70,7 +71,7 @@ class BenchReport:
             rows = [{**row, "gpu_type": gpu_type} for row, gpu_type in zip(rows, self.row_types)]
         data: dict[str, Any] = {
             "device": self.device, "ceiling_tflops": self.ceiling_tflops, "ceiling_gbps": self.ceiling_gbps,
-            "baseline": self.baseline,
+            "ceiling_fp8_tflops": self.ceiling_fp8_tflops, "baseline": self.baseline,
             "files": self.files, "notices": self.notices, "rows": rows,
             "compile": self.compiled.to_json() if self.compiled is not None else None,
         }
@@ -163,7 +164,7 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
     paths = _result_paths(out_dir, env["measured_on"])
     header = {"command": "flashrun " + shlex.join(argv), "argv": list(argv), "started": now_iso(),
               "device": device.type, "env": env, "bench": bench.model_dump(mode="json"),
-              "seed": cfg.experiment.seed, "ceiling_tflops": None, "ceiling_gbps": None,
+              "seed": cfg.experiment.seed, "ceiling_tflops": None, "ceiling_gbps": None, "ceiling_fp8_tflops": None,
               "tolerance": {"factor": FACTOR, **{str(dtype).removeprefix("torch."): dataclasses.asdict(tol)
                                                  for dtype, tol in TOLERANCE.items()}}}
     kernels_path = None
@@ -191,7 +192,8 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
         from flashrun.harness.measure import ceilings
 
         here_ceilings = ceilings(device, timing)  # measured once, before the sweep
-        header["ceiling_tflops"], header["ceiling_gbps"] = here_ceilings.tflops, here_ceilings.gbps
+        header.update(ceiling_tflops=here_ceilings.tflops, ceiling_gbps=here_ceilings.gbps,
+                      ceiling_fp8_tflops=here_ceilings.fp8_tflops)
         parts = sweep.run(console, Here(resolved, here_ceilings, row_env(env, device.type)))
         if profile is not None and device.type == "cuda" and proton_pass.available():
             notice = proton_pass.write_views(proton_pass.cells_of(jobs, parts, profile), device.type, profile,
@@ -212,8 +214,9 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
             files["roofline"] = str(results.plot_roofline(rows, roofs, results.roofline_path(plot)))
         else:
             notices.append("no roofline plot: it needs one GPU's measured ceilings (a CPU run, or several GPU types)")
-    report = BenchReport(rows, files, device.type, roofs.tflops, notices, ceiling_gbps=roofs.gbps, metrics=metrics,
-                         baseline=bench.baseline, seed=cfg.experiment.seed, compiled=compiled)
+    report = BenchReport(rows, files, device.type, roofs.tflops, notices, ceiling_gbps=roofs.gbps,
+                         ceiling_fp8_tflops=roofs.fp8_tflops, metrics=metrics, baseline=bench.baseline,
+                         seed=cfg.experiment.seed, compiled=compiled)
     if gpu_types:
         report.gpu_types = gpu_types
         report.row_types = [part.gpu_type or "" for part in parts for _ in part.rows]
@@ -270,7 +273,8 @@ def _summary(rows: list[results.Row], resolved: list[Provider], report: BenchRep
         "best_tflops": best.tflops if best else None,
         "best_provider": best.provider if best else None,
         "rows": len(rows), "wrong": sum(r.status == "wrong" for r in rows),
-        "ceiling_tflops": report.ceiling_tflops, "ceiling_gbps": report.ceiling_gbps, "device": report.device,
+        "ceiling_tflops": report.ceiling_tflops, "ceiling_gbps": report.ceiling_gbps,
+        "ceiling_fp8_tflops": report.ceiling_fp8_tflops, "device": report.device,
         "files": report.files,
     }
 

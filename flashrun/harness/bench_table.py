@@ -78,8 +78,10 @@ def render(report: BenchReport, console: Console) -> None:
     if shown:
         console.print(f"speedup: against {report.baseline}, same shape and mode")
     if report.ceiling_tflops is not None:
+        fp8 = report.ceiling_fp8_tflops
         console.print(f"% peak: of a bf16 8192³ matrix product measured in this run, "
-                      f"{report.ceiling_tflops:.0f} TFLOP/s")
+                      f"{report.ceiling_tflops:.0f} TFLOP/s"
+                      + (f" (fp8 providers': of the same in e4m3, {fp8:.0f} TFLOP/s)" if fp8 is not None else ""))
     if report.metrics:
         _render_metrics(report, console)
     for notice in report.notices:

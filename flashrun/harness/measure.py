@@ -369,9 +369,11 @@ def free_memory(device: torch.device) -> None:
 
 
 def ceilings(device: torch.device, timing: Timing) -> Ceilings:
-    """This GPU's two roofs now (None on the CPU): the TFLOP/s of a bf16 8192x8192x8192 matrix
-    product (the % of peak bar), and the GB/s of a device-to-device copy of 512 MiB, far more than
-    L2 holds (the HBM bar of memory-bound shapes: read once, written once)."""
+    """This GPU's roofs now (None on the CPU): the TFLOP/s of a bf16 8192x8192x8192 matrix product
+    (the % of peak bar); the GB/s of a device-to-device copy of 512 MiB, far more than L2 holds
+    (the HBM bar of memory-bound shapes: read once, written once); and, where the GPU has fp8
+    tensor cores (sm_89 and later), the TFLOP/s of the same product in e4m3 (``torch._scaled_mm``,
+    one scale each, fast accumulation as ``tl.dot``'s fp8 default), the bar of fp8 providers."""
     from flashrun.harness.metrics import Ceilings
 
     if device.type != "cuda":
@@ -381,9 +383,17 @@ def ceilings(device: torch.device, timing: Timing) -> Ceilings:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     median = time_call(lambda: torch.matmul(a, b), device, timing)[0]
     tflops = 2 * n**3 / median / 1e9  # 2 FLOPs per multiply-add; ms -> TFLOP/s
+    fp8_tflops = None
+    if torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm"):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b8 column-major, as it must be
+        one = torch.ones((), device=device, dtype=torch.float32)
+        median = time_call(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=True),
+                           device, timing)[0]
+        fp8_tflops = 2 * n**3 / median / 1e9
+        del a8, b8
     del a, b
     size = 512 << 20
     src = torch.empty(size, device=device, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     median = time_call(lambda: dst.copy_(src), device, timing)[0]
-    return Ceilings(tflops, 2 * size / median / 1e6)  # bytes per ms -> GB/s
+    return Ceilings(tflops, 2 * size / median / 1e6, fp8_tflops)  # bytes per ms -> GB/s

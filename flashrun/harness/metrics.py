@@ -160,17 +160,17 @@ class CallMetrics:
 
 
 # -- the roofline -------------------------------------------------------------------------------------
-def bytes_moved(shape: Shape, mode: str) -> float:
+def bytes_moved(shape: Shape, mode: str, fp8: bool = False) -> float:
     """Bytes one call must move to or from HBM at least: forward reads q, k, v and writes o;
     backward reads q, k, v, o, do and writes dq, dk, dv; fwd_bwd both. Under GQA k and v have
     the kv heads; packed sequences count their tokens; an fp8 KV cache one byte an element (its
-    scales not counted)."""
+    scales not counted); ``fp8`` (a forward in e4m3, flash-fp8): q, k, v one byte an element."""
     size = DTYPE_BYTES[shape.dtype] * shape.head_dim
     tokens_q = sum(shape.seqlens) if shape.seqlens is not None else shape.batch_size * shape.seq_len
     tokens_k = sum(shape.key_lengths) if shape.seqlens is not None else shape.batch_size * shape.seq_len_k
     q = size * tokens_q * shape.num_heads  # q, o, do, dq each
-    kv = (shape.head_dim if shape.kv_scale else size) * tokens_k * shape.num_kv_heads  # k, v, dk, dv each
-    forward, backward = 2 * q + 2 * kv, 4 * q + 4 * kv
+    kv = (shape.head_dim if shape.kv_scale or fp8 else size) * tokens_k * shape.num_kv_heads  # k, v, dk, dv each
+    forward, backward = (q * (1 + 1 / DTYPE_BYTES[shape.dtype]) if fp8 else 2 * q) + 2 * kv, 4 * q + 4 * kv
     return {"fwd": forward, "bwd": backward, "fwd_bwd": forward + backward}[mode]
 
 
@@ -178,10 +178,16 @@ def bytes_moved(shape: Shape, mode: str) -> float:
 @dataclass(frozen=True)
 class Ceilings:
     """This GPU's two roofs, measured in the run: a bf16 matmul's TFLOP/s and a device-to-device
-    copy's GB/s. Either may be unknown (a CPU run)."""
+    copy's GB/s; and an e4m3 matmul's TFLOP/s, the compute roof of a provider that computes in
+    fp8 (:meth:`in_fp8`). Any may be unknown (a CPU run; no fp8 tensor cores)."""
 
     tflops: float | None
     gbps: float | None
+    fp8_tflops: float | None = None
+
+    def in_fp8(self) -> Ceilings:
+        """The roofs of a call whose products run in e4m3."""
+        return Ceilings(self.fp8_tflops, self.gbps)
 
     @property
     def ridge(self) -> float | None:

@@ -41,6 +41,7 @@ class Provider:
     prepare: Callable[[Shape, torch.device], Attention] = field(repr=False)
     backward: bool = True  # False: bwd and fwd_bwd cells are n/a
     is_kernel: bool = False  # one of ours (or the user's), as opposed to a PyTorch baseline
+    fp8: bool = False  # computes in e4m3 from the shape's inputs: % peak of the e4m3 matmul roof, 1-byte q, k, v
 
 
 def variant_args(shape: Shape, device: torch.device) -> dict:

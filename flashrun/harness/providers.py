@@ -115,7 +115,7 @@ def resolve(name: str, device: torch.device) -> Provider:
     if is_kernel_spec(name):
         return _kernel(name)
     if name == "flash-fp8":
-        return Provider(name, _flash_fp8, backward=False, is_kernel=True)
+        return Provider(name, _flash_fp8, backward=False, is_kernel=True, fp8=True)
     if name == "torch-naive":
         return Provider(name, _dense_only(_naive))
     if name in SDPA:

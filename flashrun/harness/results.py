@@ -51,7 +51,7 @@ class Row:
     ms_p20: float | None
     ms_p80: float | None
     tflops: float | None
-    pct_peak: float | None  # of the bf16 matmul ceiling measured in the same run
+    pct_peak: float | None  # of the bf16 matmul ceiling measured in the same run (an fp8 provider's: the e4m3 one)
     peak_mem_mb: float | None
     speedup: float | None  # baseline ms / this ms, same case and mode
     correct: bool | None  # None: never checked (n/a, OOM before the check)

@@ -159,7 +159,8 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
             for cell in cells:
                 if provider.name == job.baseline and cell.status == "ok" and cell.ms:
                     baseline_ms[cell.mode] = cell.ms[0]
-                rows.append(_row(provider.name, shape, cell, baseline_ms.get(cell.mode), here.ceilings, env))
+                rows.append(_row(provider.name, shape, cell, baseline_ms.get(cell.mode), here.ceilings, env,
+                                 fp8=provider.fp8))
             if any(cell.status == "OOM" for cell in cells):
                 free_memory(device)
             if measured is not None:
@@ -171,9 +172,12 @@ def run_shape(job: ShapeJob, measured: Callable[[list[results.Row]], None] | Non
 
 
 def _row(provider: str, shape: Shape, cell: Cell, baseline_ms: float | None, ceilings: Ceilings,
-         env: dict[str, Any]) -> results.Row:
+         env: dict[str, Any], fp8: bool = False) -> results.Row:
+    """``fp8``: the provider computes in e4m3 (its roofs and bytes are fp8's)."""
     ms, p20, p80 = cell.ms if cell.ms else (None, None, None)
-    work, moved = flops(shape, cell.mode), bytes_moved(shape, cell.mode)
+    work, moved = flops(shape, cell.mode), bytes_moved(shape, cell.mode, fp8)
+    if fp8:
+        ceilings = ceilings.in_fp8()
     tflops = work / ms / 1e9 if ms else None  # FLOPs per ms -> TFLOP/s
     intensity = work / moved
     roof = ceilings.roof(intensity)
