@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashrun.errors import ArgumentError, KernelError
+from flashrun.harness.inputs import head_scales
 from flashrun.harness.judge import compare
 from flashrun.harness.reference import attention_fp8_yardstick, attention_ref
 from flashrun.kernels import flash_attention_fp8, quantize_qkv
@@ -21,9 +22,7 @@ E4M3 = torch.float8_e4m3fn
 
 def _dequantized(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """x8 · descale in float64, the descale per (batch, kv head) spread over x8's heads."""
-    if descale.dim() == 0:
-        return x8.double() * descale.double()
-    return x8.double() * descale.double().repeat_interleave(x8.shape[1] // descale.shape[1], 1)[..., None, None]
+    return x8.double() * (descale.double() if descale.dim() == 0 else head_scales(descale.double(), x8.shape[1]))
 
 
 def _inputs(b, h, h_kv, n_q, n_k, d, seed, outliers=0.0):

@@ -144,7 +144,9 @@ def to_e4m3(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, float | torch.Ten
 
 def to_e4m3_heads(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (B, H, N, D) in float8_e4m3fn and its descales, float32 (B, kv_heads): amax / 448 over
-    each kv head's group of heads (FlashAttention-3's layout; 1 where the group is all zeros)."""
+    each kv head's group of heads (FlashAttention-3's layout; 1 where the group is all zeros).
+    :func:`flashrun.kernels.quantize_qkv`'s rule, restated here on purpose: verify's inputs do not
+    depend on the library they judge (and stay contiguous for users' kernels)."""
     batch, heads = x.shape[:2]
     amax = x.abs().amax(dim=(2, 3)).float().view(batch, kv_heads, heads // kv_heads).amax(-1)
     descale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
