@@ -743,3 +743,20 @@ def test_flash_fp8_is_judged_by_the_fp8_rule_and_refused_where_it_cannot_run() -
         with pytest.raises(KernelError, match=reason):
             providers._flash_fp8(bad, CPU)
     assert "not timed on the CPU" in run_one(providers.resolve("flash-fp8", CPU), ("fwd",), shape)[0].note
+
+
+def test_cudnn_fp8_says_what_it_cannot_time(monkeypatch) -> None:
+    """cuDNN's e4m3 forward (a GPU provider): n/a on the CPU; shapes it does not serve and a
+    missing frontend package are refused with the reason before any graph is built."""
+    from flashrun.harness import cudnn_fp8
+
+    shape = Shape(1, 2, 2, 16, 16, 64, "bfloat16", True)
+    assert "not timed on the CPU" in run_one(providers.resolve("cudnn-fp8", CPU), ("fwd",), shape)[0].note
+    for bad, reason in ((Shape(1, 2, 2, 8, 8, 64, "float16", False), "bfloat16 shapes"),
+                        (Shape(1, 2, 2, 8, 8, 64, "bfloat16", False, softcap=5.0), "not cap5"),
+                        (Shape(1, 2, 2, 8, 16, 64, "bfloat16", True), "Nq != Nk")):
+        with pytest.raises(KernelError, match=reason):
+            cudnn_fp8._refuse_unserved(bad, CPU)
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # as if not installed
+    with pytest.raises(KernelError, match="nvidia-cudnn-frontend"):
+        cudnn_fp8._cudnn()

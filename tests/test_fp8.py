@@ -170,3 +170,18 @@ def test_bench_has_no_e4m3_dtype_but_names_the_fp8_provider(cli):
     result = cli("bench", "--device", "cpu", "--dtype", "e4m3")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "expected one of 'float16', 'bfloat16' or 'float32' (or fp16, bf16, fp32)" in result.output
+
+
+def test_an_e4m3_output_is_judged_with_the_rounding_it_cannot_avoid():
+    """cuDNN's fp8 attention writes O in e4m3: its yardstick rounds O there too (``out_e4m3``),
+    so the exact answer rounded to e4m3 passes, while an output that forgot v's descale fails."""
+    q, k, v = _inputs(1, 4, 2, 65, 65, 64, seed=11)
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, per_head=False)
+    held = (_dequantized(q8, qd), _dequantized(k8, kd), _dequantized(v8, vd))
+    truth = attention_ref(*held, causal=True)
+    yardstick = attention_fp8_yardstick(*held, causal=True, out_e4m3=True)
+    assert float((yardstick.double() - truth).abs().max()) > 2 ** -6  # O's rounding is in it
+    rounded = truth.to(E4M3)
+    assert compare("out", rounded, truth, yardstick).passed
+    forgot = (truth / vd.double()).clamp(-448, 448).to(E4M3)
+    assert not compare("out", forgot, truth, yardstick).passed

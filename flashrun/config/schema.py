@@ -306,7 +306,7 @@ class CasesConfig(_Section):
 
 class BenchConfig(_Section):
     providers: list[str] = ["flash", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "torch-naive"]
-    """What to time: `flash`, `flash-atomic`, `flash-deterministic`, `flash-fp8`, `minimal`, `PATH.py:FUNCTION`,
+    """What to time: `flash`, `flash-atomic`, `flash-deterministic`, `flash-fp8`, `cudnn-fp8`, `minimal`, `PATH.py:FUNCTION`,
     `torch-naive`, `sdpa`, `sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`, `sdpa-math`, `flex`, `flash-attn`, any of
     them with `+graph`; unavailable ones show n/a and why."""
     baseline: str = "sdpa"

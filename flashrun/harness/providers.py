@@ -21,6 +21,8 @@ get the same inputs as verify: packed ones ``(total, heads, head_dim)``. Who run
     through ``score_mod`` for softcap/ALiBi and a ``block_mask`` for the window, the causal mask
     and, packed, the sequences as documents of one long sequence);
   * ``flash-fp8`` (flashrun's e4m3 forward, bf16 shapes): plain, causal and windowed attention;
+  * ``cudnn-fp8`` (cuDNN's e4m3 forward through ``nvidia-cudnn-frontend``, bf16 shapes): plain and
+    causal attention (:mod:`~flashrun.harness.cudnn_fp8`);
   * ``torch-naive``: every variant (the scores are materialized anyway);
   * ``sdpa``, ``sdpa-math``, ``sdpa-efficient``: window, ALiBi and packing as one explicit
     float mask (-inf outside, the ALiBi bias inside; packed: block-diagonal over the packed
@@ -66,7 +68,8 @@ SDPA = {
     "sdpa-efficient": "EFFICIENT_ATTENTION",
     "sdpa-math": "MATH",
 }
-NAMES = (*KERNELS, "flash-fp8", "torch-naive", *SDPA, "flex", "flash-attn")
+FP8 = ("flash-fp8", "cudnn-fp8")  # compute in e4m3 from the shape's bf16 inputs
+NAMES = (*KERNELS, *FP8, "torch-naive", *SDPA, "flex", "flash-attn")
 # What a `--device cpu` run times: plain PyTorch only. Triton kernels would run through the
 # interpreter, whose timings mean nothing.
 CPU_PROVIDERS = ("torch-naive", "sdpa", "sdpa-math")
@@ -116,6 +119,10 @@ def resolve(name: str, device: torch.device) -> Provider:
         return _kernel(name)
     if name == "flash-fp8":
         return Provider(name, _flash_fp8, backward=False, is_kernel=True, fp8=True)
+    if name == "cudnn-fp8":
+        from flashrun.harness import cudnn_fp8
+
+        return Provider(name, cudnn_fp8.prepare, backward=False, fp8=True)
     if name == "torch-naive":
         return Provider(name, _dense_only(_naive))
     if name in SDPA:

@@ -144,13 +144,14 @@ def attention_ref_varlen(
 
 def attention_fp8_yardstick(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             sm_scale: float | None = None, window: tuple[int, int] = (-1, -1), q_start: int = 0,
-                            seq_len_q: int | None = None) -> torch.Tensor:
+                            seq_len_q: int | None = None, out_e4m3: bool = False) -> torch.Tensor:
     """What an fp8 forward cannot avoid, computed plainly: the yardstick of an e4m3 attention
     (FlashAttention-3's rule, research/fp8.md section 5). On the dequantized inputs (B, H, N, D),
     scores in float32, P = exp2(s - rowmax + 8) rounded to e4m3 (round to nearest), O = P·V / ΣP
     in float32, returned in bf16 - the maths of :mod:`flashrun.kernels.flash.fp8` with one max per
     row instead of a running one. ``q_start``/``seq_len_q``: a block of query rows, as
-    :func:`attention_ref` takes them."""
+    :func:`attention_ref` takes them. ``out_e4m3``: a kernel that writes O in e4m3 (cuDNN's, scale
+    1) cannot avoid rounding it there too: O is rounded to e4m3 before bf16."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = q.float(), expand_kv(k.float(), q.shape[1]), expand_kv(v.float(), q.shape[1])
@@ -162,7 +163,8 @@ def attention_fp8_yardstick(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row that sees no key
     p = torch.exp2(scores - top + 8.0).to(torch.float8_e4m3fn).float()
     total = p.sum(-1, keepdim=True)
-    return (torch.matmul(p, v) / torch.where(total > 0, total, torch.ones_like(total))).to(torch.bfloat16)
+    o = torch.matmul(p, v) / torch.where(total > 0, total, torch.ones_like(total))
+    return (o.to(torch.float8_e4m3fn) if out_e4m3 else o).to(torch.bfloat16)
 
 
 def cached_sequence(cache: torch.Tensor, block_table: torch.Tensor | None, b: int, keys: int) -> torch.Tensor:
