@@ -112,6 +112,25 @@ def test_kvcache_split_path_and_one_split():
     _check(shape, inputs)
 
 
+def test_new_keys_may_differ_in_the_stride_of_a_size_one_dim():
+    """One kv head: k from a (B, H_kv, S, D) transpose and a contiguous v lay out the same
+    elements alike though their head strides differ; the call takes them (it refused them once,
+    with a hint - contiguous() - that does not change such a stride)."""
+    shape, inputs = _cache_inputs((5, 9), 4, 1, 1, 16, new_keys=3)
+    k, v = inputs.k_new, inputs.v_new
+    b, n, _, d = k.shape
+    k_odd = k.as_strided(k.shape, (n * d, d, n * d, 1))  # (B, S, 1, D) as a transpose leaves it: head stride S·D
+    assert k_odd.stride() != v.stride() and torch.equal(k_odd, k)
+    lengths = torch.tensor(shape.cache_seqlens, dtype=torch.int32)
+    caches = [(inputs.k.clone(), inputs.v.clone()) for _ in range(2)]
+    outs = [flash_attention_with_kvcache(inputs.q, kc, vc, lengths, k=kn, v=v)
+            for (kc, vc), kn in zip(caches, (k, k_odd))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0][0], caches[1][0])
+    with pytest.raises(ArgumentError, match="same strides"):  # a layout that differs does not pass
+        flash_attention_with_kvcache(inputs.q, *caches[0], lengths, k=k.transpose(1, 3).contiguous().transpose(1, 3),
+                                     v=v)
+
+
 def test_kvcache_argument_errors():
     q = torch.randn(2, 1, 4, 16, dtype=FP16)
     cache = torch.randn(2, 32, 2, 16, dtype=FP16)

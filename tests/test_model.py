@@ -338,23 +338,26 @@ def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
     from flashrun import kernels
     from flashrun.model import speed
 
-    swap.register(kernels.get("flash"))
+    registered = swap.register(kernels.get("flash"))
     config = families.build_config("mistral", "mini")
     model = families.build(config, torch.float32, "cpu", 0)
     order = _clocked(monkeypatch, model)
     batch = data.copy_task(config.vocab_size, 2, 24, 0)
-    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2"], "sdpa", {}, batch, reps=3)
-    assert [r.attention for r in rows] == ["flash", "sdpa", "flash_attention_2"]
-    flash, sdpa, fa2 = rows
-    assert flash.status == sdpa.status == "ok", (flash.note, sdpa.note)
+    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2"], "sdpa", {}, batch, reps=3, fp8_kv=True)
+    assert [r.attention for r in rows] == ["flash", "flash e4m3-kv", "sdpa", "flash_attention_2"]
+    flash, fp8_kv, sdpa, fa2 = rows
+    assert flash.status == fp8_kv.status == sdpa.status == "ok", (flash.note, fp8_kv.note, sdpa.note)
     assert flash.train_tok_s == pytest.approx(48 / flash.train_ms * 1e3)
     assert flash.decode_tok_s == pytest.approx(2 / flash.decode_ms * 1e3)
     assert sdpa.speedup_train == pytest.approx(1.0)
     assert flash.speedup_train == pytest.approx(sdpa.train_ms / flash.train_ms)
+    # the e4m3 KV cache's row: decode only, through the KV-cache call
+    assert fp8_kv.decode_ms is not None and fp8_kv.train_ms is fp8_kv.prefill_ms is fp8_kv.speedup_train is None
+    assert registered.calls["kv-cache"] > 0
     assert fa2.status == "n/a" and "flash-attn" in fa2.note
     # interleaved: every round times each implementation once, in turn (3 prefill and 3 train
-    # rounds, 2 decode steps), so a drift over the run falls on both alike
-    assert order == [swap.NAME, "sdpa"] * (3 + 3 + 2)
+    # rounds, 2 decode steps), so a drift over the run falls on all alike
+    assert order == [swap.NAME, "sdpa"] * (3 + 3) + [swap.NAME, swap.NAME, "sdpa"] * 2
 
 
 def test_an_implementation_that_fails_is_its_row_and_the_others_are_timed(monkeypatch):
@@ -404,3 +407,60 @@ def test_the_reference_is_finite_on_padded_rows_and_a_nonfinite_one_fails():
     ref = eager[batch.valid()]
     judged = compare_scaled("logits", logits[batch.valid()].float(), ref, logits[batch.valid()].float())
     assert not judged.passed and "the reference itself has" in judged.reason()
+
+
+# -- generation over an fp8 (e4m3) KV cache ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # GQA; softcap + sliding-window layers
+def test_generation_over_an_fp8_cache_is_within_twice_its_yardstick(arch):
+    report = _run(f"model.arch={arch}", "model.checks=['generate-fp8']")
+    check = _by_name(report)["generate-fp8"]
+    assert check.passed, check.summary
+    assert report.model["kernel_calls"]["kv-cache"] > 0  # the steps read the e4m3 cache through the kernel
+    assert 0.0 <= check.detail["greedy_equal_to_unquantized"] <= 1.0  # reported beside, not gated
+
+
+def test_a_kernel_that_reads_the_fp8_cache_without_its_scales_fails(monkeypatch):
+    import flashrun.kernels as kernels
+
+    real = kernels.flash_attention_with_kvcache
+
+    def unscaled(*args, k_scale=None, v_scale=None, **kwargs):  # the values' scales never reach the kernel
+        return real(*args, k_scale=torch.ones_like(k_scale), v_scale=torch.ones_like(v_scale), **kwargs)
+
+    monkeypatch.setattr(kernels, "flash_attention_with_kvcache", unscaled)
+    check = _by_name(_run("model.checks=['generate-fp8']"))["generate-fp8"]
+    assert not check.passed and "max error" in check.summary
+
+
+def test_an_fp8_cache_refuses_an_attention_that_does_not_write_it_and_a_prompt_past_its_room():
+    from flashrun import kernels
+    from flashrun.model import fp8cache
+    from flashrun.model.speed import cache_kwarg
+
+    config = families.build_config("llama", "mini")
+    model = families.build(config, torch.float32, "cpu", 0)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    cache = fp8cache.Fp8Cache(config.num_hidden_layers, 64)
+    model.set_attn_implementation("sdpa")  # sees only the new keys: right for the prompt, not after
+    arg = cache_kwarg(model)
+    model(input_ids=ids, use_cache=True, **{arg: cache})
+    with pytest.raises(swap.Unsupported, match="did not write them"):
+        model(input_ids=ids[:, :1], use_cache=True, **{arg: cache})
+    cache.reset()
+    assert not swap.PENDING
+    swap.register(kernels.get("flash"))
+    model.set_attn_implementation(swap.NAME)
+    with pytest.raises(swap.Unsupported, match="holds 4 tokens"):
+        model(input_ids=ids, use_cache=True, **{arg: fp8cache.Fp8Cache(config.num_hidden_layers, 4)})
+
+
+def test_the_speed_plot_leaves_out_what_a_row_does_not_time(tmp_path):
+    from flashrun.model.speed import SpeedRow
+
+    cfg = load_config(None, None, {}, [])
+    report = model_run.Report(model_run.make_plan(cfg))
+    report.speed = [SpeedRow("flash", 2.0, 1.0, 3.0, 1.0, 0.5, 2.0, 1.0, 1.0),
+                    SpeedRow("flash e4m3-kv", decode_ms=0.4, decode_tok_s=2.5)]
+    assert model_run.plot(report, tmp_path / "speed.png").stat().st_size > 0

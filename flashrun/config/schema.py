@@ -394,9 +394,10 @@ class ModelConfig(_Section):
     """Tokens per sequence (`--seq-len`); unset: the size's (mini 32, 1b 2048)."""
     sliding_window: PositiveInt | None = None
     """Overrides the family's window (mistral, gemma2, gemma3)."""
-    checks: list[Literal["logits", "train-step", "training", "generate"]] = ["logits", "train-step", "training",
-                                                                             "generate"]
-    """Which checks run (`logits` with its padded and packed batches); `[]` for speed only."""
+    checks: list[Literal["logits", "train-step", "training", "generate", "generate-fp8"]] = [
+        "logits", "train-step", "training", "generate"]
+    """Which checks run (`logits` with its padded and packed batches; `generate-fp8`: generation over an e4m3 KV
+    cache, flashrun's kernels only); `[]` for speed only."""
     train_steps: PositiveInt = 20
     """The `training` check's AdamW steps."""
     lr: PositiveFloat | None = None

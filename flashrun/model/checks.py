@@ -34,7 +34,7 @@ from flashrun.harness.judge import Comparison, compare_scaled
 from flashrun.model import swap
 from flashrun.model.data import PAD, Batch
 
-CHECKS = ("logits", "train-step", "training", "generate")
+CHECKS = ("logits", "train-step", "training", "generate", "generate-fp8")
 
 
 @dataclass
@@ -250,18 +250,31 @@ def check_training(subject: Subject, batch: Batch, steps: int, lr: float) -> Che
 # -- greedy generation -----------------------------------------------------------------------------
 
 
-def _generate(model: Any, impl: str, prompt: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _generate(model: Any, impl: str, prompt: torch.Tensor, tokens: int, cache: Any = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (B, T) and their logits (B, T, V); ``cache``: a cache of one's own (else
+    transformers' dynamic one)."""
+    from flashrun.model.speed import cache_kwarg
+
     model.set_attn_implementation(impl)
+    given = {} if cache is None else {cache_kwarg(model): cache}
     with torch.no_grad():
         out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                              min_new_tokens=tokens, do_sample=False, pad_token_id=PAD, eos_token_id=None,
-                             output_logits=True, return_dict_in_generate=True)
+                             output_logits=True, return_dict_in_generate=True, **given)
     return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, dim=1)  # (B, T), (B, T, V)
 
 
+def _float32(subject: Subject) -> Any:
+    return subject.model if subject.dtype == torch.float32 else copy.deepcopy(subject.model).float()
+
+
+def _prompt(batch: Batch) -> torch.Tensor:
+    return batch.input_ids[:, : max(1, batch.input_ids.shape[1] // 2)]
+
+
 def check_generate(subject: Subject, batch: Batch, tokens: int) -> Check:
-    model = subject.model if subject.dtype == torch.float32 else copy.deepcopy(subject.model).float()
-    prompt = batch.input_ids[:, : max(1, batch.input_ids.shape[1] // 2)]
+    model, prompt = _float32(subject), _prompt(batch)
     base_tokens, base_logits = _generate(model, subject.baseline, prompt, tokens)
     ker_tokens, ker_logits = _generate(model, swap.NAME, prompt, tokens)
     differ = (base_tokens != ker_tokens).nonzero()
@@ -277,3 +290,52 @@ def check_generate(subject: Subject, batch: Batch, tokens: int) -> Check:
     return Check("generate", False, f"tokens differ from {subject.baseline}'s first at row {row}, new token "
                  f"{position} ({detail['kernel_token']} vs {detail['baseline_token']}; {subject.baseline}'s top-2 "
                  f"logit margin there {detail['baseline_margin']:.3g})", detail)
+
+
+def check_generate_fp8(subject: Subject, batch: Batch, tokens: int) -> Check:
+    """Generation with the kernel reading an fp8 KV cache (:class:`~flashrun.model.fp8cache.Fp8Cache`),
+    judged as verify judges fp8: the truth is the reference attention in float32 over what that
+    cache holds (:class:`~flashrun.model.fp8cache.HeldCache`) - the quantization is the format's,
+    the arithmetic is the kernel's. The truth generates greedily; the kernel and the yardstick
+    (the same reference on inputs rounded to the kernel's float16 queries) follow its tokens
+    step by step, and every step's logits must be within twice the yardstick's error
+    (:func:`~flashrun.harness.judge.compare_scaled`). Beside, not gated: how often the kernel's
+    own greedy choice is the truth's token, and how the kernel's greedy tokens compare with the
+    baseline's over the unquantized cache - on random weights that says how far e4m3 moves the
+    tokens, not how a trained model fares."""
+    from flashrun.model import fp8cache
+
+    fp8cache.register()
+    model, prompt = _float32(subject), _prompt(batch)
+    layers = model.config.num_hidden_layers
+    truth_tokens, truth = _generate(model, swap.REFERENCE, prompt, tokens, fp8cache.HeldCache(layers))
+    room = fp8cache.capacity(prompt.shape[1], tokens)
+    kernel = _forced(model, swap.NAME, prompt, truth_tokens, fp8cache.Fp8Cache(layers, room))
+    yardstick = _forced(model, fp8cache.ROUNDED, prompt, truth_tokens, fp8cache.HeldCache(layers))
+    result = compare_scaled("logits", kernel, truth, yardstick)
+    own_tokens, _ = _generate(model, swap.NAME, prompt, tokens, fp8cache.Fp8Cache(layers, room))
+    plain_tokens, _ = _generate(model, subject.baseline, prompt, tokens)
+    agree = float((kernel.argmax(-1) == truth_tokens).float().mean())
+    unquantized = float((own_tokens == plain_tokens).float().mean())
+    detail = {**_numbers(result), "prompt_tokens": prompt.shape[1], "new_tokens": tokens, "rows": prompt.shape[0],
+              "dtype": "float32", "queries": "float16", "cache": "e4m3, one scale per key and kv head",
+              "argmax_is_truth_token": agree, "greedy_equal_to_unquantized": unquantized}
+    beside = (f"argmax = the truth's token at {agree:.0%} of steps; greedy tokens vs {subject.baseline} over the "
+              f"unquantized cache: {unquantized:.0%} equal")
+    if result.passed:
+        within = _within(result, "the float16-query reference")
+        return Check("generate-fp8", True, f"{prompt.shape[0]} x {tokens} steps: {within}; {beside}", detail)
+    return Check("generate-fp8", False, f"{result.reason()}; {beside}", detail)
+
+
+def _forced(model: Any, impl: str, prompt: torch.Tensor, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The logits (B, T, V) of each step of a generation made to follow ``tokens`` (B, T): the
+    prompt's last position, then each token fed in turn against ``cache``."""
+    from flashrun.model.speed import cache_kwarg
+
+    model.set_attn_implementation(impl)
+    given, steps = {cache_kwarg(model): cache}, []
+    with torch.no_grad():
+        for fed in [prompt, *tokens[:, :-1].split(1, dim=1)]:
+            steps.append(model(input_ids=fed, use_cache=True, logits_to_keep=1, **given).logits[:, -1])
+    return torch.stack(steps, dim=1)

@@ -11,6 +11,7 @@ the tables.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -25,6 +26,7 @@ from rich.table import Table
 from flashrun.config import Config
 from flashrun.errors import InputError, ModelError
 from flashrun.harness.results import check_plot_target
+from flashrun.limits import BUILTIN_KERNELS
 from flashrun.model.families import FAMILIES
 
 MIN_TRANSFORMERS = (5, 17)  # the oldest version tested (the GPU image's); AttentionInterface as in 5.x
@@ -160,6 +162,8 @@ def run(cfg: Config, plan: Plan, console: Console | None = None, argv: list[str]
         steps.append(("training", lambda: checks.check_training(subject, rows, plan.train_steps, plan.lr)))
     if "generate" in plan.checks:
         steps.append(("generate", lambda: checks.check_generate(subject, rows, plan.gen_tokens)))
+    if "generate-fp8" in plan.checks:
+        steps.append(("generate-fp8", lambda: checks.check_generate_fp8(subject, rows, plan.gen_tokens)))
     try:
         for name, step in steps:
             start = time.perf_counter()
@@ -171,7 +175,7 @@ def run(cfg: Config, plan: Plan, console: Console | None = None, argv: list[str]
         if plan.speed and dev.kind == "cuda":
             del subject  # the reference copy's memory back before timing
             report.speed = speed.run(model, plan.kernel, list(plan.baselines), baseline, unfaithful, rows, plan.reps,
-                                     progress=lambda text: say(f"  {text}"))
+                                     progress=lambda text: say(f"  {text}"), fp8_kv=plan.kernel in BUILTIN_KERNELS)
         elif plan.speed:
             report.notices.append("speed is measured on a GPU only (interpreter timings mean nothing)")
     except KeyboardInterrupt:
@@ -190,8 +194,6 @@ def _dtype(requested: str, dev: Any) -> str:
 
 
 def _refuse_interpreter_bf16(plan: Plan, kernel: Any, dev: Any) -> None:
-    from flashrun.limits import BUILTIN_KERNELS
-
     if dev.interpreter and plan.dtype == "bfloat16" and kernel.name not in BUILTIN_KERNELS:
         from flashrun.harness.check import interpreter_bf16_dot_ok
 
@@ -327,7 +329,8 @@ def _render_speed(report: Report, console: Console) -> None:
 
 def plot(report: Report, path: Path) -> Path:
     """Bars per attention implementation: training-step time, prefill time, decode tokens/s and
-    the training step's peak memory. Rows that did not run are left out."""
+    the training step's peak memory. Rows that did not run are left out, and so is a phase a row
+    does not time (the e4m3 KV cache's row: decode only)."""
     check_plot_target(path)
     from matplotlib.figure import Figure
 
@@ -337,7 +340,8 @@ def plot(report: Report, path: Path) -> Path:
     figure = Figure(figsize=(4 * len(panels), 3.6), layout="constrained")
     names = [r.attention for r in rows]
     for axes, (attr, title) in zip(figure.subplots(1, len(panels)), panels):
-        axes.bar(range(len(rows)), [getattr(r, attr) for r in rows], color="tab:blue")
+        heights = [math.nan if getattr(r, attr) is None else getattr(r, attr) for r in rows]
+        axes.bar(range(len(rows)), heights, color="tab:blue")
         axes.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
         axes.set_title(title, fontsize=10)
     figure.suptitle(f"{report.plan.label}, {report.plan.dtype}, batch {report.plan.batch} x {report.plan.seq_len}")

@@ -7,7 +7,9 @@ For each implementation, on the same weights and the same copy-task batch:
 * train step: forward + backward of the loss (``use_cache=False``; no optimizer step, which
   costs the same for every implementation);
 * decode: one token per sequence against the prefilled ``DynamicCache`` (the cache's own
-  ``torch.cat`` per step is part of every implementation's time);
+  ``torch.cat`` per step is part of every implementation's time); for flashrun's own kernels also
+  over an e4m3 KV cache (:class:`~flashrun.model.fp8cache.Fp8Cache`: one kernel call per layer
+  appends the new key and attends), a row of its own with decode only;
 * peak memory of the train step and of the prefill (``torch.cuda.max_memory_allocated``,
   weights included).
 
@@ -33,6 +35,7 @@ from flashrun.model.data import Batch
 
 WARMUP = 2
 DECODE_STEPS = 32
+FP8_KV = "e4m3-kv"  # the label's suffix of the kernel's row over an fp8 KV cache
 GIB = 1 << 30
 
 
@@ -74,7 +77,7 @@ def _peak(fn: Callable[[], Any]) -> float:
     return torch.cuda.max_memory_allocated() / GIB
 
 
-def _cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: Any) -> str:
     """transformers 5.24 calls the forward's cache argument ``cache``, 5.17 ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -84,6 +87,7 @@ class _Subject:
     """One implementation being timed: its row, and its call for the phase at hand."""
     impl: str
     row: SpeedRow
+    fp8_kv: bool = False  # decodes over an e4m3 KV cache (and times nothing else)
     call: Callable[[], Any] | None = None
     times: list[float] = field(default_factory=list)
 
@@ -97,25 +101,31 @@ class _Subject:
             self.row.status, self.row.note = "error", f"{type(exc).__name__}: {first_line}"
 
 
-def _phases(model: Any, batch: Batch) -> dict[str, Callable[[], Callable[[], Any]]]:
-    """Per phase, what makes its call under the implementation the model is set to (decode's
-    prefills a cache of its own first)."""
+def _phases(model: Any, batch: Batch) -> dict[str, Callable[[_Subject], Callable[[], Any]]]:
+    """Per phase, what makes a subject's call under the implementation the model is set to
+    (decode's prefills a cache of its own first)."""
     from transformers import DynamicCache
 
     ids = batch.input_ids
-    cache_arg = _cache_kwarg(model)
+    cache_arg = cache_kwarg(model)
 
-    def prefill() -> Any:
+    def prefill(fp8_kv: bool = False) -> Any:
+        if fp8_kv:
+            from flashrun.model import fp8cache
+
+            room = fp8cache.capacity(ids.shape[1], WARMUP + DECODE_STEPS)
+            cache = fp8cache.Fp8Cache(model.config.num_hidden_layers, room)
+        else:
+            cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            cache = {cache_arg: DynamicCache(config=model.config)}
-            return model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache)
+            return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
 
     def train_step() -> None:
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    def decode() -> Callable[[], Any]:
-        out = prefill()
+    def decode(subject: _Subject) -> Callable[[], Any]:
+        out = prefill(subject.fp8_kv)
         cache, token = getattr(out, "cache", None) or out.past_key_values, out.logits[:, -1:].argmax(-1)
 
         def decode_step() -> None:
@@ -123,7 +133,7 @@ def _phases(model: Any, batch: Batch) -> dict[str, Callable[[], Callable[[], Any
                 model(input_ids=token, use_cache=True, **{cache_arg: cache})
         return decode_step
 
-    return {"prefill": lambda: prefill, "train": lambda: train_step, "decode": decode}
+    return {"prefill": lambda _: prefill, "train": lambda _: train_step, "decode": decode}
 
 
 def _guarded(model: Any, subject: _Subject, fn: Callable[[], Any]) -> Any:
@@ -144,11 +154,11 @@ def measure(model: Any, subjects: list[_Subject], batch: Batch, reps: int,
 
     tokens, sequences = batch.input_ids.numel(), batch.input_ids.shape[0]
     for phase, make in _phases(model, batch).items():
-        live = [s for s in subjects if s.row.status == "ok"]
+        live = [s for s in subjects if s.row.status == "ok" and (phase == "decode" or not s.fp8_kv)]
         progress(f"timing {phase}: {', '.join(s.row.attention for s in live)}")
         for subject in live:
             subject.times = []
-            subject.call = _guarded(model, subject, make)
+            subject.call = _guarded(model, subject, lambda s=subject: make(s))
             for _ in range(WARMUP):
                 if subject.row.status == "ok":
                     _guarded(model, subject, subject.call)
@@ -182,10 +192,12 @@ def available(impl: str) -> str | None:
 
 
 def run(model: Any, kernel_label: str, baselines: list[str], baseline: str, unfaithful: dict[str, str],
-        batch: Batch, reps: int, progress: Callable[[str], None] = lambda _: None) -> list[SpeedRow]:
+        batch: Batch, reps: int, progress: Callable[[str], None] = lambda _: None, fp8_kv: bool = False
+        ) -> list[SpeedRow]:
     """Time the kernel (registered as :data:`swap.NAME`) and each of ``baselines``; speedups are
     against ``baseline`` (sdpa, or eager where SDPA is not faithful). ``unfaithful``: baselines
-    that would run but compute something else for this model, with why (skipped)."""
+    that would run but compute something else for this model, with why (skipped). ``fp8_kv``:
+    also the kernel's decode over an e4m3 KV cache (flashrun's kernels: they have the KV-cache call)."""
     rows, subjects = [], []
     for impl in [swap.NAME, *baselines]:
         label = kernel_label if impl == swap.NAME else impl
@@ -193,10 +205,13 @@ def run(model: Any, kernel_label: str, baselines: list[str], baseline: str, unfa
         rows.append(SpeedRow(label, status="n/a", note=reason) if reason else SpeedRow(label))
         if not reason:
             subjects.append(_Subject(impl, rows[-1]))
+    if fp8_kv:
+        rows.insert(1, SpeedRow(f"{kernel_label} {FP8_KV}", note="decode only, one scale per key and kv head"))
+        subjects.insert(1, _Subject(swap.NAME, rows[1], fp8_kv=True))
     measure(model, subjects, batch, reps, progress)
     base = next((r for r in rows if r.attention == baseline and r.status == "ok"), None)
     for row in rows:
-        if base is not None and row.status == "ok":
+        if base is not None and row.status == "ok" and row.train_ms is not None:
             row.speedup_train = base.train_ms / row.train_ms
             row.speedup_prefill = base.prefill_ms / row.prefill_ms
     return rows

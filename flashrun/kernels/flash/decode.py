@@ -387,7 +387,7 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale
         if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
             raise KernelError(f"k and v must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device} and "
                               f"{v.dtype} on {v.device}")
-        if k.stride() != v.stride():
+        if any(a != b for a, b, n in zip(k.stride(), v.stride(), k.shape) if n > 1):  # a size-1 dim's never counts
             raise ArgumentError(f"k and v must have the same strides, got {k.stride()} and {v.stride()}",
                                 hint="pass k.contiguous() and v.contiguous()")
         n_new, new_strides = k.shape[1], tuple(k.stride())
