@@ -32,6 +32,13 @@ from flashrun.kernels.flash import hopper_bwd  # noqa: E402
 from flashrun.kernels.tuning import candidates, default  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def first_use_waits(monkeypatch):
+    """The suite judges the Gluon paths from their first call, as flashrun's commands do (the
+    library's default checks them in the background: test_a_first_use_in_the_background_...)."""
+    monkeypatch.setenv("FLASHRUN_FIRST_USE", "wait")
 # (Z, H, H_kv, N_q, N_k, D, dtype, causal)
 CASES = [
     (2, 8, 8, 1024, 1024, 64, FP16, False),
@@ -796,3 +803,35 @@ def test_a_launcher_built_ahead_is_the_one_the_first_load_finds(tmp_path, monkey
     torch.cuda.synchronize()
     assert builds == ["__triton_launcher"] and bool((x == 1).all())
 
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon paths are sm_90 only")
+def test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready(monkeypatch, tmp_path):
+    """The library's default: a Gluon shape's first forward + backward run the portable kernels
+    while the Gluon check compiles in the background; once the pool is settled the next call
+    checks and takes the Gluon kernels. Every call agrees with the portable reference."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    from flashrun.kernels import warmup
+
+    monkeypatch.setenv("FLASHRUN_FIRST_USE", "background")
+    monkeypatch.setenv("FLASHRUN_CACHE_DIR", str(tmp_path))  # no verdict kept from before
+    flash_hopper.reset()
+    hopper_bwd.reset()
+    q, k, v = (t.detach() for t in _inputs(1, 8, 2, 4096, 4096, 128, BF16)[:3])
+    do = torch.randn_like(q)
+    variant = flash.Variant(causal=True)
+    o_ref, lse = flash._attn_forward(q, k, v, 128 ** -0.5, variant, "default", try_gluon=False)
+    refs = (o_ref, *flash._attn_backward(do, q, k, v, o_ref, lse, 128 ** -0.5, variant, "default",
+                                         deterministic=True, try_gluon=False))
+    paths = []
+    for _ in range(2):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = flash_attention(qg, kg, vg, causal=True)
+        out.backward(do)
+        paths.append((flash_hopper.LAST_PATH, hopper_bwd.LAST_PATH))
+        for got, ref in zip((out, qg.grad, kg.grad, vg.grad), refs):
+            assert (got.float() - ref.float()).abs().max().item() <= hopper_bwd.CHECK_ATOL[BF16]
+        warmup.settle()
+    assert paths == [(flash_hopper.TRITON_PATH, flash_hopper.TRITON_PATH),
+                     (flash_hopper.GLUON_PATH, hopper_bwd.FUSED_PATH)], paths

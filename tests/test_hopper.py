@@ -373,3 +373,117 @@ def test_o_by_tma_only_where_every_tile_sees_a_key(n_q, n_k, causal, out):
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     _, args, constexprs, _ = flash_hopper.launch_args(q, k, k, o, lse, 0.1, causal, flash_hopper.KERNELS["d192"], 132)
     assert constexprs["TMA_O"] is out and (args[8] is not None) is out
+
+
+# -- first use in the background (the library's default on a GPU) ---------------------------------
+
+
+class _Pool:
+    """A stand-in for warmup.Batch: collects a check's launches (compile-only) into one Compile
+    whose readiness the test sets."""
+
+    def __init__(self):
+        from flashrun.kernels import warmup
+
+        self.handed, self.batches = [], []
+        self.compile = warmup.Compile("check", None)
+        pool = self
+
+        class Batch:
+            def __init__(self):
+                pool.batches.append(self)
+
+            def collect(self, launches):
+                from flashrun.kernels import tuning
+
+                with tuning.compile_only(lambda kernel, grid, args, kwargs: pool.handed.append(kernel.__name__)):
+                    launches()
+                return [pool.compile]
+
+            def wait(self, kernels):
+                assert all(c.ready.is_set() for c in kernels)
+
+        self.Batch = Batch
+
+
+@pytest.fixture
+def in_background(monkeypatch):
+    from flashrun.kernels import warmup
+
+    pool = _Pool()
+    monkeypatch.setattr(warmup, "Batch", pool.Batch)
+    monkeypatch.setattr(flash_hopper, "background", lambda: True)
+    monkeypatch.setattr(flash_hopper, "_verdict_key", lambda device, dtype, head_dim: None)
+    return pool
+
+
+def test_a_first_use_checks_in_the_background_while_the_portable_kernel_runs(monkeypatch, in_background):
+    """The first call hands the check's launches and its own Gluon launch to the compile pool and
+    runs the portable kernel, keeping no route; so do calls until those compiles are ready; the
+    next call then checks (small launches) and takes the Gluon path, as every call after it."""
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(flash_hopper, "GATE", {(64, False): ((0, 0, "d64"),), (64, True): ((0, 0, "d64"),)})
+    used = []
+    monkeypatch.setattr(flash_hopper, "RUN", _portable_as_gluon(used))
+    q, k, v = _inputs(n=33)
+    want, _ = flash._attn_forward(q, k, v, 64 ** -0.5, flash.Variant(causal=True), try_gluon=False, key=None)
+    for _ in range(2):
+        out, _ = flash.attention_forward(q, k, v, causal=True)
+        assert flash_hopper.LAST_PATH == "triton" and torch.equal(out, want)
+        assert not flash._forward_plans and flash_hopper._checked == {}
+    assert len(in_background.batches) == 1  # started once
+    # compile-only: the check's Gluon stand-in and portable side, causal and not, then the call's own launch
+    assert [u[1] for u in used] == [False, True, True] and in_background.handed.count("_attn_fwd") == 5
+    used.clear()
+    in_background.compile.ready.set()
+    flash.attention_forward(q, k, v, causal=True)
+    assert flash_hopper.LAST_PATH == "gluon-sm90" and flash_hopper._checked == {(q.dtype, 64): None}
+    assert [u[1] for u in used] == [False, True, True]  # the check ran, then the call
+    used.clear()
+    flash.attention_forward(q, k, v, causal=True)
+    assert flash_hopper.LAST_PATH == "gluon-sm90" and [u[1] for u in used] == [True]  # decided: no check
+
+
+def test_a_background_check_that_fails_turns_the_path_off_once(monkeypatch, in_background, caplog):
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(flash_hopper, "RUN", lambda q, k, v, sm_scale, causal, cfg=None, programs=None: (
+        torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    q, k, v = _inputs()
+    assert flash.forward_path(q, k, v) == "triton" and flash_hopper._checked == {}
+    in_background.compile.ready.set()
+    with caplog.at_level(logging.WARNING, logger="flashrun.hopper"):
+        assert flash.forward_path(q, k, v) == "triton"
+        assert flash.forward_path(q, k, v) == "triton"
+    assert len([r for r in caplog.records if "disagrees" in r.getMessage()]) == 1
+    assert flash_hopper._checked[(q.dtype, 64)].startswith("disabled")
+
+
+def test_compiling_ahead_in_the_background_lists_the_portable_kernel(monkeypatch, in_background):
+    """An API call's compile-ahead (attention._compile_ahead) lists what the call will run while
+    the verdict is open: the portable kernel, not the check's or the Gluon launches."""
+    from flashrun.kernels import tuning
+
+    _pretend_hopper(monkeypatch)
+    monkeypatch.setattr(flash_hopper, "RUN", lambda *a, **kw: pytest.fail("a Gluon launch was listed"))
+    handed = []
+    q, k, v = _inputs()
+    with tuning.compile_only(lambda kernel, grid, args, kwargs: handed.append(kernel.__name__)):
+        assert flash_hopper.ensure_checked(q.device, q.dtype, 64, flash._portable_check) is None
+        flash._attn_forward(q, k, v, 0.125, flash.Variant(causal=False))
+    assert handed == ["_attn_fwd"] and not in_background.batches
+
+
+def test_commands_wait_for_first_use_checks(monkeypatch):
+    """flashrun's commands judge and time the fast path: on a GPU, device.select makes the checks
+    wait (a user's own FLASHRUN_FIRST_USE stays)."""
+    import os
+
+    from flashrun import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "use_compiler", lambda: None)
+    device.select("auto")
+    assert os.environ["FLASHRUN_FIRST_USE"] == "wait"
+    monkeypatch.setenv("FLASHRUN_FIRST_USE", "background")
+    device.select("auto")
+    assert os.environ["FLASHRUN_FIRST_USE"] == "background"

@@ -522,3 +522,42 @@ def test_compiles_for_hopper(python):
     kernels = len(hopper_bwd.KERNELS) + sum(map(hopper_bwd.fusable, hopper_bwd.KERNELS.values()))
     assert result.stdout.count("ok ") == 4 * kernels  # --pairs: full, causal (two GQA splits) and a window
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
+
+
+def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(monkeypatch):
+    """The library's default on a GPU: the fused backward's first use hands its check's launches
+    and the call's own to the compile pool and runs the Triton atomic backward, deciding nothing
+    and keeping no route, until those compiles are ready; then the fused Gluon kernel takes it."""
+    from flashrun.kernels import warmup
+
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    _pretend_hopper(monkeypatch)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
+    ready = warmup.Compile("check", None)
+
+    class Batch:
+        def collect(self, launches):
+            from flashrun.kernels import tuning
+
+            with tuning.compile_only(lambda kernel, grid, args, kwargs: None):
+                launches()
+            return [ready]
+
+        def wait(self, kernels):
+            pass
+
+    monkeypatch.setattr(warmup, "Batch", Batch)
+    monkeypatch.setattr(flash_hopper, "background", lambda: True)
+    q, k, v, do = _inputs(n=30, n_k=20, h=4, h_kv=2)
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
+    o, lse = flash._attn_forward(q, k, v, 0.125, variant, "default", try_gluon=False)
+    routes = {}
+    monkeypatch.setattr(flash, "_backward_routes", routes)
+    for _ in range(2):
+        dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=False, key=("call",))
+        assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH and not routes and hopper_bwd._checked == {}
+    assert [c[4] for c in calls] == [True, True, True]  # compile-only: the check's two cases and the call
+    ready.ready.set()
+    flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=False, key=("call",))
+    assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH and list(routes.values()) == [True]

@@ -156,14 +156,17 @@ def _dims(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> tuple[int, int,
     return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
 
 
-def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> bool:
+def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+               sm_scale: float | None = None) -> bool | None:
     """Whether this forward takes the Gluon sm_90 path (:mod:`.hopper`): in its scope, not a
-    flash-decoding shape, and its first-use check in this process passed."""
+    flash-decoding shape, and its first-use check in this process passed; None while that check
+    compiles in the background (with this call's own Gluon launch, given ``sm_scale``)."""
     if decode.applies(q, k, variant):
         return False  # few queries, many keys: flash-decoding fills the GPU better
     if hopper.eligible(q, k, v, variant) is not None:
         return False
-    return hopper.ensure_checked(q.device, q.dtype, q.shape[-1], _portable_check)
+    then = None if sm_scale is None else lambda: hopper.forward(q, k, v, sm_scale, variant.causal)
+    return hopper.ensure_checked(q.device, q.dtype, q.shape[-1], _portable_check, then)
 
 
 def _portable_check(q, k, v, sm_scale, causal):
@@ -204,7 +207,10 @@ def _attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
         if key is not None:
             keep(_forward_plans, key, _DecodeRoute(decode.plan(q, k, v, sm_scale, variant, want_lse)))
         return out
-    if try_gluon and _hopper_ok(q, k, v, variant):
+    gluon = _hopper_ok(q, k, v, variant, sm_scale) if try_gluon else False
+    if gluon is None:  # its first-use check is compiling: the portable kernel, and no route kept yet
+        key = None
+    if gluon:
         out = hopper.forward(q, k, v, sm_scale, variant.causal)
         hopper.LAST_PATH = hopper.GLUON_PATH
         plan = hopper.planned(q, k, v, sm_scale, variant.causal) if key is not None else None
@@ -342,14 +348,13 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     route = None if key is None else (key, _meta(do), deterministic, hopper_bwd.switches())
     gluon_fused = _backward_routes.get(route) if route is not None else None
     if gluon_fused is None:
-        gluon_fused = bool(deterministic is not True and N_K and try_gluon
-                           and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, fused=True))
-        if route is not None:
-            keep(_backward_routes, route, gluon_fused)
+        gluon_fused = (deterministic is not True and N_K and try_gluon
+                       and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, fused=True,
+                                              then=lambda: _gluon_fused(do, q, k, v, o, lse, sm_scale, variant, H)))
+        if route is not None and gluon_fused is not None:  # None: its first-use check is compiling
+            keep(_backward_routes, route, bool(gluon_fused))
     if gluon_fused:  # (before the portable path's arguments: this is the default backward on sm_90)
-        delta = _delta(o, do, lse, H, variant.varlen)
-        hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
-        return hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window)
+        return _gluon_fused(do, q, k, v, o, lse, sm_scale, variant, H)
     if deterministic is None:
         deterministic = True
     # atomic: every query row's partials land in a zeroed float32 buffer, so rows that no key
@@ -397,8 +402,10 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             run_fused(choose("bwd_fused", q, k, variant.causal, launch, run_fused, **tuning))
             hopper_bwd.LAST_PATH = hopper.TRITON_PATH
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
-    if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check):
-        dk, dv = hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, window=variant.window)
+    gluon_dkdv = lambda: hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split,
+                                         window=variant.window)
+    if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, then=gluon_dkdv):
+        dk, dv = gluon_dkdv()
         hopper_bwd.LAST_PATH = hopper.GLUON_PATH
     elif N_K:
         run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **tuning))
@@ -406,6 +413,13 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if N_Q:
         run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))
     return dq, dk, dv
+
+
+def _gluon_fused(do, q, k, v, o, lse, sm_scale: float, variant: Variant, heads: int):
+    """(dq, dk, dv) through the Gluon kernel with dQ inside (:func:`.hopper_bwd.fused`)."""
+    delta = _delta(o, do, lse, heads, variant.varlen)
+    hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
+    return hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window)
 
 
 # whether the Gluon kernel with dQ inside runs a backward, per (forward route key, dO's layout,

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import triton
 
-from flashrun.kernels import tuning
+from flashrun.kernels import tuning, warmup
 from flashrun.kernels.flash.args import across_heads, tma_aligned
 from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
@@ -498,11 +498,13 @@ def _self_check(device, dtype, head_dim, portable) -> str | None:
     return None
 
 
-def ensure_checked(device, dtype, head_dim, portable) -> bool:
+def ensure_checked(device, dtype, head_dim, portable, then=None) -> bool | None:
     """Run the first-use check once per process, dtype and head_dim - unless it passed before
-    for the same :func:`_verdict_key`; True when the path stays on. While compiling ahead the
-    check's kernels are compiled (its launches handed over like any other), nothing runs, and
-    the path is taken as on: the check itself runs on the first real call."""
+    for the same :func:`_verdict_key`; True when the path stays on, None while the check is
+    still compiling in the background (:func:`first_use`; ``then``: the call's own launches,
+    compiled with it). While compiling ahead the check's kernels are compiled (its launches
+    handed over like any other), nothing runs, and the path is taken as on: the check itself
+    runs on the first real call."""
     key = (dtype, head_dim)
     if key in _checked:
         return _checked[key] is None
@@ -513,20 +515,57 @@ def ensure_checked(device, dtype, head_dim, portable) -> bool:
                  "Triton and kernel sources: %s)", GLUON_PATH, str(dtype).removeprefix("torch."), head_dim,
                  _verdicts_path())
         return True
-    passed = first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable), "forward")
+    passed = first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable), "forward", then)
     if passed and verdict is not None and not compiling():
         _remember_pass(verdict, device, dtype, head_dim)
     return passed
 
 
-def first_use(checked: dict, key: tuple, check, what: str) -> bool:
-    """A Gluon path's first-use check for ``key`` (dtype, head_dim): ``check()`` says why the
+# key -> (the batch compiling a first-use check's kernels in the background, those kernels)
+_background: dict[tuple, tuple[warmup.Batch, list[warmup.Compile]]] = {}
+
+
+def background() -> bool:
+    """Whether a first use with no verdict yet checks in the background (the library's default)
+    rather than waiting: ``FLASHRUN_FIRST_USE=wait`` waits, as flashrun's commands do (they judge
+    and time the fast path, and compile it ahead anyway: :func:`flashrun.device.select`)."""
+    return os.environ.get("FLASHRUN_FIRST_USE", "background").strip().lower() != "wait" and warmup.available()
+
+
+def first_use(checked: dict, key: tuple, check, what: str, then=None) -> bool | None:
+    """A Gluon path's first-use check for ``key`` (dtype, head_dim, ...): ``check()`` says why the
     kernel disagrees with the portable one, or None; the verdict is kept in ``checked`` and said
-    once (a warning when off, -v when on). While compiling ahead the check's kernels are only
-    compiled, nothing is kept, and the path is taken as on. True when the path stays on."""
+    once (a warning when off, -v when on). True when the path stays on, False when off.
+
+    In the background (:func:`background`) a first use does not wait for the Gluon compiles:
+    the check's kernels, and ``then()``'s (the call's own launches), go to the compile pool, the
+    call runs the portable kernel, and so do later calls (None: undecided, no route kept) until
+    those kernels are ready; the first call after that runs the check (a few small launches)
+    and decides. Waiting, the first use compiles and checks at once.
+
+    While compiling ahead the check's kernels are only compiled, nothing is kept, and the path
+    is taken as on - unless checks run in the background: then the portable kernel is what the
+    call runs until the verdict (None). Under CUDA-graph capture nothing is started or run (None)."""
     if compiling():
+        if background():
+            return None
         check()
         return True
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None  # a check's launches and syncs would break the capture: the portable kernel is captured
+    pending = _background.get(key)
+    if pending is None and background():
+        batch = warmup.Batch()
+        pending = _background[key] = (batch, batch.collect(lambda: (check(), then and then())))
+        log.info("%s path %s for %s, head_dim %d: compiling its first-use check in the background; the portable "
+                 "Triton kernel runs until it is decided", what, GLUON_PATH, str(key[0]).removeprefix("torch."),
+                 key[1])
+    if pending is not None:
+        batch, kernels = pending
+        if not all(c.ready.is_set() for c in kernels):
+            return None
+        batch.wait(kernels)
+        del _background[key]
     reason = check()
     checked[key] = f"disabled after its first-use check: {reason}" if reason else None
     dtype, head_dim = str(key[0]).removeprefix("torch."), key[1]
@@ -613,5 +652,6 @@ def reset() -> None:
     """Forget the first-use checks and the last path (tests)."""
     global LAST_PATH, EPOCH
     _checked.clear()
+    _background.clear()
     LAST_PATH = None
     EPOCH += 1

@@ -515,25 +515,28 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
     return None
 
 
-def ensure_checked(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False) -> bool:
+def ensure_checked(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False,
+                   then=None) -> bool | None:
     """Run the first-use check once per process, dtype, head_dim, kernel (``fused``: with dQ) and
     mask (``windowed``: the window's, checked apart so that calls without one never pay for its
-    compiles); True when the path stays on. While compiling ahead the check's kernels are
-    compiled, nothing runs, and the path is taken as on: the check itself runs on the first real
-    call."""
+    compiles); True when the path stays on, None while it is compiling in the background
+    (:func:`.hopper.first_use`; ``then``: the call's own launches, compiled with it). While
+    compiling ahead the check's kernels are compiled, nothing runs, and the path is taken as on:
+    the check itself runs on the first real call."""
     key = (dtype, head_dim, fused, windowed)
     if key in _checked:
         return _checked[key] is None
     what = ("dQ/dK/dV backward" if fused else "dK/dV backward") + (" with a window" if windowed else "")
     return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused, windowed),
-                            what)
+                            what, then)
 
 
-def applies(q, k, v, do, variant, portable, fused: bool = False) -> bool:
+def applies(q, k, v, do, variant, portable, fused: bool = False, then=None) -> bool | None:
     """Whether this backward's dK/dV (``fused``: and dQ) takes the Gluon path: eligible and its
-    first-use check passed."""
-    return (eligible(q, k, v, do, variant, fused) is None
-            and ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused, variant.window is not None))
+    first-use check passed (None: not decided yet, see :func:`ensure_checked`)."""
+    if eligible(q, k, v, do, variant, fused) is not None:
+        return False
+    return ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused, variant.window is not None, then)
 
 
 EPOCH = 0  # counts reset(): a backward's route made before one is not reused after
