@@ -19,6 +19,8 @@ BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")
 # deterministic kernels (the Triton atomic kernel measured slower than them, NOTES v5).
 DETERMINISTIC_BACKWARD: bool | None = None
 # The environment variables that change which kernels run (tuning on a table miss, the Gluon
-# forward and backward, decode's programmatic dependent launches): recorded with every result
-# (flashrun.env.fingerprint) and forwarded to Ray workers (flashrun.harness.cluster).
-KERNEL_SWITCHES = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER", "FLASHRUN_HOPPER_BWD", "FLASHRUN_PDL")
+# forward and backward and the backward's softcap/ALiBi, decode's programmatic dependent
+# launches): recorded with every result (flashrun.env.fingerprint) and forwarded to Ray workers
+# (flashrun.harness.cluster).
+KERNEL_SWITCHES = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER", "FLASHRUN_HOPPER_BWD", "FLASHRUN_HOPPER_BWD_VARIANTS",
+                   "FLASHRUN_PDL")

@@ -1,5 +1,6 @@
 """Compile the Gluon sm_90 dK/dV backward (flashrun/kernels/flash/hopper_bwd_jit.py) for a Hopper
-GPU on a machine without one: every kernel in hopper_bwd.KERNELS, fp16 and bf16, full, causal and a window,
+GPU on a machine without one: every kernel in hopper_bwd.KERNELS, fp16 and bf16, full, causal, a window,
+a softcap, ALiBi and both with a window (not on the transposed kernel),
 plain (GQA 1:1, bf16/fp16 outputs) and the GQA split (float32 partial outputs); report what the PTX
 holds (wgmma, TMA loads, mbarrier, setmaxnreg and its register counts), the threads launched,
 shared memory, and what ptxas -v makes of it: registers, spill bytes, its warning C7515 ("wgmma
@@ -42,7 +43,10 @@ from flashrun.kernels.flash import hopper as flash_hopper, hopper_bwd  # noqa: E
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-MASKS = {"full": (False, None), "causal": (True, None), "window": (False, (256, 0))}  # (causal, window)
+# (causal, window, softcap, ALiBi); the variants where the kernel takes them (hopper_bwd.takes_variants)
+MASKS = {"full": (False, None, 0.0, False), "causal": (True, None, 0.0, False), "window": (False, (256, 0), 0.0, False),
+         "softcap": (True, None, 30.0, False), "alibi": (True, None, 0.0, True), "sc+ali": (False, (256, 0), 30.0, True)}
+VARIANT_MASKS = ("softcap", "alibi", "sc+ali")
 
 
 def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
@@ -57,9 +61,10 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     out_dtype = dtype if split == 1 else torch.float32
     dk = torch.empty(z, h_kv if adds else h_kv * split, n, d, dtype=out_dtype)
     dq = torch.empty(q.shape, dtype=torch.float32) if fused else None
-    causal, window = MASKS[mask]
+    causal, window, softcap, alibi = MASKS[mask]
+    slopes = torch.empty(h_kv * group, dtype=torch.float32) if alibi else None
     _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq,
-                                                          window, adds)
+                                                          window, adds, softcap, slopes)
     signature, constants = {}, {}
     params = list(cfg.kernel.params)
     for p, value in zip(params, list(args) + [None] * len(params)):
@@ -68,6 +73,8 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
             constants[(params.index(p),)] = constexprs[p.name]
         else:
             signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
+            if signature[p.name] == "constexpr":  # an int equal to 1 (ALiBi's head stride), specialized away
+                constants[(params.index(p),)] = value
     src = GluonASTSource(cfg.kernel, signature, constants)
     return triton.compile(src, target=TARGET, options=options)
 
@@ -159,6 +166,7 @@ def main() -> int:
     ap.add_argument("--ptx", help="write each PTX here")
     ap.add_argument("--dq", choices=("both", "fused", "separate"), default="both",
                     help="the kernel with dQ inside (the non-deterministic backward), without, or both")
+    ap.add_argument("--masks", help=f"comma-separated masks of {', '.join(MASKS)} (default: all)")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
@@ -172,13 +180,16 @@ def main() -> int:
     names = ns.kernels.split(",") if ns.kernels else list(hopper_bwd.KERNELS)
     # (dtype, mask, GQA group, split, adds): the plain launch and the split GQA ones (float32
     # partials, or float32 heads the parts add into)
+    masks = ns.masks.split(",") if ns.masks else list(MASKS)
     cases = ([(torch.float16, "full", 1, 1, False), (torch.bfloat16, "causal", 4, 2, False),
-              (torch.bfloat16, "causal", 6, 3, True), (torch.float16, "window", 1, 1, False)]
-             if ns.pairs else [(dtype, mask, *split) for dtype in hopper_bwd.DTYPES for mask in MASKS
+              (torch.bfloat16, "causal", 6, 3, True), (torch.float16, "window", 1, 1, False),
+              (torch.bfloat16, "sc+ali", 4, 2, False)]
+             if ns.pairs else [(dtype, mask, *split) for dtype in hopper_bwd.DTYPES for mask in masks
                                for split in ((1, 1, False), (4, 2, False), (6, 3, True))])
     fused = {"both": (False, True), "fused": (True,), "separate": (False,)}[ns.dq]
     jobs = [(name, hopper_bwd.KERNELS[name], *case, f, ns.ptx) for name in names for case in cases for f in fused
-            if not f or hopper_bwd.fusable(hopper_bwd.KERNELS[name])]
+            if (not f or hopper_bwd.fusable(hopper_bwd.KERNELS[name]))
+            and not (case[1] in VARIANT_MASKS and not hopper_bwd.takes_variants(hopper_bwd.KERNELS[name]))]
     print(f"Triton {triton.__version__}, sm_90, {len(jobs)} compiles", flush=True)
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs),
                                                 mp_context=multiprocessing.get_context("fork")) as pool:

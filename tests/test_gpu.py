@@ -835,3 +835,29 @@ def test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready(mo
         warmup.settle()
     assert paths == [(flash_hopper.TRITON_PATH, flash_hopper.TRITON_PATH),
                      (flash_hopper.GLUON_PATH, hopper_bwd.FUSED_PATH)], paths
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon backward is sm_90 only")
+@pytest.mark.parametrize("variants", [dict(softcap=30.0), dict(alibi=True), dict(softcap=30.0, alibi=True),
+                                      dict(softcap=30.0, alibi=True, window=(300, 0))],
+                         ids=["softcap", "alibi", "both", "both+window"])
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (64, True), (96, None), (128, None), (128, True)])
+def test_the_variants_on_the_gluon_backward(monkeypatch, variants, head_dim, deterministic):
+    """FLASHRUN_HOPPER_BWD_VARIANTS=1: softcap, ALiBi and both on the Gluon dK/dV (with dQ inside at
+    64), GQA 4:1, ragged lengths, against the portable backward at the kernels' first-use tolerance."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
+    hopper_bwd.reset()
+    q, k, v = (t.detach() for t in _inputs(2, 8, 2, 1000, 1037, head_dim, BF16)[:3])
+    do = torch.randn_like(q)
+    window = variants.get("window")
+    slopes = alibi_slopes(8, "cuda") if variants.get("alibi") else None
+    variant = flash._variant(q, 2, k.shape[2], window is None, window or (-1, -1), variants.get("softcap", 0.0), slopes)
+    o, lse = flash._attn_forward(q, k, v, head_dim ** -0.5, variant, "default", try_gluon=False)
+    refs = flash._attn_backward(do, q, k, v, o, lse, head_dim ** -0.5, variant, "default", deterministic=True,
+                                try_gluon=False)
+    grads = flash._attn_backward(do, q, k, v, o, lse, head_dim ** -0.5, variant, deterministic=deterministic)
+    assert hopper_bwd.LAST_PATH in (flash_hopper.GLUON_PATH, hopper_bwd.FUSED_PATH), hopper_bwd._checked
+    for got, ref in zip(grads, refs):
+        assert (got.float() - ref.float()).abs().max().item() <= hopper_bwd.CHECK_ATOL[BF16]

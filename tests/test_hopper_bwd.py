@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrun.kernels.flash import attention as flash, hopper as flash_hopper, hopper_bwd
+from flashrun.kernels.flash import attention as flash
+from flashrun.kernels.flash import hopper as flash_hopper
+from flashrun.kernels.flash import hopper_bwd
+from flashrun.kernels.flash.args import alibi_slopes
 from flashrun.kernels.flash.jit import UNBOUNDED
 
 
@@ -41,15 +44,20 @@ def _reference_dkdv(q, k, v, do, sm_scale, causal, window=None):
     return _reference(q, k, v, do, sm_scale, causal, window)[1:]
 
 
-def _reference(q, k, v, do, sm_scale, causal, window=None):
+def _reference(q, k, v, do, sm_scale, causal, window=None, softcap=0.0, alibi_slopes=None):
     """dQ, dK, dV by float64 autograd; ``window`` (left, right): query i sees keys
-    [i + shift - left, i + shift + right], shift = N_K - N_Q."""
+    [i + shift - left, i + shift + right], shift = N_K - N_Q; scores softcap·tanh(s / softcap),
+    minus slope·|i + shift - j| with ALiBi (slopes (H,))."""
     with torch.enable_grad():  # (also where a stand-in kernel runs: inside autograd's backward)
         group = q.shape[1] // k.shape[1]
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
         n_q, n_k = q.shape[2], k.shape[2]
         offset = torch.arange(n_k)[None, :] - (torch.arange(n_q)[:, None] + n_k - n_q)  # key j - query i's diagonal
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi_slopes is not None:
+            s = s - alibi_slopes.double().view(-1, 1, 1) * offset.abs()
         if causal:
             s = s.masked_fill(offset > 0, -math.inf)
         if window is not None:
@@ -63,9 +71,10 @@ def _reference_kernel(calls):
     """Stands in for a correct Gluon kernel (hopper_bwd.RUN's signature): with ``dq``, the fused
     kernel, which adds dQ into that zeroed float32 buffer; with ``kv_out``, a split group's parts,
     which add dK and dV into those zeroed float32 buffers."""
-    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None):
-        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window))
-        ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal, window)
+    def run(q, k, v, do, lse, delta, sm_scale, causal, cfg, split=1, dq=None, window=None, kv_out=None,
+            softcap=0.0, alibi_slopes=None):
+        calls.append((tuple(q.shape), causal, cfg, split, dq is not None, window, softcap, alibi_slopes is not None))
+        ref_dq, dk, dv = _reference(q, k, v, do, sm_scale, causal, window, softcap, alibi_slopes)
         if dq is not None:
             dq += ref_dq.float()
         if kv_out is None:
@@ -80,8 +89,8 @@ def _pretend_hopper(monkeypatch):
     """As on an H200 with triton 3.6: the real on/off switch, then every call in scope (float32 too,
     the interpreter's exact dtype, so that the check's comparison means something here)."""
     monkeypatch.setattr(hopper_bwd, "eligible", lambda q, k, v, do, variant, fused=False: (
-        None if hopper_bwd.enabled() else "off")
-        or hopper_bwd._checked.get((q.dtype, q.shape[-1], fused, variant.window is not None)))
+        None if hopper_bwd.enabled() else "off") or hopper_bwd.variants_reason(q.shape[-1], fused, variant)
+        or hopper_bwd._checked.get(hopper_bwd._key(q.dtype, q.shape[-1], fused, variant)))
     monkeypatch.setitem(hopper_bwd.CHECK_ATOL, torch.float32, 1e-4)
 
 
@@ -131,7 +140,7 @@ def test_on_still_needs_an_sm90_gpu(monkeypatch):
     (dict(d=112), "head_dim 112"), (dict(d=192), None), (dict(d=160), "head_dim 160"),
     (dict(d=256), "head_dim 256"),
     (dict(window=(8, 0)), None), (dict(window=(3, 5), causal=False), None),
-    (dict(softcap=5.0), "softcap"), (dict(alibi=True), "ALiBi"),
+    (dict(softcap=5.0), "not yet run on a GPU"), (dict(alibi=True), "not yet run on a GPU"),
     (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
     (dict(), None), (dict(d=128, causal=True, h=8, h_kv=2, n_k=40), None), (dict(model_view=True), None)])
 def test_scope(change, why):
@@ -350,7 +359,7 @@ def test_compiling_ahead_runs_no_check(monkeypatch):
     assert "_attn_bwd_dkdv" in handed and "_attn_bwd_dq" in handed  # (the portable side, compiled)
     _, dk, _ = _backward(q, k, v, do)
     assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH  # ... on the first real call
-    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64, False, False)]
+    assert "disagrees" in hopper_bwd._checked[(torch.float32, 64, False, False, False, False)]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["dkdv", "fused"])
@@ -474,7 +483,9 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
     assert constexprs["TMA_OUT"] is out
     assert [a if a is None else (list(a.block_shape), a.base is dk) for a in args[12:16]] == (
         [([1, 1, keys, d0], True)] * 2 + [([1, 1, keys, d1], True) if d1 else None] * 2 if out else [None] * 4)
-    assert args[16] is dk and args[17] is dk and len(args) - 9 == hopper_bwd.PER_CALL
+    # the per-call arguments, then dK's strides, N_Q, N_K, the scales, the window, the softcap and ALiBi's
+    assert args[16] is dk and args[17] is dk and len(args) - 13 == hopper_bwd.PER_CALL
+    assert args[-4:] == (0.0, None, 0, 0) and constexprs["SOFTCAP"] is constexprs["ALIBI"] is False
     assert list(args[4].shape) == [z, h, n]  # LSE's rows end at N_Q even when padded
     assert options == {"num_warps": 4, "maxnreg": cfg.maxnreg}
     assert args[6] is None and constexprs["FUSED_DQ"] is False and constexprs["KV_ADD"] == 0
@@ -510,8 +521,9 @@ def test_launch_grid_and_descriptors(shape, split, grid, causal):
 
 def test_compiles_for_hopper(python):
     """Every kernel in KERNELS compiles for sm_90, without and with dQ inside (fp16 full GQA 1:1,
-    bf16 causal GQA 4:1 split into partials and GQA 6:1 split adding into one head, fp16 window:
-    each dtype, mask and output once; the script without --pairs compiles them all) with no spill,
+    bf16 causal GQA 4:1 split into partials and GQA 6:1 split adding into one head, fp16 window,
+    and where the kernel takes them bf16 softcap + ALiBi with a window: each dtype, mask and output
+    once; the script without --pairs compiles them all) with no spill,
     no C7515, no wgmma wait beyond the kernel's own (skips where this Triton lacks the Gluon Hopper
     API or a CUDA backend)."""
     result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--pairs")
@@ -520,7 +532,9 @@ def test_compiles_for_hopper(python):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # each kernel as the deterministic backward's dK/dV and with dQ inside
     kernels = len(hopper_bwd.KERNELS) + sum(map(hopper_bwd.fusable, hopper_bwd.KERNELS.values()))
-    assert result.stdout.count("ok ") == 4 * kernels  # --pairs: full, causal (two GQA splits) and a window
+    # and softcap + ALiBi with a window (bf16 GQA 4:1 split) where the kernel takes them
+    variants = sum(hopper_bwd.takes_variants(cfg) * (1 + hopper_bwd.fusable(cfg)) for cfg in hopper_bwd.KERNELS.values())
+    assert result.stdout.count("ok ") == 4 * kernels + variants  # --pairs: full, causal (two GQA splits), a window
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
 
 
@@ -555,9 +569,82 @@ def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(mon
     routes = {}
     monkeypatch.setattr(flash, "_backward_routes", routes)
     for _ in range(2):
-        dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=False, key=("call",))
+        flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=False, key=("call",))
         assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH and not routes and hopper_bwd._checked == {}
     assert [c[4] for c in calls] == [True, True, True]  # compile-only: the check's two cases and the call
     ready.ready.set()
     flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=False, key=("call",))
     assert hopper_bwd.LAST_PATH == hopper_bwd.FUSED_PATH and list(routes.values()) == [True]
+
+
+# -- softcap and ALiBi (FLASHRUN_HOPPER_BWD_VARIANTS=1) ----------------------------------------------
+
+
+@pytest.mark.parametrize("change,fused,why", [
+    (dict(softcap=5.0), False, None), (dict(alibi=True), False, None), (dict(softcap=5.0, alibi=True), True, None),
+    (dict(softcap=300.0), False, "precise tanh"), (dict(softcap=5.0, d=192), False, "head_dim 192"),
+    (dict(alibi=True, d=128), True, "with dQ inside"), (dict(alibi=True, d=128), False, None),
+    (dict(alibi=True, d=96), True, "with dQ inside"), (dict(softcap=5.0, d=128), True, "with dQ inside"),
+    (dict(softcap=5.0, d=96), False, None)])
+def test_the_variants_scope_once_turned_on(monkeypatch, change, fused, why):
+    """Softcap and ALiBi run on the untransposed kernels, the fast tanh's caps, and not on the
+    kernels that split dQ's columns between the consumers (they spill)."""
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
+    d = change.get("d", 64)
+    q, k, v, do = _inputs(d=d, dtype=torch.bfloat16)
+    slopes = torch.ones(2) if change.get("alibi") else None
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), change.get("softcap", 0.0), slopes)
+    reason = hopper_bwd.scope(q, k, v, do, variant, fused)
+    assert reason is None if why is None else why in reason, reason
+
+
+@pytest.mark.parametrize("variants", [dict(softcap=2.0), dict(alibi=True), dict(softcap=2.0, alibi=True, window=(9, 2))],
+                         ids=["softcap", "alibi", "both+window"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dkdv", "fused"])
+def test_variants_take_the_gluon_backward_and_its_check_covers_them(monkeypatch, variants, deterministic):
+    """With the variants on, a softcap or ALiBi backward runs its own first-use check (the variant
+    at the check's cap and slopes) and then the Gluon kernel, whose results match the reference;
+    the plain backward's verdict is not theirs."""
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
+    _pretend_hopper(monkeypatch)
+    calls = []
+    monkeypatch.setattr(hopper_bwd, "RUN", _reference_kernel(calls))
+    q, k, v, do = _inputs(n=30, n_k=20, h=4, h_kv=2)
+    slopes = alibi_slopes(4) if variants.get("alibi") else None
+    window = variants.get("window", (-1, -1))
+    variant = flash._variant(q, 1, k.shape[2], window == (-1, -1), window, variants.get("softcap", 0.0), slopes)
+    o, lse = flash._attn_forward(q, k, v, 0.125, variant, "default", try_gluon=False)
+    dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=deterministic)
+    assert hopper_bwd.LAST_PATH == (flash_hopper.GLUON_PATH if deterministic else hopper_bwd.FUSED_PATH)
+    checked, call = calls[:-1], calls[-1]
+    assert checked and all(c[6] == (hopper_bwd.CHECK_SOFTCAP if "softcap" in variants else 0.0) for c in checked)
+    assert all(c[7] == ("alibi" in variants) for c in calls)
+    assert call[6] == variants.get("softcap", 0.0)
+    want = _reference(q, k, v, do, 0.125, window == (-1, -1), None if window == (-1, -1) else window,
+                      variants.get("softcap", 0.0), slopes)
+    for got, ref in zip((dq, dk, dv), want):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_kernel_that_drops_the_softcap_fails_its_check_and_the_portable_backward_runs(monkeypatch, caplog):
+    monkeypatch.setenv("FLASHRUN_HOPPER_BWD", "1")
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
+    _pretend_hopper(monkeypatch)
+    right = _reference_kernel([])
+
+    def no_softcap(*args, softcap=0.0, **kwargs):
+        return right(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_bwd, "RUN", no_softcap)
+    q, k, v, do = _inputs()
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 2.0, None)
+    o, lse = flash._attn_forward(q, k, v, 0.125, variant, "default", try_gluon=False)
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=True)
+    assert hopper_bwd.LAST_PATH == flash_hopper.TRITON_PATH
+    assert any("with a softcap" in r.getMessage() for r in caplog.records)
+    for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 0.125, True, None, 2.0)):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    plain = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
+    assert hopper_bwd._checked.get(hopper_bwd._key(q.dtype, 64, False, plain)) is None  # the plain path's own verdict

@@ -403,7 +403,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             hopper_bwd.LAST_PATH = hopper.TRITON_PATH
         return dq.to(q.dtype), dk, dv  # float32: the buffer itself
     gluon_dkdv = lambda: hopper_bwd.dkdv(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split,
-                                         window=variant.window)
+                                         variant.window, variant.softcap, variant.alibi_slopes)
     if N_K and try_gluon and hopper_bwd.applies(q, k, v, do, variant, _portable_backward_check, then=gluon_dkdv):
         dk, dv = gluon_dkdv()
         hopper_bwd.LAST_PATH = hopper.GLUON_PATH
@@ -419,7 +419,8 @@ def _gluon_fused(do, q, k, v, o, lse, sm_scale: float, variant: Variant, heads: 
     """(dq, dk, dv) through the Gluon kernel with dQ inside (:func:`.hopper_bwd.fused`)."""
     delta = _delta(o, do, lse, heads, variant.varlen)
     hopper_bwd.LAST_PATH = hopper_bwd.FUSED_PATH
-    return hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window)
+    return hopper_bwd.fused(q, k, v, do, lse, delta, sm_scale, variant.causal, _kv_split, variant.window,
+                            variant.softcap, variant.alibi_slopes)
 
 
 # whether the Gluon kernel with dQ inside runs a backward, per (forward route key, dO's layout,
@@ -459,10 +460,10 @@ def _delta(o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, H: int, varlen:
     return delta
 
 
-def _portable_backward_check(q, k, v, do, sm_scale, causal, window=None):
+def _portable_backward_check(q, k, v, do, sm_scale, causal, window=None, softcap=0.0, alibi_slopes=None):
     """The portable forward and deterministic backward on the Gluon backward's first-use check's
     small inputs (fixed configs, no tuning, no route kept): (dk, dv, lse, delta, dq)."""
-    variant = Variant(causal=causal, window=window)
+    variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False, key=None)
     dq, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
     return dk, dv, lse, (o.float() * do.float()).sum(-1), dq

@@ -18,13 +18,16 @@ as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192; and 19
 transposed kernel below), dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
 aligned (TMA descriptors), plain, causal or a window (bottom-right aligned when Nq != Nk), any GQA
-group; no softcap, ALiBi or packed sequences (those, float32 and other head dims keep the portable
-dK/dV kernel).
+group; no packed sequences (those, float32 and other head dims keep the portable dK/dV kernel).
+Softcap and ALiBi (each, both, with or without a window) run on the untransposed kernels (not 192;
+with dQ inside only at 64, :func:`takes_variants`) once ``FLASHRUN_HOPPER_BWD_VARIANTS=1``:
+compiled for sm_90, not yet run on a GPU, so off by default.
 
-The first eligible call per (dtype, head_dim, with dQ or not, with a window or not) in a process
-compares the kernel with the portable backward on small inputs (:func:`_self_check`: causal and
-not, or two windows, GQA 2:1, a ragged tail); if it raises or disagrees the path is off for that
-key in this process and one warning says why.
+The first eligible call per (dtype, head_dim, with dQ or not, with a window or not, with a softcap
+or not, with ALiBi or not) in a process compares the kernel with the portable backward on small
+inputs (:func:`_self_check`: causal and not, or two windows, GQA 2:1, a ragged tail, the variants
+at a low cap and the standard slopes); if it raises or disagrees the path is off for that key in
+this process and one warning says why.
 
 Kernels (:data:`KERNELS`, fixed launches; :data:`DEFAULT` picks one per head_dim): 128-key blocks,
 two consumer warpgroups of 64 keys at 240 registers and a producer warp at 24 (maxnreg 168 so that
@@ -60,7 +63,14 @@ from dataclasses import dataclass
 import torch
 
 from flashrun.kernels.flash import hopper
-from flashrun.kernels.flash.args import across_heads, split_adds, split_outputs, split_result, tma_aligned
+from flashrun.kernels.flash.args import (
+    across_heads,
+    alibi_slopes,
+    split_adds,
+    split_outputs,
+    split_result,
+    tma_aligned,
+)
 from flashrun.kernels.flash.launch import _current_stream, _Launch, _meta, keep, rebased, template
 from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
@@ -70,6 +80,11 @@ HEAD_DIMS = (64, 80, 96, 128, 192)  # 80, 96 and 192 as two column blocks, 64 + 
 # (:func:`BwdConfig.blocks`); 192 on the transposed kernel (:attr:`BwdConfig.transposed`)
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
+# softcap and ALiBi on the Gluon kernel (not the transposed one): built and compiled for sm_90, off
+# until a GPU has run them (FLASHRUN_HOPPER_BWD_VARIANTS=1 turns them on; their first-use check
+# still guards each dtype, head dim and variant)
+VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_VARIANTS"
+SOFTCAP_MAX = 256.0  # the portable kernels' fast tanh up to here (args.SOFTCAP_FAST_CAP): the one this kernel has
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
 LAST_PATH: str | None = None  # the last backward's dK/dV path: GLUON_PATH, FUSED_PATH or TRITON_PATH
 
@@ -176,6 +191,30 @@ def fusable(cfg: BwdConfig) -> bool:
             and smem_bytes(cfg, fused=True) <= SMEM_LIMIT - 2048)
 
 
+def variants_reason(head_dim: int, fused: bool, variant) -> str | None:
+    """None when the call has no softcap or ALiBi, or the kernel for it takes them, else why not."""
+    if variant.softcap == 0 and variant.alibi_slopes is None:
+        return None
+    if not variants_on():
+        return f"softcap/ALiBi (off unless {VARIANTS_ENV}=1: not yet run on a GPU)"
+    if variant.softcap > SOFTCAP_MAX:
+        return f"softcap {variant.softcap:g} > {SOFTCAP_MAX:g} (the precise tanh)"
+    cfg = KERNELS.get(kernel_for(head_dim, fused) or "")
+    if cfg is None or not takes_variants(cfg):
+        return f"softcap/ALiBi at head_dim {head_dim}" + (" with dQ inside" if fused else "")
+    return None
+
+
+def takes_variants(cfg: BwdConfig) -> bool:
+    """Whether the kernel runs the score variants: not the transposed one (its scores are S, not
+    Sᵀ), nor one whose consumers split dQ's columns every step (``dq_split``: dQ's accumulator
+    beside the variants' arithmetic spilled 16-256 B at head_dim 96 and 128 under Triton 3.6 or
+    3.9, tests/compile_hopper_bwd.py). Those calls keep the deterministic Gluon dK/dV with the
+    portable dQ. Compiled for sm_90 without a spill under 3.9; under 3.6 the head_dim 128 kernel
+    spills 8 B with ALiBi and a split GQA group, 4-12 B with ALiBi and a window."""
+    return not cfg.transposed and not cfg.dq_split
+
+
 def launched_threads(cfg: BwdConfig) -> int:
     """warp_specialize rounds the partitions (4 warps per consumer, 1 producer) up to warpgroups."""
     return 128 * (cfg.consumers + 1)
@@ -202,12 +241,24 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         return "Triton's interpreter"
     if q.device.type != "cuda" or hopper._capability(q.device.index or 0) != (9, 0):
         return "not an sm_90 GPU"
-    return (scope(q, k, v, do, variant) or hopper._api_reason()
-            or _checked.get((q.dtype, q.shape[-1], fused, variant.window is not None)))
+    return (scope(q, k, v, do, variant, fused) or hopper._api_reason()
+            or _checked.get(_key(q.dtype, q.shape[-1], fused, variant)))
 
 
-def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant) -> str | None:
-    """None when the inputs are in the kernel's scope (any device), else why not."""
+def _key(dtype, head_dim: int, fused: bool, variant) -> tuple:
+    """A first-use check's key: dtype, head dim, with dQ or not, and the variants it runs with (a
+    window, a softcap, ALiBi), each checked apart so that calls without one never pay for its compiles."""
+    return dtype, head_dim, fused, variant.window is not None, variant.softcap > 0, variant.alibi_slopes is not None
+
+
+def variants_on() -> bool:
+    return os.environ.get(VARIANTS_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, variant,
+          fused: bool = False) -> str | None:
+    """None when the inputs are in the kernel's scope (any device; ``fused``: the kernel with dQ
+    inside), else why not."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
     if q.dim() != 4 or variant.varlen:
@@ -216,8 +267,9 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, v
         return f"batch {q.shape[0]} > 65535"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}"
-    if variant.softcap > 0 or variant.alibi_slopes is not None:
-        return "softcap/ALiBi"
+    why = variants_reason(q.shape[-1], fused, variant)
+    if why:
+        return why
     if not all(tma_aligned(t) for t in (q, k, v, do)):
         return "strides or base not 16-byte aligned"
     return None
@@ -302,12 +354,14 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, out: bool, ad
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
-                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False):
+                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None, adds: bool = False,
+                softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """(grid, positional args, constexprs, options) of one launch; ``split`` spreads each k/v
     head's GQA group over that many programs, dk/dv then float32 (B, H_KV x split, N_K, D)
     partials, or with ``adds`` float32 zeros (B, H_KV, N_K, D) the parts add into; ``dq``: a
     zeroed float32 (B, H, N_Q, D) buffer, contiguous, that the kernel adds dQ into (FUSED_DQ), or
-    None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``).
+    None; ``window``: (left, right) as ``Variant.window`` (not with ``causal``); ``softcap``,
+    ``alibi_slopes`` ((H,) or (B, H) float32) as ``Variant``'s.
     The first PER_CALL positional arguments are the ones that change between calls of a plan.
     Shared by the launcher and tests/compile_hopper_bwd.py (which compiles for sm_90 without a GPU)."""
     from flashrun.kernels.flash.hopper_bwd_jit import LOG2E
@@ -320,13 +374,17 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, 
         raise ValueError(f"split {split} must divide the GQA group {h // h_kv}")
     left, right = window if window is not None else (0, 0)  # read only under WINDOW
     out = tma_out(q, dk, dv, split, cfg, dq is not None, window, adds)
+    slopes = alibi_slopes
+    qk_scale = sm_scale / softcap if softcap else sm_scale * LOG2E  # a softcap's tanh takes natural units
     args = (*_per_call(q, k, v, do, rows_aligned(lse), rows_aligned(delta), dk, dv, dq, cfg, out, adds),
-            dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, sm_scale * LOG2E, left, right)
+            dk.stride(0), dk.stride(1), dk.stride(2), n_q, n_k, sm_scale, qk_scale, left, right, softcap * LOG2E,
+            slopes, slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+            slopes.stride(-1) if slopes is not None else 0)
     constexprs = dict(GROUP=h // h_kv // split, KV_SPLIT=split, HEAD_D=cfg.blocks[0], HEAD_D1=cfg.blocks[1],
                       BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), WINDOW=window is not None,
                       FUSED_DQ=dq is not None, KV_ADD=split if adds else 0, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs, TMA_OUT=out)
+                      PRODUCER_REGS=cfg.producer_regs, TMA_OUT=out, SOFTCAP=bool(softcap), ALIBI=slopes is not None)
     blocks = max(cdiv(n_k, cfg.block_n), 1)
     # causal or windowed, where all heads' Q and dO are few enough (args.across_heads): every
     # head's first key blocks (the heaviest) start first (_key_tile)
@@ -358,10 +416,12 @@ _plans: dict[tuple, _Plan] = {}
 
 def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdConfig, split: int = 1,
                dq: torch.Tensor | None = None, window: tuple[int, int] | None = None,
-               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_out: tuple[torch.Tensor, torch.Tensor] | None = None, softcap: float = 0.0,
+               alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv), laid out like k (a model's layout: its backward reshapes them without a copy).
     ``kv_out``: float32 (dK, dV) buffers laid out like k and zeroed, that a split group's parts
-    add into, returned as they are (:func:`fused` casts them with dQ); else made here."""
+    add into, returned as they are (:func:`fused` casts them with dQ); else made here. ALiBi calls
+    keep no plan (their slopes would sit among its fixed arguments)."""
     if kv_out is not None:
         dk = dv = None
         dk_out, dv_out, adds = *kv_out, True
@@ -371,14 +431,14 @@ def _run_gluon(q, k, v, do, lse, delta, sm_scale: float, causal: bool, cfg: BwdC
         # split: float32 buffers the parts add into (dQ inside: not repeatable anyway), or partials
         dk_out, dv_out, adds = (dk, dv, False) if split == 1 else split_outputs(k, split, repeatable=dq is None)
     lse, delta = rows_aligned(lse), rows_aligned(delta)
-    lean = not compiling()  # compile-only runs take Triton's path
-    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window)
+    lean = not compiling() and alibi_slopes is None  # compile-only runs (and ALiBi) take Triton's path
+    key = (*(_meta(t) for t in (q, k, v, do, lse, delta, dq)), sm_scale, causal, cfg, split, adds, window, softcap)
     plan = _plans.get(key) if lean else None
     if plan is not None:
         plan(_current_stream(q.device), q, k, v, do, lse, delta, dq, dk_out, dv_out)
     else:
         grid, args, constexprs, options = launch_args(q, k, v, do, lse, delta, dk_out, dv_out, sm_scale, causal,
-                                                      cfg, split, dq, window, adds)
+                                                      cfg, split, dq, window, adds, softcap, alibi_slopes)
         if lean:
             ordered = list(args) + [constexprs[name] for name in cfg.kernel.arg_names[len(args):]]
             plan = keep(_plans, key, _Plan(_Launch(cfg.kernel, grid, tuple(ordered[PER_CALL:]), options),
@@ -404,7 +464,8 @@ SPLIT_WAVES = 1.5
 
 
 def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
-         window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         window: tuple[int, int] | None = None, softcap: float = 0.0,
+         alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) through the Gluon kernel without dQ (the deterministic backward's; :func:`fused`
     has dQ inside); call only where :func:`eligible` and :func:`ensure_checked` allow it.
     ``kv_split(programs, group, device, waves)``: over how many programs to spread a GQA group
@@ -416,7 +477,18 @@ def dkdv(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split=None,
     **0.373** split 2 (its two parts add: exact in either order), 0.415 split 3, 0.471 split 6
     (partials); llama **0.510** unsplit, 0.594 split 2."""
     cfg = _config(q.shape[-1], False)
-    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split), None, window)
+    return RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, _split(q, k, cfg, kv_split), None, window,
+               **_scores(softcap, alibi_slopes))
+
+
+def _scores(softcap: float, alibi_slopes: torch.Tensor | None) -> dict:
+    """RUN's variant arguments, only where a call has them (stand-in kernels need not take them)."""
+    args = {}
+    if softcap:
+        args["softcap"] = softcap
+    if alibi_slopes is not None:
+        args["alibi_slopes"] = alibi_slopes
+    return args
 
 
 def _split(q, k, cfg: BwdConfig, kv_split) -> int:
@@ -427,7 +499,8 @@ def _split(q, k, cfg: BwdConfig, kv_split) -> int:
 
 
 def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
-          window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          window: tuple[int, int] | None = None, softcap: float = 0.0,
+          alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's dtype through the :data:`FUSED` kernel (dQ inside), laid out like q and
     k. One zeroed float32 buffer holds dQ and, where the GQA group is split and its parts add
     (``args.split_outputs``), dK and dV; one cast turns it into the three gradients: two launches
@@ -438,7 +511,7 @@ def fused(q, k, v, do, lse, delta, sm_scale: float, causal: bool, kv_split,
     like = (q, k, k) if adds else (q,)
     buffer, views = _carved(like, torch.float32)
     dk, dv = RUN(q, k, v, do, lse, delta, sm_scale, causal, cfg, split, views[0], window,
-                 views[1:] if adds else None)
+                 views[1:] if adds else None, **_scores(softcap, alibi_slopes))
     if not adds:
         return views[0].to(q.dtype), dk, dv
     grads = torch.empty_like(buffer, dtype=q.dtype).copy_(buffer)
@@ -466,8 +539,9 @@ def dense_strides(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]
 
 # -- first use: check against the portable kernel -------------------------------------------------
 
-# (dtype, head_dim, fused, windowed) -> why the path is off after its first-use check there (None: it passed)
-_checked: dict[tuple[torch.dtype, int, bool, bool], str | None] = {}
+# _key(...) (dtype, head_dim, fused, windowed, softcap, ALiBi) -> why the path is off after its first-use
+# check there (None: it passed)
+_checked: dict[tuple, str | None] = {}
 
 # Max-abs bounds on dK and dV (and dQ) against the portable kernel on the check's inputs (randn, N ~ 200):
 # both accumulate in float32 and round P and dS to the input dtype before their matmuls, over
@@ -479,25 +553,31 @@ CHECK_SHAPE = (1, 4, 2, 200, 190)  # (batch, query heads, k/v heads, N_Q, N_K): 
 # calls' check), two windows. At CHECK_SHAPE (shift -10) the first rows see no key, a 128-key block
 # skips query blocks on both sides, and blocks are masked on either edge of the window
 CHECK_MASKS = {False: ((False, None, 1), (True, None, 2)), True: ((False, (37, 5), 1), (False, (60, 0), 2))}
+# a softcap's check: a cap low enough that the scores (about N(0, 1) here) bend on it
+CHECK_SOFTCAP = 2.0
 
 
-def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False) -> str | None:
+def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False,
+                softcap: bool = False, alibi: bool = False) -> str | None:
     """None when the Gluon dK/dV (``fused``: and dQ) agrees with ``portable(q, k, v, do, sm_scale,
-    causal, window) -> (dk, dv, lse, delta, dq)`` on small inputs of this dtype and head_dim, causal
-    and not (``windowed``: two windows), else what went wrong. While compiling ahead the launches
-    only compile, so nothing is compared."""
+    causal, window, softcap, alibi_slopes) -> (dk, dv, lse, delta, dq)`` on small inputs of this
+    dtype and head_dim, causal and not (``windowed``: two windows; ``softcap``: at
+    :data:`CHECK_SOFTCAP`; ``alibi``: the heads' standard slopes), else what went wrong. While
+    compiling ahead the launches only compile, so nothing is compared."""
     cfg = _config(head_dim, fused)
     gen = torch.Generator(device="cpu").manual_seed(0)
     z, h, h_kv, n_q, n_k = CHECK_SHAPE
+    cap = CHECK_SOFTCAP if softcap else 0.0
+    slopes = alibi_slopes(h, device) if alibi else None
     for causal, window, split in CHECK_MASKS[windowed]:
         q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         scale = head_dim ** -0.5
         try:
-            dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, window)
+            dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, window, cap, slopes)
             split = split if (h // h_kv) % split == 0 else 1  # the split path (float32 partials) too
             dq = torch.zeros(q.shape, dtype=torch.float32, device=device) if fused else None
-            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq, window)
+            dk, dv = RUN(q, k, v, do, lse, delta, scale, causal, cfg, split, dq, window, **_scores(cap, slopes))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
@@ -508,7 +588,8 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
         errs = {name: (got.float() - ref.float()).abs().max().item()
                 for name, got, ref in (("dK", dk, dk_ref), ("dV", dv, dv_ref)) + ((("dQ", dq, dq_ref),) if fused else ())}
         label = (f"Nq={n_q} Nk={n_k} D={head_dim} GQA {h}/{h_kv} "
-                 + (f"window {window}" if window is not None else "causal" if causal else "full"))
+                 + (f"window {window}" if window is not None else "causal" if causal else "full")
+                 + (f" softcap {cap:g}" if cap else "") + (" ALiBi" if alibi else ""))
         if not all(err <= CHECK_ATOL[dtype] for err in errs.values()):  # NaN fails too
             return (f"the Gluon {'dQ/' if fused else ''}dK/dV kernel disagrees with the portable one ({label}: "
                     + ", ".join(f"max |d{name}| {err:.3g}" for name, err in errs.items()) + ")")
@@ -516,19 +597,20 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
 
 
 def ensure_checked(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False,
-                   then=None) -> bool | None:
+                   then=None, softcap: bool = False, alibi: bool = False) -> bool | None:
     """Run the first-use check once per process, dtype, head_dim, kernel (``fused``: with dQ) and
     mask (``windowed``: the window's, checked apart so that calls without one never pay for its
     compiles); True when the path stays on, None while it is compiling in the background
     (:func:`.hopper.first_use`; ``then``: the call's own launches, compiled with it). While
     compiling ahead the check's kernels are compiled, nothing runs, and the path is taken as on:
     the check itself runs on the first real call."""
-    key = (dtype, head_dim, fused, windowed)
+    key = (dtype, head_dim, fused, windowed, softcap, alibi)
     if key in _checked:
         return _checked[key] is None
-    what = ("dQ/dK/dV backward" if fused else "dK/dV backward") + (" with a window" if windowed else "")
-    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused, windowed),
-                            what, then)
+    what = ("dQ/dK/dV backward" if fused else "dK/dV backward") + (" with a window" if windowed else "") + (
+        " with a softcap" if softcap else "") + (" with ALiBi" if alibi else "")
+    return hopper.first_use(_checked, key, lambda: _self_check(device, dtype, head_dim, portable, fused, windowed,
+                                                               softcap, alibi), what, then)
 
 
 def applies(q, k, v, do, variant, portable, fused: bool = False, then=None) -> bool | None:
@@ -536,7 +618,8 @@ def applies(q, k, v, do, variant, portable, fused: bool = False, then=None) -> b
     first-use check passed (None: not decided yet, see :func:`ensure_checked`)."""
     if eligible(q, k, v, do, variant, fused) is not None:
         return False
-    return ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused, variant.window is not None, then)
+    _, _, _, windowed, softcap, alibi = _key(q.dtype, q.shape[-1], fused, variant)
+    return ensure_checked(q.device, q.dtype, q.shape[-1], portable, fused, windowed, then, softcap, alibi)
 
 
 EPOCH = 0  # counts reset(): a backward's route made before one is not reused after

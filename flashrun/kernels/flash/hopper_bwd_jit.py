@@ -224,6 +224,32 @@ def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.
 
 
 @gluon.jit
+def _scored(sT, offs_m, rel, qk_scale, softcap2, slope2, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+            CAUSAL: gl.constexpr):
+    """The variants' base-2 scores of Sᵀ (keys x queries start_m + offs_m) as the portable kernels
+    make them (``jit._scores``, its fast tanh): SOFTCAP, sᵀ = softcap · tanh(Sᵀ · sm_scale / softcap)
+    (qk_scale = sm_scale / softcap, softcap2 = softcap · log2 e), with tᵀ = that tanh for the
+    backward's 1 − t²; ALIBI, minus slope2 · |i + shift − j| (slope2 = the head's slope · log2 e),
+    i + shift − j being offs_m + ``rel`` (rel = start_m + shift − j per key). CAUSAL keeps only
+    i + shift − j >= 0, so the bias splits into a per-key part, subtracted here, and a per-query
+    part, slope2 · offs_m, which the caller folds into LSE: no tile of indices, and no second
+    per-query vector (16 registers a thread in this layout; the head_dim 128 kernel spilled 32-80 B
+    with them). Both parts stay small where P is not: no cancellation. Without SOFTCAP, tᵀ is Sᵀ."""
+    if SOFTCAP:
+        tT = 1.0 - 2.0 / (1.0 + gl.exp2(gl.minimum(sT * (qk_scale * (2.0 * LOG2E_C)), 126.0)))
+        s2 = tT * softcap2
+    else:
+        tT = sT
+        s2 = sT * qk_scale
+    if ALIBI:
+        if CAUSAL:
+            s2 = s2 - gl.expand_dims(slope2 * rel.to(gl.float32), 1)
+        else:
+            s2 = s2 - slope2 * gl.abs((gl.expand_dims(offs_m, 0) + gl.expand_dims(rel, 1)).to(gl.float32))
+    return s2, tT
+
+
+@gluon.jit
 def _store_rows(DST, base, rows, n_rows, stride_m, acc, COL0: gl.constexpr, WIDTH: gl.constexpr,
                 layout: gl.constexpr, ADD: gl.constexpr, ROW_AXIS: gl.constexpr = 0):
     """Store acc (its keys x WIDTH columns from COL0; ROW_AXIS = 1: WIDTH x keys, a gradient
@@ -333,11 +359,11 @@ def _as_rows(x, TRANSPOSED: gl.constexpr):
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                   ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, out_bars, DK, DV,
                   dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz, stride_dkh, stride_dkn, N_Q,
-                  N_K, sm_scale, qk_scale, left, right,
+                  N_K, sm_scale, qk_scale, left, right, softcap2, ALIBI_SLOPES, stride_az, stride_ah,
                   C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, BLOCKS_LAST: gl.constexpr,
-                  TMA_OUT: gl.constexpr):
+                  TMA_OUT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries); dK_c, dV_c: (64 keys, HEAD_D) and, with a second column
     # block, (64 keys, HEAD_D1); Pᵀ, dSᵀ as their A operands
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
@@ -399,6 +425,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
         else:
             q1 = q
             do1 = do
+        if ALIBI:  # this step's query head's slope, loaded before the waits
+            slope2 = gl.load(ALIBI_SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E_C
+        else:
+            slope2 = 0.0
         mbarrier.wait(do_bars.index(s), phase)
         delta = delta_smem.index(s).reshape([BLOCK_M]).load(query_s)
         dp_init = s_zero - gl.expand_dims(delta, 0)
@@ -413,26 +443,36 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
         # key (LSE = -inf) gets +inf, so that P = exp2(s − inf) = 0, not NaN
         lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+        if ALIBI and CAUSAL:  # the bias's per-query part (_scored)
+            lse2 = lse2 + slope2 * offs_m.to(gl.float32)
         dpT, sT = warpgroup_mma_wait(0, deps=(dpT_tok, sT_tok))
+        if SOFTCAP or ALIBI:  # the scores in base 2 already: _probs scales by 1
+            sT, tT = _scored(sT, offs_m, start_m + shift - keys, qk_scale, softcap2, slope2, SOFTCAP, ALIBI, CAUSAL)
+            p_scale = 1.0
+            if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 − t², into dPᵀ − delta at once (tᵀ dies here;
+                # kept for dSᵀ, the head_dim 128 kernel spilled 24-32 B)
+                dpT = dpT * (1.0 - tT * tT)
+        else:
+            p_scale = qk_scale
         if WINDOW:
             if (start_m + right < full_from) | (start_m + (BLOCK_M + HALF_N_C - 2) - left > full_from):  # an edge
                 diag = keys - shift - start_m
-                pT = _probs(sT, lse2, offs_m, diag - right, diag + left, qk_scale, True, True)
+                pT = _probs(sT, lse2, offs_m, diag - right, diag + left, p_scale, True, True)
             else:
-                pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
+                pT = _probs(sT, lse2, offs_m, keys, keys, p_scale, False, False)
         elif CAUSAL:
             if start_m < full_from:  # the diagonal
-                pT = _probs(sT, lse2, offs_m, keys - shift - start_m, keys, qk_scale, True, False)
+                pT = _probs(sT, lse2, offs_m, keys - shift - start_m, keys, p_scale, True, False)
             else:
-                pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
+                pT = _probs(sT, lse2, offs_m, keys, keys, p_scale, False, False)
         else:
-            pT = _probs(sT, lse2, offs_m, keys, keys, qk_scale, False, False)
+            pT = _probs(sT, lse2, offs_m, keys, keys, p_scale, False, False)
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)
         dv_tok = warpgroup_mma(pT_op, do, dv, is_async=True)  # dV_c += Pᵀ dO
         if HEAD_D1 > 0:
             pT_op1 = gl.convert_layout(pT_op, op1_layout)  # the same registers (layouts equal but for N)
             dv1_tok = warpgroup_mma(pT_op1, do1, dv1, is_async=True)
-        dsT = pT * dpT  # dSᵀ = Pᵀ ∘ (dPᵀ − delta), while dV's wgmma runs
+        dsT = pT * dpT  # dSᵀ = Pᵀ ∘ (dPᵀ − delta) (∘ (1 − t²)), while dV's wgmma runs
         ds16 = dsT.to(dtype)
         dsT_op = gl.convert_layout(ds16, op_layout)
         dk_tok = warpgroup_mma(dsT_op, q, dk, is_async=True)  # dK_c += dSᵀ Q (scaled at the end)
@@ -502,11 +542,13 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
 def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
                   do1_desc, dq1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, DK, DV,
                   stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
+                  softcap2, ALIBI_SLOPES, stride_az, stride_ah,
                   GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                   BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
+                  PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """dK, dV of one block of CONSUMERS x 64 keys of one k/v head; grid (cdiv(N_K, 64 CONSUMERS),
     H_KV, B), or with BLOCKS_LAST (H_KV, B, cdiv(N_K, 64 CONSUMERS)). q_desc, do_desc: 4-D
     descriptors over q, dO (B, H, N_Q, HEAD_D), box [1, 1, BLOCK_M, HEAD_D]; k_desc, v_desc over k,
@@ -522,7 +564,9 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
     qk_scale = sm_scale · log2 e. CAUSAL or WINDOW (or neither): WINDOW, query i sees keys [i +
     shift − win_left, i + shift + win_right] (shift = N_K − N_Q; an unbounded side comes as a value
     wider than any sequence), and only the query blocks that see some key of the program's are
-    visited. Launch with num_warps=4 (the default partition, consumer 0) and maxnreg so that
+    visited. SOFTCAP, ALIBI: the portable kernels' score variants (:func:`_scored`): qk_scale is then
+    sm_scale / softcap and softcap2 = softcap · log2 e; ALIBI_SLOPES (B, H) or (H,) float32 with
+    strides stride_az (0 for (H,)) and stride_ah. Launch with num_warps=4 (the default partition, consumer 0) and maxnreg so that
     setmaxnreg can hand the consumers CONSUMER_REGS and the producer PRODUCER_REGS.
 
     FUSED_DQ (two consumers): dQ too, 5 matmuls per tile pair instead of 7 with the dQ kernel.
@@ -599,15 +643,15 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
                              out_bars, DK, DV, dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz,
-                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP,
-                             HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
-                             BLOCKS_LAST, TMA_OUT)),
+                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, softcap2,
+                             ALIBI_SLOPES, stride_az, stride_ah, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS,
+                             CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT, SOFTCAP, ALIBI)),
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
                              out_bars, DK, DV, dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz,
-                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP,
-                             HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
-                             BLOCKS_LAST, TMA_OUT)),
+                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, softcap2,
+                             ALIBI_SLOPES, stride_az, stride_ah, 1, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS,
+                             CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT, SOFTCAP, ALIBI)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                              do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem,
                              q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
@@ -619,9 +663,9 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
             (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem,
                              delta_smem, ds_smem, dq_smem, dq1_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars,
                              out_bars, DK, DV, dq_desc, dq1_desc, dk_desc, dv_desc, stride_dkz,
-                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP,
-                             HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD,
-                             BLOCKS_LAST, TMA_OUT)),
+                             stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right, softcap2,
+                             ALIBI_SLOPES, stride_az, stride_ah, 0, GROUP, HEAD_D, HEAD_D1, BLOCK_M, STAGES, CONSUMERS,
+                             CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT, SOFTCAP, ALIBI)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                              do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem,
                              q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars,
@@ -759,16 +803,18 @@ def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem,
 def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, q1_desc, k1_desc, v1_desc,
                     do1_desc, dq1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, DK, DV,
                     stride_dkz, stride_dkh, stride_dkn, N_Q, N_K, sm_scale, qk_scale, win_left, win_right,
+                    softcap2, ALIBI_SLOPES, stride_az, stride_ah,
                     GROUP: gl.constexpr, KV_SPLIT: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                     BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                     FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
+                    PRODUCER_REGS: gl.constexpr, BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr,
+                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """:func:`_fa3_bwd_dkdv` for head dims of two column blocks past 128 (192 = 128 + 64), as
     FlashAttention-3 runs them: dK and dV transposed. Arguments, grid and launch as
     :func:`_fa3_bwd_dkdv`'s, but for the keys per consumer: k_desc's box rows (KEYS, e.g. 32), so
     the grid's key blocks are CONSUMERS x KEYS; dq_desc's box is [1, 1, BLOCK_M, 64] and dq1_desc
-    None.
+    None; no softcap or ALiBi (SOFTCAP, ALIBI off).
 
     Why: _fa3_bwd_dkdv holds dK_c and dV_c as (64 keys, head dim) float32 in registers (wgmma's M
     is 64 per warpgroup), 192 a thread at head_dim 192 before Sᵀ and dPᵀ: it spills (NOTES v19).
@@ -789,6 +835,7 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     gl.static_assert(CONSUMERS == 2)
     gl.static_assert(STAGES >= 2)
     gl.static_assert(HEAD_D == 128 and HEAD_D1 == 64)  # 192: the dQ tiles' 64 columns tile both blocks
+    gl.static_assert(not SOFTCAP and not ALIBI)
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
