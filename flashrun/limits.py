@@ -7,6 +7,8 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # non powers of two are handled inside the
 FP8_DTYPE = "float8_e4m3fn"
 # The short names flashrun prints in labels, accepted wherever a dtype is read.
 SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", FP8_DTYPE: "e4m3"}
+# bench providers that compute in e4m3 from a bf16 shape's inputs: their roof is the e4m3 matmul's
+FP8_PROVIDERS = ("flash-fp8", "cudnn-fp8")
 DTYPE_ALIASES = {short: name for name, short in SHORT_DTYPES.items()}
 # flashrun's own kernels, by name (anything else is a user's PATH.py:FUNCTION);
 # flash-deterministic: flash with its atomic-free, bitwise-repeatable backward;

@@ -440,6 +440,19 @@ def test_the_roofline_plot_draws_every_valid_row(tmp_path: Path) -> None:
     assert path.name == "bench-roofline.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fp8_rows_get_the_e4m3_roof_beside_the_bf16_one(tmp_path: Path) -> None:
+    env = {"gpu": "g", "torch": None, "triton": None, "where": ""}
+    roofs = Ceilings(800.0, 4000.0, fp8_tflops=1300.0)
+    cell = measure.Cell("fwd", "ok", True, ms=(0.1, 0.1, 0.1))
+    plain = [sweep._row("flash", shape(), cell, None, roofs, env)]
+    fp8 = plain + [sweep._row("flash-fp8", shape(), cell, None, roofs, env, fp8=True)]
+    assert [label for _, label in results._roofs(plain, roofs)] == ["roof: copy 4,000 GB/s, bf16 matmul 800 TFLOP/s"]
+    (bf16, _), (e4m3, label) = results._roofs(fp8, roofs)
+    assert e4m3.tflops == 1300.0 and e4m3.ridge > bf16.ridge and "e4m3 matmul 1,300" in label
+    assert results._roofs(fp8, Ceilings(800.0, 4000.0))[1:] == []  # no e4m3 roof measured: none drawn
+    assert results.plot_roofline(fp8, roofs, tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_the_metrics_tables_stay_whole_at_80_columns() -> None:
     from rich.console import Console
 

@@ -57,7 +57,7 @@ from flashrun.harness.inputs import Inputs, slopes
 from flashrun.harness.provider import Attention, Provider, sequences, unpacked, variant_args
 from flashrun.harness.reference import alibi_bias, allowed, causal_mask, expand_kv
 from flashrun.harness.shapes import Shape
-from flashrun.limits import BUILTIN_KERNELS
+from flashrun.limits import BUILTIN_KERNELS, FP8_PROVIDERS
 
 KERNELS = BUILTIN_KERNELS  # flash (the faster backward per call), flash-deterministic, flash-atomic
 # SDPA providers and the backend each one forces (None: PyTorch's own dispatch).
@@ -68,8 +68,7 @@ SDPA = {
     "sdpa-efficient": "EFFICIENT_ATTENTION",
     "sdpa-math": "MATH",
 }
-FP8 = ("flash-fp8", "cudnn-fp8")  # compute in e4m3 from the shape's bf16 inputs
-NAMES = (*KERNELS, *FP8, "torch-naive", *SDPA, "flex", "flash-attn")
+NAMES = (*KERNELS, *FP8_PROVIDERS, "torch-naive", *SDPA, "flex", "flash-attn")
 # What a `--device cpu` run times: plain PyTorch only. Triton kernels would run through the
 # interpreter, whose timings mean nothing.
 CPU_PROVIDERS = ("torch-naive", "sdpa", "sdpa-math")

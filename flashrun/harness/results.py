@@ -21,6 +21,7 @@ from typing import Any
 
 from flashrun.errors import InputError
 from flashrun.harness.metrics import Ceilings, KernelLaunch, KernelTime
+from flashrun.limits import FP8_PROVIDERS
 from flashrun.harness.shapes import MODES, Shape
 from flashrun.records.files import atomic_write_json, atomic_write_text
 from flashrun.records.redact import redact, redact_data
@@ -320,22 +321,33 @@ def roofline_path(plot_path: Path) -> Path:
     return plot_path.with_name(f"{plot_path.stem}-roofline{plot_path.suffix}")
 
 
+def _roofs(points: list[Row], ceilings: Ceilings) -> list[tuple[Ceilings, str]]:
+    """The roofs a roofline draws, with their labels: the bf16 one, and where rows of a provider
+    that computes in e4m3 are plotted and the e4m3 matmul was measured, that one."""
+    roofs = [(ceilings, f"roof: copy {ceilings.gbps:,.0f} GB/s, bf16 matmul {ceilings.tflops:,.0f} TFLOP/s")]
+    if ceilings.fp8_tflops and any(r.provider in FP8_PROVIDERS for r in points):
+        roofs.append((ceilings.in_fp8(), f"e4m3 matmul {ceilings.fp8_tflops:,.0f} TFLOP/s (the fp8 providers' roof)"))
+    return roofs
+
+
 def plot_roofline(rows: list[Row], ceilings: Ceilings, path: Path) -> Path:
     """Each valid row as a point, (FLOP/B, TFLOP/s) on log axes, under the GPU's two measured roofs:
-    ``GB/s x intensity`` to the ridge point, the matmul's TFLOP/s after it. A colour per provider,
-    a marker per mode."""
+    ``GB/s x intensity`` to the ridge point, the matmul's TFLOP/s after it; with rows of a provider
+    that computes in e4m3, the e4m3 matmul's roof too, dashed. A colour per provider, a marker per mode."""
     check_plot_target(path)
     from matplotlib.figure import Figure
 
     points = [r for r in rows if r.valid and r.tflops and r.intensity]
     ridge = ceilings.ridge
     assert ridge is not None, "a roofline needs both ceilings"
-    spread = [r.intensity for r in points] + [ridge]
+    roofs = _roofs(points, ceilings)
+    spread = [r.intensity for r in points] + [roof.ridge for roof, _ in roofs]
     lo, hi = min(spread) / 4, max(spread) * 4
     fig = Figure(figsize=(7.5, 5))
     ax = fig.add_subplot()
-    ax.plot([lo, ridge, hi], [ceilings.roof(lo), ceilings.tflops, ceilings.tflops], color="black", lw=1.5,
-            label=f"roof: copy {ceilings.gbps:,.0f} GB/s, bf16 matmul {ceilings.tflops:,.0f} TFLOP/s")
+    for (roof, label), style in zip(roofs, ("-", "--")):
+        ax.plot([lo, roof.ridge, hi], [roof.roof(lo), roof.tflops, roof.tflops], color="black", ls=style, lw=1.5,
+                label=label)
     ax.axvline(ridge, color="grey", ls=":", lw=1)
     providers = list(dict.fromkeys(r.provider for r in points))
     markers = {"fwd": "o", "bwd": "s", "fwd_bwd": "^"}
