@@ -19,7 +19,9 @@ tile order, round 22), three times in turns.
 
 ``--cells d192`` times head_dim 192 (the bench sweep's 10 heads), full and causal, 1024 to 8192
 keys, fp16 and bf16: shipped, cuDNN and both Gluon 192 kernels (one tile per program and
-persistent), three times in turns - which kernel the gate should send each mask to.
+persistent), three times in turns - which kernel the gate should send each mask to. ``--cells d96``
+and ``--cells d256`` do the same at head_dim 96 (21 heads; the Gluon 96 kernels are in no gate
+yet: this decides where they go) and 256 (8 heads).
 
 ``--cells lengths`` times head_dim 64 and 128, bf16, full and causal, at 1024, 4096 and 16384 keys:
 shipped, cuDNN and every Gluon kernel at that head_dim, three times in turns (round 28: Q as QKᵀ's
@@ -29,7 +31,7 @@ register operand, the ``-qregs`` kernels, against the shipped ones).
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
 cuDNN, for A/Bs of one commit against another in separate processes.
 
-    OUT=DIR python benchmarks/probes/short_forward_probe.py [--cells short|gate|tiles|causal|d192|lengths|prefill]   # writes $OUT/short_fwd_<cells>.json
+    OUT=DIR python benchmarks/probes/short_forward_probe.py [--cells short|gate|tiles|causal|d96|d192|d256|lengths|prefill]
 """
 
 import argparse
@@ -108,9 +110,9 @@ def causal_cells():
     yield from prefill_cells()
 
 
-def d192_cells():
+def head_dim_cells(d: int):
     for n, causal, dtype in itertools.product((1024, 2048, 4096, 8192), (False, True), (torch.float16, torch.bfloat16)):
-        yield {"b": 32768 // n, "h": 2048 // 192, "h_kv": 2048 // 192, "n": n, "d": 192, "causal": causal,
+        yield {"b": 32768 // n, "h": 2048 // d, "h_kv": 2048 // d, "n": n, "d": d, "causal": causal,
                "dtype": dtype, "layout": "dense"}
 
 
@@ -148,7 +150,7 @@ def launches(cell, q, k, v, cells: str) -> dict:
             calls[f"cfg {cfg}"] = lambda cfg=cfg: flash.flash_attention(q, k, v, causal=causal, launch={"fwd": cfg})
     elif cells == "gate":
         calls["portable"] = lambda: portable(q, k, v, causal)
-    if cells not in ("short", "causal", "d192", "lengths"):
+    if cells not in ("short", "causal", "d96", "d192", "d256", "lengths"):
         return calls
     if cells == "short":
         for cfg in dict.fromkeys([*tuning.candidates("fwd", cell["d"], cell["dtype"]), *EXTRA[cell["d"]]]):
@@ -178,12 +180,14 @@ def timed(fn, ref) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "d192", "lengths", "prefill"),
-                        default="short")
+    parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "d96", "d192", "d256", "lengths",
+                                            "prefill"), default="short")
     opts = parser.parse_args()
     cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells, "causal": causal_cells,
-                  "d192": d192_cells, "lengths": lengths_cells, "prefill": prefill_cells}[opts.cells]())
-    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d192", "lengths") else 1
+                  "d96": lambda: head_dim_cells(96), "d192": lambda: head_dim_cells(192),
+                  "d256": lambda: head_dim_cells(256), "lengths": lengths_cells,
+                  "prefill": prefill_cells}[opts.cells]())
+    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d96", "d192", "d256", "lengths") else 1
     prepared = [(cell, *inputs(cell)) for cell in cells]
     start = time.perf_counter()
     batch = warmup.Batch()

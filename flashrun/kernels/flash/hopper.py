@@ -143,6 +143,11 @@ KERNELS = {
     # byte per clock the SM's shared memory gives; Q in registers halves that (NOTES v28)
     "d192": HopperConfig(192, block_n=64, stages=3, q_regs=True),
     "d192-persistent": HopperConfig(192, block_n=64, stages=3, persistent=True, q_regs=True),
+    # 96 as 64 + 32 columns, as 192 runs: compiled for sm_90 without a spill (Triton 3.6 and 3.9; with
+    # Q in registers the persistent one spilled 8-20 B under 3.9), not yet timed, so in no GATE row
+    # (short_forward_probe.py --cells d96 decides)
+    "d96": HopperConfig(96, block_n=128, stages=3),
+    "d96-persistent": HopperConfig(96, block_n=128, stages=3, persistent=True),
     "d256": HopperConfig(256, block_n=64, stages=2),
     "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
     "d256-n32": HopperConfig(256, block_n=32, stages=4),
