@@ -487,3 +487,18 @@ def test_commands_wait_for_first_use_checks(monkeypatch):
     monkeypatch.setenv("FLASHRUN_FIRST_USE", "background")
     device.select("auto")
     assert os.environ["FLASHRUN_FIRST_USE"] == "background"
+
+
+def test_a_background_listing_that_raises_checks_at_once(monkeypatch, in_background):
+    """Should handing the launches over fail, the first use checks as it did before (waiting), and
+    the check's own handling of a kernel's error applies."""
+    _pretend_hopper(monkeypatch)
+    used = []
+    monkeypatch.setattr(flash_hopper, "RUN", _portable_as_gluon(used))
+
+    def refuse(self, launches):
+        raise RuntimeError("no compile pool")
+
+    monkeypatch.setattr(in_background.Batch, "collect", refuse)
+    q, k, v = _inputs()
+    assert flash.forward_path(q, k, v) == "gluon-sm90" and flash_hopper._checked == {(q.dtype, 64): None}

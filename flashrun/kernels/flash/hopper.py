@@ -561,10 +561,14 @@ def first_use(checked: dict, key: tuple, check, what: str, then=None) -> bool | 
     pending = _background.get(key)
     if pending is None and background():
         batch = warmup.Batch()
-        pending = _background[key] = (batch, batch.collect(lambda: (check(), then and then())))
-        log.info("%s path %s for %s, head_dim %d: compiling its first-use check in the background; the portable "
-                 "Triton kernel runs until it is decided", what, GLUON_PATH, str(key[0]).removeprefix("torch."),
-                 key[1])
+        try:
+            pending = _background[key] = (batch, batch.collect(lambda: (check(), then and then())))
+        except Exception as exc:  # noqa: BLE001 - listing failed: the check runs now and says what is wrong
+            log.debug("first-use check of the %s not listed ahead: %s: %s", what, type(exc).__name__, exc)
+        else:
+            log.info("%s path %s for %s, head_dim %d: compiling its first-use check in the background; the portable "
+                     "Triton kernel runs until it is decided", what, GLUON_PATH, str(key[0]).removeprefix("torch."),
+                     key[1])
     if pending is not None:
         batch, kernels = pending
         if not all(c.ready.is_set() for c in kernels):
