@@ -150,7 +150,12 @@ def breakdown(profile: str | None) -> dict:
     stamps["second call of it"] = call(1, 4, 2, 128, 64, True)
     stamps["first call of a Gluon shape (B1 H16 N4096 D128 fp16; its first-use check or verdict)"] = \
         call(1, 16, 16, 4096, 128, False)
+    stamps["path of its first call"] = hopper.LAST_PATH  # the portable kernel while its check compiles beside
     stamps["second call of the Gluon shape"] = call(1, 16, 16, 4096, 128, False)
+    mark = time.perf_counter()
+    warmup.settle()
+    stamps["until its check's compiles were ready"] = _since(mark)
+    stamps["the call after that (its check runs)"] = call(1, 16, 16, 4096, 128, False)
     stamps["path of the Gluon shape"] = hopper.LAST_PATH
     stamps["total"] = _since(START)
     _write_profile(profiler, profile)
