@@ -44,9 +44,15 @@ def compile_one(dtype, causal, cfg, group=1):
     z, h, n, d = 1, 4, 256, cfg.head_dim
     q = torch.empty(z, h, n, d, dtype=dtype)
     k = torch.empty(z, h // group, n, d, dtype=dtype)
-    o = torch.empty_like(q)
     lse = torch.empty(z, h, n, dtype=torch.float32)
-    _, args, constexprs, options = flash_hopper.launch_args(q, k, k, o, lse, 0.125, causal, cfg, sms=132)
+    if dtype == torch.float8_e4m3fn:  # e4m3 in, bf16 out; v seq-contiguous (quantize_qkv's), descales per kv head
+        v = torch.empty(z, h // group, d, n, dtype=dtype).transpose(2, 3)
+        o = torch.empty(q.shape, dtype=torch.bfloat16)
+        descales = (torch.ones(z, h // group),) * 3
+    else:
+        v, o, descales = k, torch.empty_like(q), None
+    _, args, constexprs, options = flash_hopper.launch_args(q, k, v, o, lse, 0.125, causal, cfg, sms=132,
+                                                            descales=descales)
     signature, constants = {}, {}
     params = [p for p in _fa3_fwd.params]
     for p, value in zip(params, list(args) + [None] * len(params)):
@@ -55,6 +61,8 @@ def compile_one(dtype, causal, cfg, group=1):
             constants[(params.index(p),)] = constexprs[p.name]
         else:
             signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
+            if signature[p.name] == "constexpr":  # an int equal to 1 (a descale's stride), specialized away
+                constants[(params.index(p),)] = value
     src = GluonASTSource(_fa3_fwd, signature, constants)
     return triton.compile(src, target=TARGET, options=options)
 
@@ -115,6 +123,7 @@ def main() -> int:
                     help="per kernel only fp16 full and bf16 causal (each dtype and mask once; the CPU suite)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     ap.add_argument("--ptx", help="write each PTX here")
+    ap.add_argument("--fp8", action="store_true", help="the e4m3 kernels (one column block), full and causal, instead")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
@@ -126,6 +135,9 @@ def main() -> int:
         binaries.setdefault(replace(flash_hopper.KERNELS[name], persistent=False), []).append(name)
     pairs = ((torch.float16, False), (torch.bfloat16, True)) if ns.pairs else \
         [(dtype, causal) for dtype in flash_hopper.DTYPES for causal in (False, True)]
+    if ns.fp8:
+        pairs = [(torch.float8_e4m3fn, causal) for causal in (False, True)]
+        binaries = {cfg: same for cfg, same in binaries.items() if not flash_hopper.split_head_dim(cfg.head_dim)[1]}
     jobs = [(same, cfg, dtype, causal, ns.ptx) for cfg, same in binaries.items() for dtype, causal in pairs]
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(check_one, jobs))

@@ -54,7 +54,8 @@ def test_the_fp8_forward_is_within_twice_the_yardstick(case, per_head):
     b, h, h_kv, n_q, n_k, d, causal, window = case
     q, k, v = _inputs(b, h, h_kv, n_q, n_k, d, seed=n_q + n_k + d)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, per_head=per_head)
-    assert (q8.dtype, k8.dtype, v8.dtype) == (E4M3,) * 3 and v8.stride(2) == 1  # v seq-contiguous
+    assert (q8.dtype, k8.dtype, v8.dtype) == (E4M3,) * 3 and v8.stride(2) == 1  # v seq-contiguous,
+    assert v8.stride(3) % 16 == 0  # its rows of keys 16-byte aligned (TMA reads Vᵀ tiles)
     assert qd.shape == ((b, h_kv) if per_head else ()) and qd.dtype == torch.float32
     out = flash_attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, window=window)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape

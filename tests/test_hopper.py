@@ -502,3 +502,42 @@ def test_a_background_listing_that_raises_checks_at_once(monkeypatch, in_backgro
     monkeypatch.setattr(in_background.Batch, "collect", refuse)
     q, k, v = _inputs()
     assert flash.forward_path(q, k, v) == "gluon-sm90" and flash_hopper._checked == {(q.dtype, 64): None}
+
+
+def test_the_fp8_kernels_compile_for_hopper(python):
+    """The Gluon forward with FP8 (e4m3 in, bf16 out, Vᵀ tiles, P through shared memory): every
+    one-block kernel at head_dim 64 and 128 compiles for sm_90 without a spill, its wgmmas e4m3 and
+    P V's A from shared memory (the script: --fp8 without --kernels adds 256)."""
+    result = python(str(Path(__file__).parent / "compile_hopper.py"), "--fp8", "--kernels", "d64,d128,d128-m64")
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 6 and all("float8_e4m3fn" in line and " rs 0 " in line for line in oks), oks
+    for line in oks:
+        if "ptxas:" in line and "(no bundled ptxas)" not in line:
+            assert "spill stores/loads 0/0 B" in line, line
+
+
+def test_fp8_launch_arguments():
+    """run_fp8's launch: V's descriptor reads the seq-contiguous v as Vᵀ tiles (head dim x keys),
+    the descales ride per (batch, kv head) with their strides, and O by TMA and Q in registers stay off."""
+    q = torch.empty(2, 8, 300, 128).to(torch.float8_e4m3fn)
+    k = torch.empty(2, 2, 300, 128).to(torch.float8_e4m3fn)
+    v = torch.empty(2, 2, 128, 304).to(torch.float8_e4m3fn)[..., :300].transpose(2, 3)  # quantize_qkv's layout
+    o = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(2, 8, 300)
+    descales = tuple(torch.ones(2, 2) for _ in range(3))
+    cfg = flash_hopper.KERNELS["d128-persistent"]  # q_regs off already; TMA_O would be on in bf16
+    _, args, constexprs, _ = flash_hopper.launch_args(q, k, v, o, lse, 0.1, True, cfg, 132, descales=descales)
+    v_desc = args[4]
+    assert list(v_desc.block_shape) == [1, 1, 128, cfg.block_n] and v_desc.base.stride(-1) == 1
+    assert list(v_desc.base.shape) == [2, 2, 128, 300]
+    assert args[-5:] == (*descales, 2, 1) and constexprs["FP8"] is True
+    assert constexprs["TMA_O"] is False and constexprs["Q_REGS"] is False
+    _, args, constexprs, _ = flash_hopper.launch_args(q, k, v, o, lse, 0.1, True, cfg, 132,
+                                                      descales=tuple(torch.tensor(1.0) for _ in range(3)))
+    assert args[-2:] == (0, 0)  # one descale for the whole tensor
+    bf16 = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16)
+    _, args, constexprs, _ = flash_hopper.launch_args(bf16, bf16[:, :2], bf16[:, :2], bf16, lse, 0.1, True, cfg, 132)
+    assert args[-5:] == (None, None, None, 0, 0) and constexprs["FP8"] is False

@@ -27,11 +27,17 @@ yet: this decides where they go) and 256 (8 heads).
 shipped, cuDNN and every Gluon kernel at that head_dim, three times in turns (round 28: Q as QKᵀ's
 register operand, the ``-qregs`` kernels, against the shipped ones).
 
+``--cells fp8`` times the e4m3 forward (bf16, the bench sweep's heads, 1024 to 16384 keys, head_dim 64,
+128 and 256, full and causal; inputs quantized once by ``quantize_qkv``): shipped (``flash_attention_fp8``,
+the portable kernel), every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``, in no
+route yet: this decides whether and where), and cuDNN's bf16 forward on the unquantized inputs, three
+times in turns; errors are against cuDNN's bf16 output (e4m3's own, about 1e-2).
+
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
 cuDNN, for A/Bs of one commit against another in separate processes.
 
-    OUT=DIR python benchmarks/probes/short_forward_probe.py [--cells short|gate|tiles|causal|d96|d192|d256|lengths|prefill]
+    OUT=DIR python benchmarks/probes/short_forward_probe.py [--cells short|gate|tiles|causal|d96|d192|d256|lengths|fp8|prefill]
 """
 
 import argparse
@@ -122,6 +128,25 @@ def lengths_cells():
                "dtype": torch.bfloat16, "layout": "dense"}
 
 
+def fp8_cells():
+    for n, d, causal in itertools.product((1024, 4096, 16384), (64, 128, 256), (False, True)):
+        yield {"b": 32768 // n, "h": 2048 // d, "h_kv": 2048 // d, "n": n, "d": d, "causal": causal,
+               "dtype": torch.bfloat16, "layout": "dense"}
+
+
+def fp8_launches(cell, q, k, v) -> dict:
+    """The e4m3 forwards of ``--cells fp8`` on q, k, v quantized once."""
+    from flashrun.kernels import flash_attention_fp8, quantize_qkv
+
+    q8, k8, v8, *descales = quantize_qkv(q, k, v)
+    causal, scale = cell["causal"], cell["d"] ** -0.5
+    calls = {"shipped": lambda: flash_attention_fp8(q8, k8, v8, *descales, causal=causal)}
+    for name, cfg in hopper.KERNELS.items():
+        if cfg.head_dim == cell["d"] and not hopper.split_head_dim(cfg.head_dim)[1]:
+            calls[f"gluon {name}"] = lambda cfg=cfg: hopper.run_fp8(q8, k8, v8, *descales, scale, causal, cfg)[0]
+    return calls
+
+
 def prefill_cells():
     for h, h_kv, d in ((32, 8, 64), (12, 2, 128)):
         yield {"b": 4, "h": h, "h_kv": h_kv, "n": 2048, "d": d, "causal": True, "dtype": torch.bfloat16,
@@ -141,6 +166,8 @@ def inputs(cell):
 def launches(cell, q, k, v, cells: str) -> dict:
     """name -> a call that runs that launch."""
     causal = cell["causal"]
+    if cells == "fp8":
+        return fp8_launches(cell, q, k, v)
     calls = {"shipped": lambda: flash.flash_attention(q, k, v, causal=causal)}
     if cells == "tiles":
         for cfg in TILES:
@@ -181,13 +208,13 @@ def timed(fn, ref) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", choices=("short", "gate", "tiles", "causal", "d96", "d192", "d256", "lengths",
-                                            "prefill"), default="short")
+                                            "fp8", "prefill"), default="short")
     opts = parser.parse_args()
     cells = list({"short": short_cells, "gate": gate_cells, "tiles": tiles_cells, "causal": causal_cells,
                   "d96": lambda: head_dim_cells(96), "d192": lambda: head_dim_cells(192),
-                  "d256": lambda: head_dim_cells(256), "lengths": lengths_cells,
+                  "d256": lambda: head_dim_cells(256), "lengths": lengths_cells, "fp8": fp8_cells,
                   "prefill": prefill_cells}[opts.cells]())
-    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d96", "d192", "d256", "lengths") else 1
+    repeats = 3 if opts.cells in ("gate", "tiles", "causal", "d96", "d192", "d256", "lengths", "fp8") else 1
     prepared = [(cell, *inputs(cell)) for cell in cells]
     start = time.perf_counter()
     batch = warmup.Batch()

@@ -45,8 +45,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, per_head:
     ``(q8, k8, v8, q_descale, k_descale, v_descale)``. The descales are float32 (B, H_kv) -
     amax / 448 over each kv head's group of q heads, and over k's and v's own heads - or, without
     ``per_head``, one each for the whole tensor (shape ()). v8 comes laid out seq-contiguous (a
-    (B, H_kv, N, D) view of (B, H_kv, D, N) memory), the layout the fp8 product P·V wants on the
-    GPU; written in the same pass as its quantization."""
+    (B, H_kv, N, D) view of (B, H_kv, D, N) memory, each row of N keys padded to 16 bytes for TMA),
+    the layout the fp8 product P·V wants on the GPU; written in the same pass as its quantization."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point() or t.element_size() < 2:
             raise ArgumentError(f"{name} must be a 4-D (batch, heads, seq, head_dim) float16/bfloat16/float32 tensor")
@@ -67,8 +67,10 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, per_head:
         return (x.float() / expand).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
     q_descale, k_descale, v_descale = scale(q, heads // kv_heads), scale(k, 1), scale(v, 1)
-    v8 = torch.empty(v.shape[0], kv_heads, v.shape[3], v.shape[2], dtype=E4M3, device=v.device)
-    v8.copy_(cast(v, v_descale).transpose(2, 3))  # seq-contiguous
+    # seq-contiguous, each (head dim) row of N keys padded to 16 bytes: a TMA descriptor can read Vᵀ tiles
+    rows = torch.empty(v.shape[0], kv_heads, v.shape[3], -(-v.shape[2] // 16) * 16, dtype=E4M3, device=v.device)
+    v8 = rows[..., : v.shape[2]]
+    v8.copy_(cast(v, v_descale).transpose(2, 3))
     return cast(q, q_descale), cast(k, k_descale), v8.transpose(2, 3), q_descale, k_descale, v_descale
 
 

@@ -311,7 +311,8 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     each in Python, six per forward launch, seven per backward one)."""
     from triton.experimental.gluon import language as gl
 
-    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
+              torch.float8_e4m3fn: gl.float8e4nv}[dtype]
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gdtype)
 
 
@@ -327,31 +328,66 @@ def _descriptors(t: torch.Tensor, rows: int, d0: int, d1: int) -> tuple:
 
 
 def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfig, sms: int,
-                programs: int | None = None):
+                programs: int | None = None, descales: tuple | None = None):
     """(grid, positional args, constexprs, options) of one launch on a GPU of ``sms`` SMs;
     ``programs`` caps a persistent grid (the first-use check: several tiles per program). Shared
     by the launcher and tests/compile_hopper.py (which compiles them for sm_90 without a GPU).
-    The first PER_CALL positional arguments are the ones that change between calls of a plan."""
+    The first PER_CALL positional arguments are the ones that change between calls of a plan.
+    ``descales``: e4m3 q, k, v (v laid out seq-contiguous, as ``quantize_qkv`` writes it) and their
+    float32 descales (per batch and kv head, or scalars), into a bf16 ``o`` (FP8)."""
     from flashrun.kernels.flash.hopper_jit import HALF_M, LOG2E
 
     z, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     d0, d1 = split_head_dim(d)
-    out = tma_out(o, cfg, n_q, n_k, causal)
+    fp8 = descales is not None
+    out = not fp8 and tma_out(o, cfg, n_q, n_k, causal)
+    v_descs = _descriptors(v, cfg.block_n, d0, d1) if not fp8 else (_transposed_descriptor(v, d0, cfg.block_n),) * 2
+    scales = ((*descales, descales[0].stride(0), descales[0].stride(1)) if fp8 and descales[0].dim() == 2 else
+              (*descales, 0, 0) if fp8 else (None, None, None, 0, 0))
     args = (*_descriptors(q, HALF_M, d0, d1), *_descriptors(k, cfg.block_n, d0, d1),
-            *_descriptors(v, cfg.block_n, d0, d1), o, lse, *(_descriptors(o, HALF_M, d0, d1) if out else (None, None)),
+            *v_descs, o, lse, *(_descriptors(o, HALF_M, d0, d1) if out else (None, None)),
             o.stride(0), o.stride(1), o.stride(2),
-            lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E)
+            lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E, *scales)
     constexprs = dict(GROUP=h // h_kv, HEAD_D0=d0, HEAD_D1=d1, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                       CONSUMERS=cfg.consumers, CAUSAL=bool(causal), OVERLAP=cfg.overlap,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
                       ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")), TMA_O=out,
-                      Q_REGS=cfg.q_regs)
+                      Q_REGS=cfg.q_regs and not fp8, FP8=fp8)
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))
     return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
+
+
+def _transposed_descriptor(v: torch.Tensor, d0: int, block_n: int):
+    """A descriptor over seq-contiguous ``v`` (B, H_KV, N, D) as the (B, H_KV, D, N) tensor it is in
+    memory, boxes [1, 1, d0, block_n]: Vᵀ tiles."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    vt = v.transpose(2, 3)
+    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d0, block_n],
+                            _smem_layout(d0, block_n, v.dtype))
+
+
+def run_fp8(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale: float, causal: bool,
+            cfg: HopperConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): the e4m3 forward through ``cfg``'s Gluon kernel (``FP8``): q8, k8 e4m3 (B, H, N, D),
+    v8 e4m3 seq-contiguous as :func:`~flashrun.kernels.flash.fp8.quantize_qkv` writes it, float32
+    descales per (batch, kv head) or scalars; O bf16. Head dims of one column block; not yet in
+    :func:`flashrun.kernels.flash_attention_fp8`'s route (``short_forward_probe.py --cells fp8``
+    times it on a GPU first)."""
+    from flashrun.kernels.flash.hopper_jit import _fa3_fwd
+
+    o = torch.empty(q8.shape, dtype=torch.bfloat16, device=q8.device)
+    lse = torch.empty(q8.shape[:3], dtype=torch.float32, device=q8.device)
+    descales = tuple(torch.as_tensor(d, dtype=torch.float32, device=q8.device) for d in
+                     (q_descale, k_descale, v_descale))
+    grid, args, constexprs, options = launch_args(q8, k8, v8, o, lse, sm_scale, causal, cfg,
+                                                  _sm_count(q8.device.index or 0), descales=descales)
+    launch(_fa3_fwd, grid, *args, **constexprs, **options)
+    return o, lse
 
 
 PER_CALL = 10  # _fa3_fwd's arguments that change from call to call: six descriptors, O, LSE, O's two

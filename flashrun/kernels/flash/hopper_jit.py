@@ -63,6 +63,7 @@ LOG2E = 1.4426950408889634
 HALF_M = 64  # rows of the tile per consumer warpgroup (wgmma's M is 64 per warpgroup)
 LOG2E_C = gl.constexpr(LOG2E)
 HALF_M_C = gl.constexpr(HALF_M)
+P_SHIFT_C = gl.constexpr(8.0)  # fp8_jit.P_SHIFT: P in [0, 2^8] before its cast to e4m3
 
 
 @gluon.jit
@@ -112,7 +113,8 @@ def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SP
 def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem,
               q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
               GROUP: gl.constexpr, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ACROSS: gl.constexpr):
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ACROSS: gl.constexpr,
+              FP8: gl.constexpr):
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
     it = 0  # K/V blocks loaded so far: the ring's position runs on across tiles
     tile_i = 0
@@ -129,16 +131,21 @@ def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
             _load_rows(k_desc, k1_desc, off_z, off_h // GROUP, i * BLOCK_N, k_bars.index(s), k_smem.index(s),
                        k1_smem.index(s), HEAD_D0, SPLIT)
-            _load_rows(v_desc, v1_desc, off_z, off_h // GROUP, i * BLOCK_N, v_bars.index(s), v_smem.index(s),
-                       v1_smem.index(s), HEAD_D0, SPLIT)
+            if FP8:  # Vᵀ, (head dim, keys) boxes: the K-major B operand an fp8 wgmma needs
+                mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [off_z, off_h // GROUP, 0, i * BLOCK_N], v_bars.index(s), v_smem.index(s))
+            else:
+                _load_rows(v_desc, v1_desc, off_z, off_h // GROUP, i * BLOCK_N, v_bars.index(s), v_smem.index(s),
+                           v1_smem.index(s), HEAD_D0, SPLIT)
             it += 1
         tile_i += 1
 
 
 @gluon.jit
 def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key block's online-softmax step in base 2: (p, alpha, m_new, l_new)."""
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+    """One key block's online-softmax step in base 2: (p, alpha, m_new, l_new). FP8: p in
+    [0, 2^P_SHIFT] (``fp8_jit.P_SHIFT``), before its cast to e4m3; l carries the same factor."""
     if MASKED:
         keep = gl.expand_dims(cols, 0) < N_K
         if CAUSAL:
@@ -157,7 +164,10 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
         m_new = gl.maximum(m_i, gl.max(s_val, 1) * qk_scale)
         s_val = s_val * qk_scale
         m_sub = m_new
-    p = gl.exp2(s_val - gl.expand_dims(m_sub, 1))
+    if FP8:
+        p = gl.exp2(s_val - gl.expand_dims(m_sub - P_SHIFT_C, 1))
+    else:
+        p = gl.exp2(s_val - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -165,14 +175,14 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
 
 @gluon.jit
 def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """Block i's softmax step: unmasked below ``n_unmasked``, masked from there."""
     if i < n_unmasked:
         p, alpha, m_new, l_new = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale,
-                                                False, CAUSAL)
+                                                False, CAUSAL, FP8)
     else:
         p, alpha, m_new, l_new = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale,
-                                                True, CAUSAL)
+                                                True, CAUSAL, FP8)
     return p, alpha, m_new, l_new
 
 
@@ -189,11 +199,19 @@ def _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N: gl.constexpr, HEAD_D0: gl.co
 
 @gluon.jit
 def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
-        p1_layout: gl.constexpr):
+        p1_layout: gl.constexpr, FP8: gl.constexpr = False):
     """Issue O += P V on stage s (one async wgmma per column block): (acc's token, acc1's token, the
-    second block's P operand, which like P must stay alive until its wgmma is done)."""
-    o_tok = warpgroup_mma(p_op, v_smem.index(s).reshape([BLOCK_N, HEAD_D0]), acc, is_async=True)
-    if HEAD_D1 > 0:
+    second block's P operand, which like P must stay alive until its wgmma is done). FP8: the
+    stage holds Vᵀ (head dim x keys), read as V transposed (K-major, as an fp8 wgmma wants)."""
+    if FP8:
+        v = v_smem.index(s).reshape([HEAD_D0, BLOCK_N]).permute((1, 0))
+    else:
+        v = v_smem.index(s).reshape([BLOCK_N, HEAD_D0])
+    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+    if FP8:  # (one column block)
+        p1_op = p_op
+        o1_tok = acc1
+    elif HEAD_D1 > 0:
         p1_op = gl.convert_layout(p_op, p1_layout)  # the same registers (layouts equal but for N)
         o1_tok = warpgroup_mma(p1_op, v1_smem.index(s).reshape([BLOCK_N, HEAD_D1]), acc1, is_async=True)
     else:
@@ -203,9 +221,27 @@ def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.
 
 
 @gluon.jit
-def _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1: gl.constexpr):
-    """Wait for every wgmma in flight (the P V ones last): (acc, acc1), the P operands kept alive until then."""
-    if HEAD_D1 > 0:
+def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
+    """P as P V's A operand: in registers, or FP8 through this consumer's shared tile (an async
+    wgmma's wait cannot hold 8-bit register operands: "Unexpected bitwidth in WGMMAWaitGroupOp"
+    under Triton 3.6 and 3.9), once the previous P V has read it (the caller waits first)."""
+    if FP8:
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        p_op = p_smem
+    else:
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return p_op
+
+
+@gluon.jit
+def _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1: gl.constexpr, FP8: gl.constexpr = False):
+    """Wait for every wgmma in flight (the P V ones last): (acc, acc1), the P operands kept alive
+    until then (FP8: P is in shared memory)."""
+    if FP8:
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        acc1 = o1_tok
+    elif HEAD_D1 > 0:
         acc, acc1, p_op, p1_op = warpgroup_mma_wait(0, deps=(o_tok, o1_tok, p_op, p1_op))
     else:
         acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
@@ -223,21 +259,26 @@ def _store_rows(O, base, rows, n_q, stride_om, acc, COL0: gl.constexpr, WIDTH: g
 
 
 @gluon.jit
-def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, k_done,
-              v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
-              qk_scale, C: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              ACROSS: gl.constexpr, TMA_O: gl.constexpr, Q_REGS: gl.constexpr):
+def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
+              k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, Z, H, N_Q, N_K,
+              qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz, stride_dh,
+              C: gl.constexpr, GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              OVERLAP: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr, Q_REGS: gl.constexpr,
+              FP8: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
+    INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's K: 32 bytes of its operands' rows
+    OP_WIDTH: gl.constexpr = 4 if FP8 else 2  # register operands: 32 bits of elements per register
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D0, 16])
-    o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D1, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_D0, INSTR_K])
+    o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D1, INSTR_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=OP_WIDTH)
+    p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=OP_WIDTH)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=OP_WIDTH)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -277,6 +318,11 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         if CAUSAL:
             n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
         n_unmasked = gl.minimum(n_full, n_blocks)
+        if FP8:  # q's and k's descales join the scale; v's the normalization (per batch and kv head)
+            descale = off_z * stride_dz + (off_h // GROUP) * stride_dh
+            scale = qk_scale * gl.load(Q_DESCALE + descale) * gl.load(K_DESCALE + descale)
+        else:
+            scale = qk_scale
         m_i = gl.full([HALF_M_C], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([HALF_M_C], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([HALF_M_C, HEAD_D0], gl.float32, layout=o_layout)
@@ -303,8 +349,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                 s_tok = _qk(q, q1, k_smem, k1_smem, it % STAGES, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
                 s_val = warpgroup_mma_wait(0, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift,
-                                                   qk_scale, BLOCK_N, CAUSAL)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)  # acc is still 0: no rescale
+                                                   scale, BLOCK_N, CAUSAL, FP8)
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)  # acc is still 0: no rescale
                 for i in range(1, n_blocks):
                     s = (it + i) % STAGES
                     prev = (it + i - 1) % STAGES
@@ -312,24 +358,25 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                     mbarrier.wait(v_bars.index(prev), ((it + i - 1) // STAGES) & 1)
                     s_tok = _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
                     o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, prev, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1,
-                                               p1_layout)
+                                               p1_layout, FP8)
                     s_val = warpgroup_mma_wait(PV_OPS, deps=(s_tok,))
                     p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
-                                                       qk_scale, BLOCK_N, CAUSAL)
-                    acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                                                       scale, BLOCK_N, CAUSAL, FP8)
+                    acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
                     mbarrier.arrive(empty_bars.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
                 if not Q_FREE:
                     mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
                 if TMA_O:
                     mbarrier.arrive(k_done, count=1)  # ... and has read the last stage's K
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_bars.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
-                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, last, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout,
+                                           FP8)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
                 if K_AND_V:  # ... and its last P V has read the last stage's V
                     mbarrier.arrive(v_done, count=1)
                 if not TMA_O:  # (else the stage goes back once O has left it, below)
@@ -343,14 +390,14 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
                 mbarrier.wait(k_bars.index(s), phase)
                 s_val = warpgroup_mma_wait(0, deps=(_qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1),))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
-                                                   qk_scale, BLOCK_N, CAUSAL)
+                                                   scale, BLOCK_N, CAUSAL, FP8)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 if HEAD_D1 > 0:
                     acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
                 mbarrier.wait(v_bars.index(s), phase)
-                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout)
-                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1)
+                o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout, FP8)
+                acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
                 mbarrier.arrive(empty_bars.index(s), count=1)
             if not Q_FREE:
                 mbarrier.arrive(q_empty.index(C), count=1)
@@ -359,7 +406,11 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         inv_l = 1.0 / l_safe  # one reciprocal per row, a multiply per output
-        lse = gl.where(seen, (m_i + gl.log2(l_safe)) / LOG2E_C, float("-inf"))
+        if FP8:
+            inv_l = inv_l * gl.load(V_DESCALE + descale)
+            lse = gl.where(seen, (m_i + gl.log2(l_safe) - P_SHIFT_C) / LOG2E_C, float("-inf"))
+        else:
+            lse = gl.where(seen, (m_i + gl.log2(l_safe)) / LOG2E_C, float("-inf"))
         off_z64 = off_z.to(gl.int64)
         gl.store(LSE + off_z64 * stride_lz + off_h * stride_lh + rows, lse, mask=rows < N_Q)
         if TMA_O:  # (only where every tile sees a key, n_blocks > 0: a stage to store through)
@@ -377,11 +428,11 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty
             base = off_z64 * stride_oz + off_h * stride_oh
             acc = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
             _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o), N_Q, stride_om, acc,
-                        0, HEAD_D0, o_layout, dtype)
+                        0, HEAD_D0, o_layout, O.dtype.element_ty)
             if HEAD_D1 > 0:
                 acc1 = acc1 * gl.expand_dims(gl.convert_layout(inv_l, row_o1), 1)
                 _store_rows(O, base, first_row + gl.arange(0, HALF_M_C, layout=row_o1), N_Q, stride_om, acc1,
-                            HEAD_D0, HEAD_D1, o1_layout, dtype)
+                            HEAD_D0, HEAD_D1, o1_layout, O.dtype.element_ty)
         it += n_blocks
         tile_i += 1
 
@@ -422,11 +473,11 @@ def _store_through(acc, acc1, inv_l, ring, ring1, empty_bars, o_desc, o1_desc, o
 @gluon.jit(do_not_specialize=["Z", "H", "N_Q", "N_K", "stride_lz", "stride_lh"])
 def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, o1_desc,
              stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-             Z, H, N_Q, N_K, qk_scale,
+             Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz, stride_dh,
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr,
-             Q_REGS: gl.constexpr):
+             Q_REGS: gl.constexpr, FP8: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
@@ -438,6 +489,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     gl.static_assert(not TMA_O or (OVERLAP and BLOCK_N >= HALF_M_C))
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(not FP8 or (HEAD_D1 == 0 and not TMA_O and not Q_REGS))  # (a bf16 O is no e4m3 tile's size)
     SPLIT: gl.constexpr = HEAD_D1 > 0
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -451,6 +503,11 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
         q1_smem = q_smem
         k1_smem = k_smem
         v1_smem = v_smem
+    if FP8:  # each consumer's P, P V's A operand (_p_operand)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M_C, BLOCK_N], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M_C, BLOCK_N], p_layout)
+    else:  # never touched
+        p_smem = q_smem
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -474,25 +531,28 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     # turn its constexprs (C, BLOCK_N, ...) into tensors
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
-                         stride_lh, Z, H, N_Q, N_K, qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, OVERLAP, ACROSS, TMA_O, Q_REGS)),
-            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
-                         stride_lh, Z, H, N_Q, N_K, qk_scale, 1, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, OVERLAP, ACROSS, TMA_O, Q_REGS)),
+            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars,
+                         empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
+                         stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
+                         stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
+                         TMA_O, Q_REGS, FP8)),
+            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars,
+                         empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
+                         stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
+                         stride_dh, 1, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
+                         TMA_O, Q_REGS, FP8)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
-                         stride_lh, Z, H, N_Q, N_K, qk_scale, 0, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, OVERLAP, ACROSS, TMA_O, Q_REGS)),
+            (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars,
+                         empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
+                         stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
+                         stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
+                         TMA_O, Q_REGS, FP8)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS)),
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
         ], [1], [PRODUCER_REGS])
