@@ -861,3 +861,31 @@ def test_the_variants_on_the_gluon_backward(monkeypatch, variants, head_dim, det
     assert hopper_bwd.LAST_PATH in (flash_hopper.GLUON_PATH, hopper_bwd.FUSED_PATH), hopper_bwd._checked
     for got, ref in zip(grads, refs):
         assert (got.float() - ref.float()).abs().max().item() <= hopper_bwd.CHECK_ATOL[BF16]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
+@pytest.mark.parametrize("name", ["d64", "d64-persistent", "d64-m64", "d128", "d128-persistent", "d128-m64",
+                                  "d256", "d256-base"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1037, True), (1, 4, 4, 4096, 4096, False), (1, 4, 1, 17, 300, True)],
+                         ids=["gqa-ragged-causal", "4k-full", "short-mqa-causal"])
+def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):
+    """hopper.run_fp8 (in no route yet) by FlashAttention-3's rule, as the portable fp8 kernel is
+    judged: the truth on the dequantized inputs, the yardstick with P rounded to e4m3."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    from flashrun.harness.inputs import head_scales
+    from flashrun.harness.judge import compare
+    from flashrun.harness.reference import attention_fp8_yardstick, attention_ref
+    from flashrun.kernels import quantize_qkv
+
+    cfg = flash_hopper.KERNELS[name]
+    z, h, h_kv, n_q, n_k, causal = shape
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(z, h, n_q, cfg.head_dim, device="cuda", generator=gen).to(BF16)
+    k, v = (torch.randn(z, h_kv, n_k, cfg.head_dim, device="cuda", generator=gen).to(BF16) for _ in range(2))
+    q8, k8, v8, *descales = quantize_qkv(q, k, v)
+    o, _ = flash_hopper.run_fp8(q8, k8, v8, *descales, cfg.head_dim ** -0.5, causal, cfg)
+    held = [x8.float() * head_scales(d, x8.shape[1]) for x8, d in zip((q8, k8, v8), descales)]
+    truth = attention_ref(*held, causal=causal)
+    check = compare("out", o, truth, attention_fp8_yardstick(*held, causal=causal))
+    assert check.passed, check.reason()
