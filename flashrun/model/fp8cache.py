@@ -12,7 +12,7 @@ mark would see only the new keys; the next ``update`` of that layer raises inste
 
 :class:`HeldCache` is the yardstick's: a plain dynamic cache whose layers store exactly what the
 fp8 cache holds - the same power-of-two token scales, applied to the keys in the queries' dtype
-(:func:`~flashrun.harness.inputs.as_cached`) - dequantized, for the baseline attention in high
+(:func:`~flashrun.harness.inputs.to_e4m3`) - dequantized, for the baseline attention in high
 precision. A kernel that reads its fp8 cache right generates the tokens the baseline generates
 from the held cache.
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from flashrun.harness.inputs import as_cached
+from flashrun.harness.inputs import from_e4m3, to_e4m3
 from flashrun.model.swap import PENDING, Unsupported, reference_attention
 
 # the fp8 cache's query dtype per model dtype: e4m3 caches take 16-bit queries
@@ -132,8 +132,7 @@ def held_as_fp8(x: torch.Tensor) -> torch.Tensor:
     """Keys or values (B, H_kv, N, D) as an fp8 cache with token scales holds them, in x's dtype:
     first in the cache's query dtype (as the swap hands them to the kernel), then each (key, kv
     head) row quantized by its own power-of-two scale."""
-    dtype = QUERY_DTYPE[x.dtype]
-    return as_cached(x.to(dtype), torch.ones(1, device=x.device)).to(x.dtype)
+    return from_e4m3(*to_e4m3(x.to(QUERY_DTYPE[x.dtype]), "token"), x.dtype)
 
 
 class HeldCache(Cache):
