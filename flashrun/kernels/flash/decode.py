@@ -113,13 +113,16 @@ def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel
 # Plans
 
 
-def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0) -> LaunchConfig:
+def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0, kv_fp8: bool = False) -> LaunchConfig:
     """The fixed config; a paged cache whose pages do not hold whole key blocks (each key's page
     looked up) at most 2 stages: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
-    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21)."""
+    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21). An fp8 cache
+    takes 32-key tiles too: its 64-key tiles, widened to the queries' dtype, spilled 224-240 B with
+    pages and 48 B without (sm_90, Triton 3.6; 32 keys: none, tests/compile_for_gpu.py); not yet
+    timed on a GPU (benchmarks/suites/decode-fp8.toml)."""
     if INTERPRETED:
         return DECODE_INTERPRETER
-    cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
+    cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 or kv_fp8 else DECODE
     if page_size % cfg.block_n:
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2))
     return cfg
@@ -236,7 +239,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
         variant = replace(variant, causal=False)
     group = dims.heads // dims.kv_heads
-    cfg = _config(dtype, dims.head_dim, dims.page_size)
+    cfg = _config(dtype, dims.head_dim, dims.page_size, dims.kv_fp8)
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
