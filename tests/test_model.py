@@ -464,3 +464,19 @@ def test_the_speed_plot_leaves_out_what_a_row_does_not_time(tmp_path):
     report.speed = [SpeedRow("flash", 2.0, 1.0, 3.0, 1.0, 0.5, 2.0, 1.0, 1.0),
                     SpeedRow("flash e4m3-kv", decode_ms=0.4, decode_tok_s=2.5)]
     assert model_run.plot(report, tmp_path / "speed.png").stat().st_size > 0
+
+
+def test_the_speed_table_is_whole_at_80_columns_with_the_reasons_below():
+    from flashrun.model.speed import SpeedRow
+
+    report = model_run.Report(model_run.make_plan(load_config(None, None, {}, [])))
+    report.speed = [SpeedRow("flash", 1133.1, 9.0, 42.5, 9.0, 7.9, 42000.7, 18.3, 9.1, 1.02, 1.0),
+                    SpeedRow("flash e4m3-kv", decode_ms=7.9, decode_tok_s=506.3, note="decode only"),
+                    SpeedRow("flash_attention_2", status="n/a", note="flash-attn is not installed")]
+    console = Console(width=80, record=True, force_terminal=False)
+    model_run._render_speed(report, console)
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    for whole in ("flash_attention_2", "flash e4m3-kv", "decode tok/s", "prefill ms", "1,133.1", "42,001",
+                  "flash_attention_2: n/a, flash-attn is not installed"):
+        assert whole in text, whole

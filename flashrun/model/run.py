@@ -315,16 +315,23 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def _render_speed(report: Report, console: Console) -> None:
+    """The speed table, each column as wide as its widest cell (ids and numbers never cut at 80
+    columns), and under it why a row did not run."""
     b = report.plan
-    table = Table(title=f"speed, batch {b.batch} x {b.seq_len} tokens", box=box.SIMPLE_HEAD, show_edge=False)
-    for name, justify in (("attention", "left"), ("train ms", "right"), ("x", "right"), ("train GiB", "right"),
-                          ("prefill ms", "right"), ("x", "right"), ("decode tok/s", "right"), ("note", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "note", overflow="fold")
-    for r in report.speed:
-        table.add_row(escape(r.attention), _fmt(r.train_ms), _fmt(r.speedup_train, 2), _fmt(r.train_peak_gib),
-                      _fmt(r.prefill_ms), _fmt(r.speedup_prefill, 2), _fmt(r.decode_tok_s, 0),
-                      escape(r.note if r.status != "ok" else ""))
+    columns = (("attention", "left"), ("train ms", "right"), ("x", "right"), ("train GiB", "right"),
+               ("prefill ms", "right"), ("x", "right"), ("decode tok/s", "right"))
+    rows = [(r.attention, _fmt(r.train_ms), _fmt(r.speedup_train, 2), _fmt(r.train_peak_gib), _fmt(r.prefill_ms),
+             _fmt(r.speedup_prefill, 2), _fmt(r.decode_tok_s, 0)) for r in report.speed]
+    table = Table(title=f"speed, batch {b.batch} x {b.seq_len} tokens", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, collapse_padding=True)
+    for i, (name, justify) in enumerate(columns):
+        table.add_column(name, justify=justify, no_wrap=True, min_width=max(len(name), *(len(row[i]) for row in rows)))
+    for row in rows:
+        table.add_row(*map(escape, row))
     console.print(table)
+    for r in report.speed:
+        if r.status != "ok":
+            console.print(f"  {escape(r.attention)}: {r.status}, {escape(r.note)}", highlight=False)
 
 
 def plot(report: Report, path: Path) -> Path:
