@@ -427,7 +427,21 @@ def test_every_kernel_fits_an_sm(name):
     assert hopper_bwd.launched_threads(cfg) * cfg.maxnreg <= 65536
     assert cfg.consumers * 128 * cfg.consumer_regs + 128 * cfg.producer_regs <= 65536
     assert cfg.stages >= 2 and cfg.head_dim in hopper_bwd.HEAD_DIMS
-    assert hopper_bwd.DEFAULT[cfg.head_dim] in hopper_bwd.KERNELS
+
+
+@pytest.mark.parametrize("routes", ["DEFAULT", "FUSED"])
+def test_the_routes_name_kernels_for_their_head_dims(routes):
+    table = getattr(hopper_bwd, routes)
+    assert all(hopper_bwd.KERNELS[name].head_dim == d for d, name in table.items())
+
+
+def test_a_head_dim_without_a_route_stays_portable():
+    """256 has a kernel (for the probe) and no route yet: out of scope, with dQ inside or not."""
+    q = torch.empty(1, 2, 64, 256, dtype=torch.bfloat16)
+    variant = flash._variant(q, 1, q.shape[2], True, (-1, -1), 0.0, None)
+    assert 256 in hopper_bwd.HEAD_DIMS and 256 not in hopper_bwd.DEFAULT
+    for fused in (False, True):
+        assert hopper_bwd.scope(q, q, q, q, variant, fused).startswith("head_dim 256")
 
 
 @pytest.mark.parametrize("name", sorted(set(hopper_bwd.FUSED.values())))

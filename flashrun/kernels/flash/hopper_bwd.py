@@ -76,8 +76,9 @@ from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, launch
 
 
 DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = (64, 80, 96, 128, 192)  # 80, 96 and 192 as two column blocks, 64 + 16, 64 + 32 and 128 + 64
-# (:func:`BwdConfig.blocks`); 192 on the transposed kernel (:attr:`BwdConfig.transposed`)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)  # 80, 96, 192 and 256 as two column blocks, 64 + 16, 64 + 32, 128 + 64
+# and 128 + 128 (:func:`BwdConfig.blocks`); 192 and 256 on the transposed kernel (:attr:`BwdConfig.transposed`);
+# a head dim runs where DEFAULT (FUSED with dQ inside) names a kernel for it
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
 # softcap and ALiBi on the Gluon kernel (not the transposed one): built and compiled for sm_90, off
@@ -111,7 +112,10 @@ class BwdConfig:
     @property
     def blocks(self) -> tuple[int, int]:
         """(HEAD_D, HEAD_D1): the head dim's column blocks, a power of two and the rest (0: one
-        block), as the Gluon forward splits 192 (``hopper.split_head_dim``): 96 = 64 + 32."""
+        block), as the Gluon forward splits 192 (``hopper.split_head_dim``): 96 = 64 + 32; 256 on the
+        transposed kernel as 128 + 128 (its loops tile both blocks in 64-column dQ tiles)."""
+        if self.transposed and self.head_dim == 256:
+            return 128, 128
         return hopper.split_head_dim(self.head_dim)
 
     @property
@@ -150,6 +154,11 @@ KERNELS = {
     "d80-dqs": BwdConfig(80, dq_split=True),
     "d96-dqs": BwdConfig(96, dq_split=True),
     "d192": BwdConfig(192, keys=32),
+    # 256 = 128 + 128 as 192: K + V 64 KB, two stages of Q and dO 128 KB, P and dS 24 KB (217 KB; no room
+    # for the dQ tiles, so dQ stays portable). Spill-free for sm_90 under Triton 3.9; under 3.6 the
+    # GQA 1:1 launch (dK/dV handed to the producer's TMA stores) spills 16 B. In no route until
+    # benchmarks/probes/gluon_bwd_probe.py --kernels d256 has timed it against the portable dK/dV.
+    "d256": BwdConfig(256, keys=32),
 }
 # what the path runs; benchmarks/probes/gluon_bwd_probe.py times the rest
 DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128", 192: "d192"}
@@ -265,8 +274,9 @@ def scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, v
         return "packed sequences"
     if q.shape[0] > 65535:  # the grid's third dimension
         return f"batch {q.shape[0]} > 65535"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]}"
+    cfg = OVERRIDE if OVERRIDE is not None else KERNELS.get(kernel_for(q.shape[-1], fused) or "")
+    if q.shape[-1] not in HEAD_DIMS or cfg is None or (fused and not fusable(cfg)):
+        return f"head_dim {q.shape[-1]}" + (" with dQ inside" if fused and q.shape[-1] in HEAD_DIMS else "")
     why = variants_reason(q.shape[-1], fused, variant)
     if why:
         return why

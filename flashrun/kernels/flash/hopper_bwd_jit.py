@@ -834,7 +834,7 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     masks, with keys on S's columns."""
     gl.static_assert(CONSUMERS == 2)
     gl.static_assert(STAGES >= 2)
-    gl.static_assert(HEAD_D == 128 and HEAD_D1 == 64)  # 192: the dQ tiles' 64 columns tile both blocks
+    gl.static_assert(HEAD_D == 128 and (HEAD_D1 == 64 or HEAD_D1 == 128))  # 192, 256: dQ's 64-column tiles tile both blocks
     gl.static_assert(not SOFTCAP and not ALIBI)
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
