@@ -114,8 +114,8 @@ def test_kvcache_split_path_and_one_split():
 
 def test_new_keys_may_differ_in_the_stride_of_a_size_one_dim():
     """One kv head: k from a (B, H_kv, S, D) transpose and a contiguous v lay out the same
-    elements alike though their head strides differ; the call takes them (it refused them once,
-    with a hint - contiguous() - that does not change such a stride)."""
+    elements alike though their head strides differ; the call takes them as they are. New keys
+    and values laid out differently are copied into one layout (they were refused once)."""
     shape, inputs = _cache_inputs((5, 9), 4, 1, 1, 16, new_keys=3)
     k, v = inputs.k_new, inputs.v_new
     b, n, _, d = k.shape
@@ -126,9 +126,12 @@ def test_new_keys_may_differ_in_the_stride_of_a_size_one_dim():
     outs = [flash_attention_with_kvcache(inputs.q, kc, vc, lengths, k=kn, v=v)
             for (kc, vc), kn in zip(caches, (k, k_odd))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0][0], caches[1][0])
-    with pytest.raises(ArgumentError, match="same strides"):  # a layout that differs does not pass
-        flash_attention_with_kvcache(inputs.q, *caches[0], lengths, k=k.transpose(1, 3).contiguous().transpose(1, 3),
-                                     v=v)
+    # a layout that differs (views of one fused qkv projection, as phi3's) is copied into one
+    caches.append((inputs.k.clone(), inputs.v.clone()))
+    out = flash_attention_with_kvcache(inputs.q, *caches[2], lengths, k=k.transpose(1, 3).contiguous().transpose(1, 3),
+                                       v=v)
+    assert torch.equal(out, outs[0]) and torch.equal(caches[2][0], caches[0][0]) and torch.equal(caches[2][1],
+                                                                                                  caches[0][1])
 
 
 def test_kvcache_argument_errors():

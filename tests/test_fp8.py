@@ -186,3 +186,16 @@ def test_an_e4m3_output_is_judged_with_the_rounding_it_cannot_avoid():
     assert compare("out", rounded, truth, yardstick).passed
     forgot = (truth / vd.double()).clamp(-448, 448).to(E4M3)
     assert not compare("out", forgot, truth, yardstick).passed
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-tensor"])
+def test_the_judge_dequantizes_either_descale_layout(per_head):
+    """cuDNN's fp8 provider quantizes per tensor (descales of shape ()): the truth is built on them too."""
+    from flashrun.harness.inputs import Inputs
+    from flashrun.harness.judge import dequantized
+
+    q, k, v = (torch.randn(2, h, 33, 64) for h in (4, 2, 2))
+    q8, k8, v8, *descales = quantize_qkv(q, k, v, per_head=per_head)
+    held = dequantized(Inputs(q=q8, k=k8, v=v8, dout=q, descales=tuple(descales)))
+    for x8, x, d in zip((q8, k8, v8), (held.q, held.k, held.v), descales):
+        assert torch.equal(x, _dequantized(x8, d).float())

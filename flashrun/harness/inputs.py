@@ -155,7 +155,9 @@ def to_e4m3_heads(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.T
 
 
 def head_scales(descale: torch.Tensor, heads: int) -> torch.Tensor:
-    """Descales (B, H_kv) broadcast over (B, heads, N, D)."""
+    """Descales (B, H_kv) broadcast over (B, heads, N, D); one for the whole tensor (shape ()) as it is."""
+    if descale.dim() == 0:
+        return descale
     return descale.repeat_interleave(heads // descale.shape[1], 1)[..., None, None]
 
 

@@ -333,6 +333,11 @@ FP8_CACHE = (torch.float8_e4m3fn,)  # cache dtypes stored in 8 bits, dequantized
 FP8_MAX = 448.0  # e4m3's largest finite value
 
 
+def _layouts_differ(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether new keys and values lay their elements out differently (a size-1 dim's stride never counts)."""
+    return k.shape == v.shape and any(a != b for a, b, n in zip(k.stride(), v.stride(), k.shape) if n > 1)
+
+
 def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale=None, v_scale=None) -> _Dims:
     """Check the KV-cache call's tensors (every message names the argument) and size it."""
     _tensor_arg(q, "q", 4, "(batch, seqlen_q, heads, head_dim)")
@@ -390,9 +395,6 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale
         if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
             raise KernelError(f"k and v must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device} and "
                               f"{v.dtype} on {v.device}")
-        if any(a != b for a, b, n in zip(k.stride(), v.stride(), k.shape) if n > 1):  # a size-1 dim's never counts
-            raise ArgumentError(f"k and v must have the same strides, got {k.stride()} and {v.stride()}",
-                                hint="pass k.contiguous() and v.contiguous()")
         n_new, new_strides = k.shape[1], tuple(k.stride())
         if n_new > capacity:
             raise ArgumentError(f"{n_new} new keys do not fit a cache of {capacity} per sequence")
@@ -542,6 +544,8 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     ``return_softmax_lse``: what merging attention over several caches needs. A tensor
     ``cache_seqlens`` is read back once per version to check it; the call can be captured in a
     CUDA graph."""
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and _layouts_differ(k, v):
+        k, v = k.contiguous(), v.contiguous()  # one layout for the kernel (views of a fused qkv differ: phi3's)
     slopes = alibi_slopes
     options = (causal, window, softcap, sm_scale)
     if not plain_options(causal, window, softcap, sm_scale):
