@@ -268,7 +268,8 @@ def test_tma_alignment():
     (64, 1024, 8192, True, None), (64, 1024, 8191, True, "fewer than 8192 query tiles of 128 rows at 1024 keys"),
     (64, 512, 8192, True, "head_dim 64 causal with fewer than 1024 keys"),
     (64, 8192, 1, True, None), (256, 40, 1, False, None),
-    (256, 40, 1, True, None), (192, 40, 1, True, None), (192, 4096, 1, False, None), (96, 4096, 1, False, "head_dim 96")])
+    (256, 40, 1, True, None), (192, 40, 1, True, None), (192, 4096, 1, False, None), (96, 4096, 1, False, None),
+    (96, 8192, 1, True, None), (96, 512, 1, False, "fewer than 1024 keys"), (80, 4096, 1, False, "head_dim 80")])
 def test_where_the_h200_measured_it_faster(head_dim, n_k, tiles, causal, why):
     # round 6's H200 probe (NOTES v6): 128 from 2048 keys, 64 from 2048 (8192 causal), 192 and 256
     # at every length; round 12's (NOTES v12): 128 causal from 2048 keys (was 4096); round 14's
