@@ -843,7 +843,7 @@ def test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready(mo
                          ids=["softcap", "alibi", "both", "both+window"])
 @pytest.mark.parametrize("head_dim,deterministic", [(64, False), (64, True), (96, None), (128, None), (128, True)])
 def test_the_variants_on_the_gluon_backward(monkeypatch, variants, head_dim, deterministic):
-    """FLASHRUN_HOPPER_BWD_VARIANTS=1: softcap, ALiBi and both on the Gluon dK/dV (with dQ inside at
+    """Softcap, ALiBi and both on the Gluon dK/dV (with dQ inside at
     64), GQA 4:1, ragged lengths, against the portable backward at the kernels' first-use tolerance."""
     if flash_hopper.gluon_api():
         pytest.skip(flash_hopper.gluon_api())

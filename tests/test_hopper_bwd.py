@@ -138,12 +138,13 @@ def test_on_still_needs_an_sm90_gpu(monkeypatch):
 @pytest.mark.parametrize("change,why", [
     (dict(dtype=torch.float32), "dtype"), (dict(d=96), None), (dict(d=80, causal=True), None),
     (dict(d=112), "head_dim 112"), (dict(d=192), None), (dict(d=160), "head_dim 160"),
-    (dict(d=256), "head_dim 256"),
+    (dict(d=256), None), (dict(d=320), "head_dim 320"),
     (dict(window=(8, 0)), None), (dict(window=(3, 5), causal=False), None),
-    (dict(softcap=5.0), "not yet run on a GPU"), (dict(alibi=True), "not yet run on a GPU"),
+    (dict(softcap=5.0), None), (dict(alibi=True), None), (dict(d=192, softcap=5.0), "softcap/ALiBi at head_dim 192"),
     (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
     (dict(), None), (dict(d=128, causal=True, h=8, h_kv=2, n_k=40), None), (dict(model_view=True), None)])
-def test_scope(change, why):
+def test_scope(change, why, monkeypatch):
+    monkeypatch.delenv(hopper_bwd.VARIANTS_ENV, raising=False)
     d, dtype = change.get("d", 64), change.get("dtype", torch.bfloat16)
     q, k, v, do = _inputs(d=d, dtype=dtype, h=change.get("h", 2), h_kv=change.get("h_kv", 2), n_k=change.get("n_k"))
     if change.get("strided_do"):
@@ -436,12 +437,11 @@ def test_the_routes_name_kernels_for_their_head_dims(routes):
 
 
 def test_a_head_dim_without_a_route_stays_portable():
-    """256 has a kernel (for the probe) and no route yet: out of scope, with dQ inside or not."""
+    """256 has a dK/dV kernel and none with dQ inside: the fused backward is out of scope there."""
     q = torch.empty(1, 2, 64, 256, dtype=torch.bfloat16)
     variant = flash._variant(q, 1, q.shape[2], True, (-1, -1), 0.0, None)
-    assert 256 in hopper_bwd.HEAD_DIMS and 256 not in hopper_bwd.DEFAULT
-    for fused in (False, True):
-        assert hopper_bwd.scope(q, q, q, q, variant, fused).startswith("head_dim 256")
+    assert hopper_bwd.scope(q, q, q, q, variant, False) is None
+    assert hopper_bwd.scope(q, q, q, q, variant, True) == "head_dim 256 with dQ inside"
 
 
 @pytest.mark.parametrize("name", sorted(set(hopper_bwd.FUSED.values())))
@@ -662,3 +662,10 @@ def test_a_kernel_that_drops_the_softcap_fails_its_check_and_the_portable_backwa
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     plain = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
     assert hopper_bwd._checked.get(hopper_bwd._key(q.dtype, 64, False, plain)) is None  # the plain path's own verdict
+
+
+def test_the_variants_turn_off(monkeypatch):
+    q, k, v, do = _inputs(d=64, dtype=torch.bfloat16, h=2, h_kv=2, n_k=None)
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 5.0, None)
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "0")
+    assert "FLASHRUN_HOPPER_BWD_VARIANTS=0" in hopper_bwd.scope(q, k, v, do, variant)
