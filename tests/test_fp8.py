@@ -199,3 +199,44 @@ def test_the_judge_dequantizes_either_descale_layout(per_head):
     held = dequantized(Inputs(q=q8, k=k8, v=v8, dout=q, descales=tuple(descales)))
     for x8, x, d in zip((q8, k8, v8), (held.q, held.k, held.v), descales):
         assert torch.equal(x, _dequantized(x8, d).float())
+
+
+def _portable(q8, k8, v8, descales, scale, causal):
+    return flash_attention_fp8(q8, k8, v8, *descales, causal=causal, sm_scale=scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_first_use_check_passes_a_right_kernel_and_fails_wrong_ones(head_dim):
+    """The GPU's e4m3 forward (the Gluon kernel) runs after this check; here the portable kernel,
+    right in the interpreter, stands in for it, and wrong ones must fail."""
+    from flashrun.kernels.flash import fp8
+
+    cpu = torch.device("cpu")
+    assert fp8.check(_portable, cpu, head_dim) is None
+    scaled = lambda *a: _portable(*a) * 1.05  # O off by 5 %: past twice the rounding of P
+    assert "max error" in fp8.check(scaled, cpu, head_dim)
+    unmasked = lambda q8, k8, v8, d, scale, causal: _portable(q8, k8, v8, d, scale, False)
+    assert "causal" in fp8.check(unmasked, cpu, head_dim)
+
+    def raises(*_):
+        raise RuntimeError("no kernel image")
+    assert "RuntimeError: no kernel image" in fp8.check(raises, cpu, head_dim)
+
+
+def test_the_gpu_fallback_on_the_dequantized_inputs_passes_the_rule():
+    """Where the GPU's kernel cannot run a call, it runs dequantized in bf16: right by the same rule."""
+    from flashrun.kernels.flash import fp8
+
+    def dequantized(q8, k8, v8, descales, scale, causal):
+        return fp8._dequantized(q8, k8, v8, descales, 1, 2, scale, causal, (-1, -1))
+    assert fp8.check(dequantized, torch.device("cpu"), 64) is None
+    assert torch.equal(fp8._per_kv_head(torch.tensor(0.5), 2, 3), torch.full((2, 3), 0.5))
+
+
+def test_v_laid_out_seq_major_once():
+    from flashrun.kernels.flash.fp8 import seq_major
+
+    v = torch.randn(2, 3, 37, 64).to(torch.float8_e4m3fn)
+    v8 = seq_major(v)
+    assert torch.equal(v8.float(), v.float()) and v8.stride(2) == 1 and v8.stride(3) == 48
+    assert seq_major(v8) is v8

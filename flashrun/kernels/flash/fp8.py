@@ -13,23 +13,31 @@ FP8 forward does it:
     so the 256 cancels, and v_descale multiplies the normalization.
   * P·V is an fp8 product too, with float32 accumulation; O is written in bf16.
 
-The kernel is the portable Triton one (:mod:`.fp8_jit`): any GPU with fp8 tensor cores, and the
-CPU interpreter, where the cast of P to e4m3 is emulated (the interpreter's own rounds wrongly).
-Causal (bottom-right), sliding windows and GQA/MQA are supported; packed sequences, softcap and
-ALiBi are not (an ArgumentError says so). No backward: a call that would need one raises.
+Kernels: on an sm_90 GPU the Gluon forward with e4m3 wgmmas (:func:`.hopper.run_fp8`, :data:`GLUON`),
+head_dim 64, 128 and 256, causal or not, GQA/MQA, after a first-use check against FlashAttention-3's
+rule on small inputs (:func:`check`). The portable Triton kernel (:mod:`.fp8_jit`) runs under the CPU
+interpreter, where the cast of P to e4m3 is emulated (the interpreter's own rounds wrongly), with
+sliding windows too; on the H200 (Triton 3.6) it returned errors of 1e3-1e4 on every shape, so on a
+GPU it is never run: a call the Gluon kernel cannot take (another GPU, head dim or a window) runs on
+what its inputs hold, dequantized to bf16, through the bf16 kernel, with one warning that says why.
+Packed sequences, softcap and ALiBi are not supported (an ArgumentError says so). No backward: a
+call that would need one raises.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from flashrun.errors import ArgumentError, KernelError
-from flashrun.kernels.flash.args import _check_device, _variant
+from flashrun.kernels.flash.args import _check_device, _variant, tma_aligned
 from flashrun.kernels.flash.fp8_jit import _attn_fwd_fp8
 from flashrun.kernels.tuning import INTERPRETED, cdiv, next_power_of_2
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+log = logging.getLogger("flashrun.hopper")
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -37,6 +45,11 @@ E4M3_MAX = 448.0
 # stages) this one spills least at head_dim 128 (the pointer loads' 64-bit addresses take registers;
 # TMA loads, as the bf16 forward's, are the next step)
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 8, 2
+# The Gluon kernel per head dim, as the H200 timed them (short_forward_probe.py --cells fp8, bf16 inputs
+# quantized per (batch, kv head), 1024-16384 keys): the fastest of the one-block kernels in most cells
+GLUON = {64: "d64-persistent", 128: "d128-persistent", 256: "d256-base"}
+_checked: dict[int, str | None] = {}  # head_dim -> None (the Gluon kernel agreed) or why not
+_said: set[str] = set()  # why a GPU call ran dequantized, each said once per process
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, per_head: bool = True
@@ -67,11 +80,20 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, per_head:
         return (x.float() / expand).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
     q_descale, k_descale, v_descale = scale(q, heads // kv_heads), scale(k, 1), scale(v, 1)
-    # seq-contiguous, each (head dim) row of N keys padded to 16 bytes: a TMA descriptor can read Vᵀ tiles
-    rows = torch.empty(v.shape[0], kv_heads, v.shape[3], -(-v.shape[2] // 16) * 16, dtype=E4M3, device=v.device)
-    v8 = rows[..., : v.shape[2]]
-    v8.copy_(cast(v, v_descale).transpose(2, 3))
-    return cast(q, q_descale), cast(k, k_descale), v8.transpose(2, 3), q_descale, k_descale, v_descale
+    return cast(q, q_descale), cast(k, k_descale), seq_major(cast(v, v_descale)), q_descale, k_descale, v_descale
+
+
+def seq_major(v8: torch.Tensor) -> torch.Tensor:
+    """``v8`` (B, H_kv, N, D) laid out seq-contiguous, each (head dim) row of N keys padded to 16
+    bytes, so that a TMA descriptor can read Vᵀ tiles: a (B, H_kv, N, D) view of (B, H_kv, D, N')
+    memory. ``v8`` itself when it is laid out so already."""
+    if v8.stride(2) == 1 and v8.data_ptr() % 16 == 0 and all(st > 0 and st % 16 == 0 for st in (
+            v8.stride(0), v8.stride(1), v8.stride(3))):
+        return v8
+    rows = torch.empty(v8.shape[0], v8.shape[1], v8.shape[3], -(-v8.shape[2] // 16) * 16, dtype=v8.dtype,
+                       device=v8.device)
+    rows[..., : v8.shape[2]].copy_(v8.transpose(2, 3))
+    return rows[..., : v8.shape[2]].transpose(2, 3)
 
 
 def _descale(x: float | torch.Tensor | None, name: str, batch: int, kv_heads: int, device: torch.device
@@ -125,10 +147,20 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if len(strides) > 1:
         raise ArgumentError("the (batch, kv head) descales must share one layout")
     stride_dz, stride_dh = strides.pop() if strides else (0, 0)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if q.device.type == "cuda" and not INTERPRETED:
+        if n_q == 0 or batch == 0:
+            return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        why = gluon_reason(q, k, variant)
+        if why is None:
+            return _run_gluon(q, k, v, [d[0] for d in descales], batch, kv_heads, scale, variant.causal)
+        if why not in _said:
+            _said.add(why)
+            log.warning("flashrun: the fp8 forward runs dequantized, in bf16, where its kernel cannot (%s)", why)
+        return _dequantized(q, k, v, [d[0] for d in descales], batch, kv_heads, scale, causal, window)
     o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     if n_q == 0 or batch == 0:
         return o
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     var = variant.kernel_args(scale, torch.bfloat16)
     grid = (cdiv(n_q, BLOCK_M), batch * heads)
     _attn_fwd_fp8[grid](q, k, v, o, descales[0][0], descales[1][0], descales[2][0],
@@ -138,3 +170,97 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=var["CAUSAL"], WINDOW=var["WINDOW"],
                         INTERPRETED=INTERPRETED, num_warps=WARPS, num_stages=STAGES)
     return o
+
+
+# -- the Gluon sm_90 kernel -------------------------------------------------------------------------
+
+
+def gluon_reason(q: torch.Tensor, k: torch.Tensor, variant) -> str | None:
+    """None when the Gluon e4m3 forward takes this call (its first-use check run, once per head
+    dim and process), else why not."""
+    from flashrun.kernels.flash import hopper
+
+    if not hopper.ENABLED or hopper._disabled_by_env():
+        return "the Gluon kernels are turned off (FLASHRUN_HOPPER=0)"
+    if hopper._capability(q.device.index or 0) != (9, 0):
+        return "not an sm_90 GPU"
+    head_dim = q.shape[-1]
+    if head_dim not in GLUON:
+        return f"head_dim {head_dim}"
+    if variant.window is not None:
+        return "a sliding window"
+    if not (tma_aligned(q) and tma_aligned(k)):
+        return "q or k strides or base not 16-byte aligned"
+    reason = hopper._api_reason()
+    if reason is None and head_dim not in _checked:
+        if torch.cuda.is_current_stream_capturing():
+            return "its first-use check cannot run under CUDA-graph capture: call it once before capturing"
+        _checked[head_dim] = check(_gluon, q.device, head_dim)
+        if _checked[head_dim]:
+            log.warning("flashrun: the fp8 forward is off for head_dim %d in this process (%s)", head_dim,
+                        _checked[head_dim])
+        else:
+            log.info("fp8 forward path %s for head_dim %d (within FlashAttention-3's rule on its first use)",
+                     hopper.GLUON_PATH, head_dim)
+    return reason or _checked.get(head_dim)
+
+
+def _gluon(q8, k8, v8, descales, scale: float, causal: bool) -> torch.Tensor:
+    """The Gluon kernel of :data:`GLUON` on e4m3 inputs; descales float32 (B, H_kv)."""
+    from flashrun.kernels.flash import hopper
+
+    return hopper.run_fp8(q8, k8, seq_major(v8), *descales, scale, causal, hopper.KERNELS[GLUON[q8.shape[-1]]])[0]
+
+
+def _run_gluon(q, k, v, descales, batch: int, kv_heads: int, scale: float, causal: bool) -> torch.Tensor:
+    """:func:`_gluon` with each descale as one (B, H_kv) float32 tensor (a scalar spread over it)."""
+    return _gluon(q, k, v, [_per_kv_head(d, batch, kv_heads) for d in descales], scale, causal)
+
+
+def _per_kv_head(descale: torch.Tensor, batch: int, kv_heads: int) -> torch.Tensor:
+    """A descale as one float32 (B, H_kv) tensor (one for the whole tensor spread over it)."""
+    return descale.reshape(1, 1).expand(batch, kv_heads).contiguous() if descale.numel() == 1 else descale
+
+
+def _dequantized(q8, k8, v8, descales, batch: int, kv_heads: int, scale: float, causal: bool, window
+                 ) -> torch.Tensor:
+    """The fallback on a GPU: what the e4m3 inputs hold, in bf16 (exact for e4m3 values times
+    power-of-two descales, else within bf16's rounding), through the bf16 flash_attention."""
+    from flashrun.kernels.flash.attention import flash_attention
+
+    held = [(x8.float() * _per_kv_head(d, batch, kv_heads).repeat_interleave(x8.shape[1] // kv_heads, 1)
+             [..., None, None]).to(torch.bfloat16) for x8, d in zip((q8, k8, v8), descales)]
+    return flash_attention(*held, causal=causal, sm_scale=scale, window=window)
+
+
+def check(run, device: torch.device, head_dim: int) -> str | None:
+    """A first-use check of an e4m3 forward ``run(q8, k8, v8, descales, scale, causal) -> o`` by
+    FlashAttention-3's rule (the one verify judges by), on small inputs: randn, GQA 4/2, 300
+    queries and keys, causal and not, descales per (batch, kv head). The truth: float32 attention
+    on the dequantized inputs; the yardstick: the same with P rounded to e4m3 (as exp2(s - max + 8),
+    as the kernels form it) and O to bf16. None when max |o - truth| <= 2 x the yardstick's + 1e-3,
+    else what went wrong (errors of a wrong kernel are orders of magnitude past it)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, h, 300, head_dim, generator=gen).to(device) for h in (4, 2, 2))
+    q8, k8, v8, *descales = quantize_qkv(q, k, v)
+    held = [x8.float() * d.repeat_interleave(x8.shape[1] // d.shape[1], 1)[..., None, None]
+            for x8, d in zip((q8, k8, v8), descales)]
+    qh, kh, vh = held[0], held[1].repeat_interleave(2, 1), held[2].repeat_interleave(2, 1)
+    scale = head_dim ** -0.5
+    for causal in (False, True):
+        try:
+            o = run(q8, k8, v8, descales, scale, causal).float()
+        except Exception as exc:  # noqa: BLE001 - any failure turns the path off
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            return f"the kernel raised {type(exc).__name__}: {last}"
+        s = qh @ kh.transpose(2, 3) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(300, 300, dtype=torch.bool, device=device).triu(1), float("-inf"))
+        truth = torch.softmax(s, -1) @ vh
+        p = torch.exp2((s - s.amax(-1, keepdim=True)) * math.log2(math.e) + 8.0).to(E4M3).float()
+        yardstick = ((p @ vh) / p.sum(-1, keepdim=True)).to(torch.bfloat16).float()
+        err, allowed = (o - truth).abs().max().item(), 2 * (yardstick - truth).abs().max().item() + 1e-3
+        if not err <= allowed:  # NaN fails too
+            return (f"max error {err:.3g} > {allowed:.3g} against the truth (N=300 D={head_dim} "
+                    f"{'causal' if causal else 'full'})")
+    return None
