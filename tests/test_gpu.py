@@ -869,8 +869,8 @@ def test_the_variants_on_the_gluon_backward(monkeypatch, variants, head_dim, det
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1037, True), (1, 4, 4, 4096, 4096, False), (1, 4, 1, 17, 300, True)],
                          ids=["gqa-ragged-causal", "4k-full", "short-mqa-causal"])
 def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):
-    """hopper.run_fp8 (in no route yet) by FlashAttention-3's rule, as the portable fp8 kernel is
-    judged: the truth on the dequantized inputs, the yardstick with P rounded to e4m3."""
+    """hopper.run_fp8 (the fp8 forward's kernels on sm_90) by FlashAttention-3's rule, as verify
+    judges: the truth on the dequantized inputs, the yardstick with P rounded to e4m3."""
     if flash_hopper.gluon_api():
         pytest.skip(flash_hopper.gluon_api())
     from flashrun.harness.inputs import head_scales
@@ -888,4 +888,33 @@ def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):
     held = [x8.float() * head_scales(d, x8.shape[1]) for x8, d in zip((q8, k8, v8), descales)]
     truth = attention_ref(*held, causal=causal)
     check = compare("out", o, truth, attention_fp8_yardstick(*held, causal=causal))
+    assert check.passed, check.reason()
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
+@pytest.mark.parametrize("head_dim,window,path", [(128, (-1, -1), "gluon"), (256, (-1, -1), "gluon"),
+                                                  (96, (-1, -1), "head_dim 96"), (64, (100, 0), "a sliding window")])
+def test_flash_attention_fp8_takes_the_gluon_kernel_or_runs_dequantized(head_dim, window, path):
+    """The public call: the Gluon kernel where it applies, else the dequantized bf16 fallback
+    (said once); both within FlashAttention-3's rule, GQA 4:1, ragged, causal, Nq != Nk."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    from flashrun.harness.inputs import head_scales
+    from flashrun.harness.judge import compare
+    from flashrun.harness.reference import attention_fp8_yardstick, attention_ref
+    from flashrun.kernels import flash_attention_fp8, quantize_qkv
+    from flashrun.kernels.flash import fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 8, 700, head_dim, device="cuda", generator=gen).to(BF16)
+    k, v = (torch.randn(2, 2, 1037, head_dim, device="cuda", generator=gen).to(BF16) for _ in range(2))
+    q8, k8, v8, *descales = quantize_qkv(q, k, v)
+    o = flash_attention_fp8(q8, k8, v8, *descales, causal=True, window=window)
+    if path == "gluon":  # checked and agreed
+        assert fp8._checked.get(head_dim, "unchecked") is None
+    else:
+        assert path in " ".join(fp8._said)
+    held = [x8.float() * head_scales(d, x8.shape[1]) for x8, d in zip((q8, k8, v8), descales)]
+    truth = attention_ref(*held, causal=True, window=window)
+    check = compare("out", o, truth, attention_fp8_yardstick(*held, causal=True, window=window))
     assert check.passed, check.reason()
