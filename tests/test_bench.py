@@ -292,6 +292,28 @@ def test_compare_prints_ratios_against_an_earlier_file(isolated: Path) -> None:
     assert "before / now" in printed.stdout
 
 
+def test_the_compare_table_wraps_a_long_shape_whole() -> None:
+    """A KV-cache row's shape names every sequence's length: at 80 columns it wraps, never cut."""
+    from rich.console import Console
+
+    from flashrun.harness.bench import BenchReport
+    from flashrun.harness.bench_table import _render_compare
+
+    lengths = tuple([8192] * 16)
+    row = results.Row(provider="flash", mode="fwd", dtype="bfloat16", causal=False, batch=16, heads=32, kv_heads=8,
+                      seq_len=1, head_dim=128, ms=0.138, ms_p20=0.138, ms_p80=0.138, tflops=15.5, pct_peak=2.0,
+                      peak_mem_mb=0.0, speedup=1.0, correct=True, seq_len_k=8192, status="ok", max_err=1e-3, note="",
+                      setup_s=1.0, gpu="NVIDIA H200", torch="2.11", triton="3.6", timestamp="now",
+                      cache_seqlens=lengths, page_size=16)
+    report = BenchReport([row], {}, "cuda", 798.0, compare_file="earlier.json",
+                         ratios=[results.Ratio(row, 0.141)])
+    console = Console(width=80, force_terminal=False, record=True)
+    _render_compare(report, console)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "".join(line.strip(" │") for line in text.splitlines()).count("8192") >= 16, text
+
+
 def test_a_suite_names_its_compare_file_relative_to_itself(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A benchmark suite is a config whose [bench].compare names the committed run, found from the
     suite's own folder wherever the command runs; --compare on the command line wins."""

@@ -194,7 +194,8 @@ def _render_compare(report: BenchReport, console: Console) -> None:
         return
     table = Table(title=f"against {report.compare_file} (ratio = before / now: above 1 is faster now)")
     for column in ("provider", "mode", "dtype", "causal", "shape (B, H, Nq, Nk, D)", "before ms", "now ms", "ratio"):
-        table.add_column(column, justify="left" if column in ("provider", "mode", "dtype") else "right")
+        table.add_column(column, justify="left" if column in ("provider", "mode", "dtype") else "right",
+                         overflow="fold")  # a long shape (a cache's lengths) wraps whole, never cut to "…"
     for ratio in report.ratios:
         r = ratio.row
         table.add_row(r.provider, r.mode, r.dtype, "yes" if r.causal else "no",
