@@ -140,7 +140,8 @@ def test_on_still_needs_an_sm90_gpu(monkeypatch):
     (dict(d=112), "head_dim 112"), (dict(d=192), None), (dict(d=160), "head_dim 160"),
     (dict(d=256), None), (dict(d=320), "head_dim 320"),
     (dict(window=(8, 0)), None), (dict(window=(3, 5), causal=False), None),
-    (dict(softcap=5.0), None), (dict(alibi=True), None), (dict(d=192, softcap=5.0), "softcap/ALiBi at head_dim 192"),
+    (dict(softcap=5.0), None), (dict(alibi=True), None), (dict(d=192, alibi=True), "ALiBi at head_dim 192"),
+    (dict(d=256, softcap=5.0), "VARIANTS=all: not yet timed"),
     (dict(strided_do=True), "aligned"), (dict(expanded_kv=True), "aligned"),
     (dict(), None), (dict(d=128, causal=True, h=8, h_kv=2, n_k=40), None), (dict(model_view=True), None)])
 def test_scope(change, why, monkeypatch):
@@ -669,3 +670,12 @@ def test_the_variants_turn_off(monkeypatch):
     variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 5.0, None)
     monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "0")
     assert "FLASHRUN_HOPPER_BWD_VARIANTS=0" in hopper_bwd.scope(q, k, v, do, variant)
+
+
+def test_the_transposed_kernels_softcap_needs_all(monkeypatch):
+    q, k, v, do = _inputs(d=256, dtype=torch.bfloat16, h=2, h_kv=2, n_k=None)
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 30.0, None)
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "all")
+    assert hopper_bwd.scope(q, k, v, do, variant) is None
+    alibi = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, torch.ones(2))
+    assert hopper_bwd.scope(q, k, v, do, alibi) == "ALiBi at head_dim 256"

@@ -81,8 +81,9 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)  # 80, 96, 192 and 256 as two column blo
 # a head dim runs where DEFAULT (FUSED with dQ inside) names a kernel for it
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
-# softcap and ALiBi on the Gluon kernel (not the transposed one): on unless
-# FLASHRUN_HOPPER_BWD_VARIANTS=0 (their first-use check guards each dtype, head dim and variant)
+# softcap and ALiBi on the Gluon kernel: on unless FLASHRUN_HOPPER_BWD_VARIANTS=0; a softcap on the
+# transposed kernel (192, 256) only with =all, until a GPU has timed it (the first-use check guards
+# each dtype, head dim and variant)
 VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_VARIANTS"
 SOFTCAP_MAX = 256.0  # the portable kernels' fast tanh up to here (args.SOFTCAP_FAST_CAP): the one this kernel has
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
@@ -208,19 +209,24 @@ def variants_reason(head_dim: int, fused: bool, variant) -> str | None:
     if variant.softcap > SOFTCAP_MAX:
         return f"softcap {variant.softcap:g} > {SOFTCAP_MAX:g} (the precise tanh)"
     cfg = KERNELS.get(kernel_for(head_dim, fused) or "")
-    if cfg is None or not takes_variants(cfg):
-        return f"softcap/ALiBi at head_dim {head_dim}" + (" with dQ inside" if fused else "")
+    alibi = variant.alibi_slopes is not None
+    if cfg is None or not takes_variants(cfg, alibi):
+        return f"{'ALiBi' if alibi else 'softcap'} at head_dim {head_dim}" + (" with dQ inside" if fused else "")
+    if cfg.transposed and os.environ.get(VARIANTS_ENV, "").strip().lower() != "all":
+        return f"softcap at head_dim {head_dim} (on its Gluon kernel with {VARIANTS_ENV}=all: not yet timed)"
     return None
 
 
-def takes_variants(cfg: BwdConfig) -> bool:
-    """Whether the kernel runs the score variants: not the transposed one (its scores are S, not
-    Sᵀ), nor one whose consumers split dQ's columns every step (``dq_split``: dQ's accumulator
-    beside the variants' arithmetic spilled 16-256 B at head_dim 96 and 128 under Triton 3.6 or
-    3.9, tests/compile_hopper_bwd.py). Those calls keep the deterministic Gluon dK/dV with the
-    portable dQ. Compiled for sm_90 without a spill under 3.9; under 3.6 the head_dim 128 kernel
-    spills 8 B with ALiBi and a split GQA group, 4-12 B with ALiBi and a window."""
-    return not cfg.transposed and not cfg.dq_split
+def takes_variants(cfg: BwdConfig, alibi: bool = True) -> bool:
+    """Whether the kernel runs the score variants (``alibi``: ALiBi too, else a softcap alone):
+    not one whose consumers split dQ's columns every step (``dq_split``: dQ's accumulator beside
+    the variants' arithmetic spilled 16-256 B at head_dim 96 and 128 under Triton 3.6 or 3.9,
+    tests/compile_hopper_bwd.py); the transposed kernel (192, 256) a softcap only (its scores are
+    S, not Sᵀ: ALiBi's per-key split would be per query there). Those calls keep the deterministic
+    Gluon dK/dV with the portable dQ, or the portable backward. Compiled for sm_90 without a spill
+    under 3.9; under 3.6 the head_dim 128 kernel spills 8 B with ALiBi and a split GQA group, 4-12 B
+    with ALiBi and a window."""
+    return not alibi if cfg.transposed else not cfg.dq_split
 
 
 def launched_threads(cfg: BwdConfig) -> int:
@@ -260,7 +266,7 @@ def _key(dtype, head_dim: int, fused: bool, variant) -> tuple:
 
 
 def variants_on() -> bool:
-    """On unless ``FLASHRUN_HOPPER_BWD_VARIANTS=0``."""
+    """On unless ``FLASHRUN_HOPPER_BWD_VARIANTS=0`` (``=all``: the transposed kernel's softcap too)."""
     return os.environ.get(VARIANTS_ENV, "").strip().lower() not in ("0", "false", "off", "no")
 
 

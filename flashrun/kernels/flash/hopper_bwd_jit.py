@@ -681,11 +681,11 @@ def _fa3_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc
 def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                     ds_smem, dq_smem, p_smem, kv_bars, q_bars, do_bars, empty_bars, ds_bars, out_bars, DK, DV,
                     dq_desc, stride_dkz, stride_dkh, stride_dkn, N_Q, N_K,
-                    sm_scale, qk_scale, left, right,
+                    sm_scale, qk_scale, left, right, softcap2,
                     C: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D1: gl.constexpr,
                     KEYS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FUSED_DQ: gl.constexpr, KV_ADD: gl.constexpr,
-                    BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr):
+                    BLOCKS_LAST: gl.constexpr, TMA_OUT: gl.constexpr, SOFTCAP: gl.constexpr):
     # S, dP: (BLOCK_M queries, KEYS keys); dKᵀ, dVᵀ: (HEAD_D, KEYS) and (HEAD_D1, KEYS); one layout
     # (wgmma's N is this consumer's keys in all four), M = 64 per instruction, repeated
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -735,19 +735,25 @@ def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem,
         lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         dp, sc = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
+        if SOFTCAP:  # as _bwd_consumer: base-2 scores, and ds'/ds = 1 − t² into dP − delta at once
+            sc, t = _scored(sc, offs_m, keys, qk_scale, softcap2, 0.0, True, False, CAUSAL)
+            dp = dp * (1.0 - t * t)
+            p_scale = 1.0
+        else:
+            p_scale = qk_scale
         if WINDOW:
             if (start_m + right < full_from) | (start_m + (BLOCK_M + KEYS - 2) - left > full_from):  # an edge
                 diag = keys - shift - start_m
-                p = _probs(sc, lse2, offs_m, diag - right, diag + left, qk_scale, True, True, 1)
+                p = _probs(sc, lse2, offs_m, diag - right, diag + left, p_scale, True, True, 1)
             else:
-                p = _probs(sc, lse2, offs_m, keys, keys, qk_scale, False, False, 1)
+                p = _probs(sc, lse2, offs_m, keys, keys, p_scale, False, False, 1)
         elif CAUSAL:
             if start_m < full_from:  # the diagonal
-                p = _probs(sc, lse2, offs_m, keys - shift - start_m, keys, qk_scale, True, False, 1)
+                p = _probs(sc, lse2, offs_m, keys - shift - start_m, keys, p_scale, True, False, 1)
             else:
-                p = _probs(sc, lse2, offs_m, keys, keys, qk_scale, False, False, 1)
+                p = _probs(sc, lse2, offs_m, keys, keys, p_scale, False, False, 1)
         else:
-            p = _probs(sc, lse2, offs_m, keys, keys, qk_scale, False, False, 1)
+            p = _probs(sc, lse2, offs_m, keys, keys, p_scale, False, False, 1)
         if ragged:  # past N_K, K = V = 0 but P may be inf against a very negative LSE
             p = gl.where(gl.expand_dims(keys < N_K, 0), p, 0.0)
         p_smem.store(p.to(dtype))
@@ -814,7 +820,7 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     FlashAttention-3 runs them: dK and dV transposed. Arguments, grid and launch as
     :func:`_fa3_bwd_dkdv`'s, but for the keys per consumer: k_desc's box rows (KEYS, e.g. 32), so
     the grid's key blocks are CONSUMERS x KEYS; dq_desc's box is [1, 1, BLOCK_M, 64] and dq1_desc
-    None; no softcap or ALiBi (SOFTCAP, ALIBI off).
+    None; a softcap as :func:`_bwd_consumer` takes it, no ALiBi (ALIBI off).
 
     Why: _fa3_bwd_dkdv holds dK_c and dV_c as (64 keys, head dim) float32 in registers (wgmma's M
     is 64 per warpgroup), 192 a thread at head_dim 192 before Sᵀ and dPᵀ: it spills (NOTES v19).
@@ -835,7 +841,7 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
     gl.static_assert(CONSUMERS == 2)
     gl.static_assert(STAGES >= 2)
     gl.static_assert(HEAD_D == 128 and (HEAD_D1 == 64 or HEAD_D1 == 128))  # 192, 256: dQ's 64-column tiles tile both blocks
-    gl.static_assert(not SOFTCAP and not ALIBI)
+    gl.static_assert(not ALIBI)
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -880,13 +886,15 @@ def _fa3_bwd_dkdv_t(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_de
         (_bwd_consumer_t, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                            ds_smem, dq_smem, p_smem.index(0), kv_bars, q_bars, do_bars, empty_bars, ds_bars,
                            out_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn,
-                           N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 0, GROUP, HEAD_D, HEAD_D1, KEYS,
-                           BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT)),
+                           N_Q, N_K, sm_scale, qk_scale, win_left, win_right, softcap2, 0, GROUP, HEAD_D, HEAD_D1,
+                           KEYS, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT,
+                           SOFTCAP)),
         (_bwd_consumer_t, (q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v1_smem, lse_smem, delta_smem,
                            ds_smem, dq_smem, p_smem.index(1), kv_bars, q_bars, do_bars, empty_bars, ds_bars,
                            out_bars, DK, DV, dq_desc, stride_dkz, stride_dkh, stride_dkn,
-                           N_Q, N_K, sm_scale, qk_scale, win_left, win_right, 1, GROUP, HEAD_D, HEAD_D1, KEYS,
-                           BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT)),
+                           N_Q, N_K, sm_scale, qk_scale, win_left, win_right, softcap2, 1, GROUP, HEAD_D, HEAD_D1,
+                           KEYS, BLOCK_M, STAGES, CONSUMERS, CAUSAL, WINDOW, FUSED_DQ, KV_ADD, BLOCKS_LAST, TMA_OUT,
+                           SOFTCAP)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q1_desc, k1_desc, v1_desc,
                          do1_desc, dk_desc, dv_desc, dk1_desc, dv1_desc, q_smem, do_smem, k_smem, v_smem, q1_smem,
                          do1_smem, k1_smem, v1_smem, lse_smem, delta_smem, kv_bars, q_bars, do_bars, empty_bars,
