@@ -81,9 +81,8 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)  # 80, 96, 192 and 256 as two column blo
 # a head dim runs where DEFAULT (FUSED with dQ inside) names a kernel for it
 DEFAULT_ON = True  # measured on the H200 (NOTES v9); FLASHRUN_HOPPER_BWD=0 or FLASHRUN_HOPPER=0 turns it off
 ENV = "FLASHRUN_HOPPER_BWD"
-# softcap and ALiBi on the Gluon kernel: on unless FLASHRUN_HOPPER_BWD_VARIANTS=0; a softcap on the
-# transposed kernel (192, 256) only with =all, until a GPU has timed it (the first-use check guards
-# each dtype, head dim and variant)
+# softcap and ALiBi on the Gluon kernel (the transposed one, 192 and 256: a softcap): on unless
+# FLASHRUN_HOPPER_BWD_VARIANTS=0 (the first-use check guards each dtype, head dim and variant)
 VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_VARIANTS"
 SOFTCAP_MAX = 256.0  # the portable kernels' fast tanh up to here (args.SOFTCAP_FAST_CAP): the one this kernel has
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
@@ -212,8 +211,6 @@ def variants_reason(head_dim: int, fused: bool, variant) -> str | None:
     alibi = variant.alibi_slopes is not None
     if cfg is None or not takes_variants(cfg, alibi):
         return f"{'ALiBi' if alibi else 'softcap'} at head_dim {head_dim}" + (" with dQ inside" if fused else "")
-    if cfg.transposed and os.environ.get(VARIANTS_ENV, "").strip().lower() != "all":
-        return f"softcap at head_dim {head_dim} (on its Gluon kernel with {VARIANTS_ENV}=all: not yet timed)"
     return None
 
 
@@ -266,7 +263,7 @@ def _key(dtype, head_dim: int, fused: bool, variant) -> tuple:
 
 
 def variants_on() -> bool:
-    """On unless ``FLASHRUN_HOPPER_BWD_VARIANTS=0`` (``=all``: the transposed kernel's softcap too)."""
+    """On unless ``FLASHRUN_HOPPER_BWD_VARIANTS=0``."""
     return os.environ.get(VARIANTS_ENV, "").strip().lower() not in ("0", "false", "off", "no")
 
 
