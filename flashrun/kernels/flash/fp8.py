@@ -41,9 +41,8 @@ log = logging.getLogger("flashrun.hopper")
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-# Not tuned on a GPU yet: of the configs compiled for sm_90 (64/128 x 64/128 tiles, 4/8 warps, 2/3
-# stages) this one spills least at head_dim 128 (the pointer loads' 64-bit addresses take registers;
-# TMA loads, as the bf16 forward's, are the next step)
+# The portable kernel's launch (it runs in the interpreter only; on sm_90 this config spilled least
+# at head_dim 128 of 64/128 x 64/128 tiles, 4/8 warps, 2/3 stages)
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 8, 2
 # The Gluon kernel per head dim, as the H200 timed them (short_forward_probe.py --cells fp8, bf16 inputs
 # quantized per (batch, kv head), 1024-16384 keys): the fastest of the one-block kernels in most cells
