@@ -679,3 +679,14 @@ def test_the_transposed_kernel_takes_a_softcap_not_alibi(monkeypatch):
     assert hopper_bwd.scope(q, k, v, do, variant) is None
     alibi = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, torch.ones(2))
     assert hopper_bwd.scope(q, k, v, do, alibi) == "ALiBi at head_dim 256"
+
+
+def test_a_first_use_check_leaves_the_paths_the_checked_call_set(monkeypatch):
+    """bench reports LAST_PATH after a cell's checked calls: the backward's first-use check runs a
+    portable forward in between, which must not relabel the Gluon forward before it."""
+    q, k, v, do = _inputs(d=64, dtype=torch.float16, h=2, h_kv=2, n_k=None)
+    monkeypatch.setattr(flash_hopper, "LAST_PATH", flash_hopper.GLUON_PATH)
+    monkeypatch.setattr(hopper_bwd, "LAST_PATH", hopper_bwd.FUSED_PATH)
+    flash._portable_backward_check(q, k, v, do, 0.125, True)
+    flash._portable_check(q, k, v, 0.125, True)
+    assert (flash_hopper.LAST_PATH, hopper_bwd.LAST_PATH) == (flash_hopper.GLUON_PATH, hopper_bwd.FUSED_PATH)

@@ -86,6 +86,7 @@ is the decode path with per-sequence lengths).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -172,7 +173,20 @@ def _hopper_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Varia
 def _portable_check(q, k, v, sm_scale, causal):
     """The portable forward on the first-use check's small inputs (fixed config, no tuning; no
     route kept for them, which would take a model's place among the plans)."""
-    return _attn_forward(q, k, v, sm_scale, Variant(causal=causal), "default", try_gluon=False, key=None)
+    with _paths_kept():
+        return _attn_forward(q, k, v, sm_scale, Variant(causal=causal), "default", try_gluon=False, key=None)
+
+
+@contextlib.contextmanager
+def _paths_kept():
+    """A first-use check's own calls leave ``LAST_PATH`` as the call being checked set it (bench
+    reports it: a check's portable forward run between a call's forward and backward said
+    ``triton`` for a forward the Gluon kernel ran)."""
+    paths = hopper.LAST_PATH, hopper_bwd.LAST_PATH
+    try:
+        yield
+    finally:
+        hopper.LAST_PATH, hopper_bwd.LAST_PATH = paths
 
 
 def forward_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, *,
@@ -464,8 +478,10 @@ def _portable_backward_check(q, k, v, do, sm_scale, causal, window=None, softcap
     """The portable forward and deterministic backward on the Gluon backward's first-use check's
     small inputs (fixed configs, no tuning, no route kept): (dk, dv, lse, delta, dq)."""
     variant = Variant(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
-    o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False, key=None)
-    dq, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True, try_gluon=False)
+    with _paths_kept():
+        o, lse = _attn_forward(q, k, v, sm_scale, variant, "default", try_gluon=False, key=None)
+        dq, dk, dv = _attn_backward(do, q, k, v, o, lse, sm_scale, variant, "default", deterministic=True,
+                                    try_gluon=False)
     return dk, dv, lse, (o.float() * do.float()).sum(-1), dq
 
 
