@@ -573,9 +573,10 @@ _background: dict[tuple, tuple[warmup.Batch, list[warmup.Compile]]] = {}
 
 def background() -> bool:
     """Whether a first use with no verdict yet checks in the background (``FLASHRUN_FIRST_USE=background``)
-    rather than waiting (the default). Opt-in: on the H200 (2026-12-05) the backward switched to its
-    Gluon kernel after its background check, but the forward stayed on the portable kernel
-    (``test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready``, not yet understood)."""
+    rather than waiting (the default). Opt-in until a GPU has run it right: on the H200 (2026-12-05)
+    ``test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready`` saw the forward's
+    path as portable after the switch - most likely the backward's check relabelling ``LAST_PATH``
+    (since fixed: ``attention._paths_kept``), not yet re-run."""
     return os.environ.get("FLASHRUN_FIRST_USE", "wait").strip().lower() == "background" and warmup.available()
 
 
