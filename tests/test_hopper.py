@@ -475,8 +475,7 @@ def test_compiling_ahead_in_the_background_lists_the_portable_kernel(monkeypatch
 
 
 def test_first_use_checks_wait_unless_asked_to_run_in_the_background(monkeypatch):
-    """The background first use is opt-in (FLASHRUN_FIRST_USE=background): on the H200 the forward
-    stayed portable after its background check."""
+    """The background first use is opt-in (FLASHRUN_FIRST_USE=background) until a GPU has run it right."""
     from flashrun.kernels import warmup
 
     monkeypatch.delenv("FLASHRUN_FIRST_USE", raising=False)
