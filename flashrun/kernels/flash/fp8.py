@@ -227,9 +227,13 @@ def _dequantized(q8, k8, v8, descales, batch: int, kv_heads: int, scale: float, 
     power-of-two descales, else within bf16's rounding), through the bf16 flash_attention."""
     from flashrun.kernels.flash.attention import flash_attention
 
-    held = [(x8.float() * _per_kv_head(d, batch, kv_heads).repeat_interleave(x8.shape[1] // kv_heads, 1)
-             [..., None, None]).to(torch.bfloat16) for x8, d in zip((q8, k8, v8), descales)]
+    held = [_held(x8, _per_kv_head(d, batch, kv_heads)).to(torch.bfloat16) for x8, d in zip((q8, k8, v8), descales)]
     return flash_attention(*held, causal=causal, sm_scale=scale, window=window)
+
+
+def _held(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """What e4m3 ``x8`` (B, H, N, D) holds, in float32: times its (B, H_kv) descales, spread over H."""
+    return x8.float() * descale.repeat_interleave(x8.shape[1] // descale.shape[1], 1)[..., None, None]
 
 
 def check(run, device: torch.device, head_dim: int) -> str | None:
@@ -242,8 +246,7 @@ def check(run, device: torch.device, head_dim: int) -> str | None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(1, h, 300, head_dim, generator=gen).to(device) for h in (4, 2, 2))
     q8, k8, v8, *descales = quantize_qkv(q, k, v)
-    held = [x8.float() * d.repeat_interleave(x8.shape[1] // d.shape[1], 1)[..., None, None]
-            for x8, d in zip((q8, k8, v8), descales)]
+    held = [_held(x8, d) for x8, d in zip((q8, k8, v8), descales)]
     qh, kh, vh = held[0], held[1].repeat_interleave(2, 1), held[2].repeat_interleave(2, 1)
     scale = head_dim ** -0.5
     for causal in (False, True):
