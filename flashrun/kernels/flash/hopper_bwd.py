@@ -14,14 +14,15 @@ where :data:`DEFAULT_ON` is False.
 When it runs (:func:`eligible`): turned on, compiling (not the interpreter), a CUDA device of
 capability (9, 0), Triton's Gluon Hopper API (the forward's feature check,
 :func:`flashrun.kernels.flash.hopper.gluon_api`), float16/bfloat16, head_dim 64 or 128 (or 80 and 96
-as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192; and 192 = 128 + 64 on the
-transposed kernel below), dense
+as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192; and 192 = 128 + 64 and
+256 = 128 + 128, dK/dV only, on the transposed kernel below), dense
 (B, H, N, D) inputs whose last dim is contiguous and whose other strides and base are 16-byte
 aligned (TMA descriptors), plain, causal or a window (bottom-right aligned when Nq != Nk), any GQA
 group; no packed sequences (those, float32 and other head dims keep the portable dK/dV kernel).
-Softcap and ALiBi (each, both, with or without a window) run on the untransposed kernels (not 192;
-with dQ inside only at 64, :func:`takes_variants`); on the H200, causal N=8192 D=128, 1.19-1.30x
-the portable backward (``FLASHRUN_HOPPER_BWD_VARIANTS=0`` turns them off).
+Softcap and ALiBi (each, both, with or without a window) run on the untransposed kernels (with dQ
+inside only at 64), a softcap alone on the transposed one (:func:`takes_variants`); on the H200,
+causal N=8192 D=128, 1.19-1.30x the portable backward (``FLASHRUN_HOPPER_BWD_VARIANTS=0`` turns
+them off).
 
 The first eligible call per (dtype, head_dim, with dQ or not, with a window or not, with a softcap
 or not, with ALiBi or not) in a process compares the kernel with the portable backward on small
