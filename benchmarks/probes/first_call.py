@@ -2,6 +2,7 @@
 
     python benchmarks/probes/first_call.py new-key     # the Python API's first call with a key the tuned
                                                 # table lacks: GQA 4/1, D=111, causal, bf16, + backward
+    python benchmarks/probes/first_call.py new-key --sdpa   # PyTorch SDPA's first call of it (the baseline)
     python benchmarks/probes/first_call.py breakdown   # where a process's first calls spend their time
 
 ``new-key`` times the first forward+backward (compiling included; torch's own first backward of
@@ -60,15 +61,25 @@ def _write_profile(profiler: cProfile.Profile, path: str | None) -> None:
         Path(path).write_text(text.getvalue())
 
 
-def new_key(profile: str | None) -> dict:
+def new_key(profile: str | None, sdpa: bool = False) -> dict:
+    """``sdpa``: time ``F.scaled_dot_product_attention`` (its default backend choice, GQA through
+    ``enable_gqa``) instead of flash, in the same steps."""
     stamps = {}
     import torch
+    import torch.nn.functional as F
 
     stamps["import torch"] = _since(START)
     mark = time.perf_counter()
-    from flashrun.kernels import flash_attention, hopper, tuning
+    if sdpa:
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        from flashrun.kernels import flash_attention, tuning
 
-    stamps["import flashrun.kernels"] = _since(mark)
+        def attend(q, k, v):
+            return flash_attention(q, k, v, causal=True)
+
+        stamps["import flashrun.kernels"] = _since(mark)
     mark = time.perf_counter()
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, h, h_kv, n, d = 2, 8, 2, 1024, 111
@@ -85,19 +96,20 @@ def new_key(profile: str | None) -> dict:
     (torch.ones(2, device="cuda", requires_grad=True) * 2).backward(torch.ones(2, device="cuda"))
     _sync()
     stamps["torch's first backward (any op)"] = _since(mark)
-    tuning.chosen()
+    if not sdpa:
+        tuning.chosen()
     calls = []
     profiler = cProfile.Profile()
     for i in range(2):
         mark = time.perf_counter()
         if i == 0:
             profiler.enable()
-        out = flash_attention(q, k, v, causal=True)
+        out = attend(q, k, v)
         out.backward(do)
         _sync()
         profiler.disable()
         calls.append(_since(mark))
-        configs = tuning.chosen()
+        configs = None if sdpa else tuning.chosen()
         grads = [t.grad.clone() for t in (q, k, v)]
         for t in (q, k, v):
             t.grad = None
@@ -107,8 +119,14 @@ def new_key(profile: str | None) -> dict:
     ref.backward(do.float())
     errors = {"o": (out.float() - ref).abs().max().item(),
               **{name: (g.float() - r.grad).abs().max().item() for name, g, r in zip(("dq", "dk", "dv"), grads, (qf, kf, vf))}}
+    if sdpa:
+        path = "sdpa"
+    else:
+        from flashrun.kernels import hopper
+
+        path = hopper.LAST_PATH
     return {"shape": f"B{b} H{h}/{h_kv} N{n} D{d} bf16 causal, forward + backward", "stamps": stamps,
-            "first call s": calls[0], "second call s": calls[1], "configs": configs, "forward path": hopper.LAST_PATH,
+            "first call s": calls[0], "second call s": calls[1], "configs": configs, "forward path": path,
             "max abs error vs fp32": {name: round(err, 5) for name, err in errors.items()},
             "ok": all(err < 0.1 for err in errors.values())}
 
@@ -168,11 +186,12 @@ def main() -> int:
     ap.add_argument("what", choices=("new-key", "breakdown"))
     ap.add_argument("--profile", help="write the first call's profile here (the 30 costliest functions)")
     ap.add_argument("--timeline", action="store_true", help="log flashrun's compile steps to stderr")
+    ap.add_argument("--sdpa", action="store_true", help="new-key: time PyTorch SDPA's first call instead")
     ns = ap.parse_args()
     if ns.timeline:
         logging.basicConfig(format="%(relativeCreated)7.0f ms %(threadName)s %(name)s: %(message)s")
         logging.getLogger("flashrun").setLevel(logging.DEBUG)
-    result = new_key(ns.profile) if ns.what == "new-key" else breakdown(ns.profile)
+    result = new_key(ns.profile, ns.sdpa) if ns.what == "new-key" else breakdown(ns.profile)
     print(json.dumps(result))
     return 0 if result.get("ok", True) else 1
 

@@ -7,6 +7,7 @@
 #   verify --cases <the 35 offline cases> --grad, cold        <= 35 s   (was 141 s; warm 19 s)
 #   verify --config configs/variants.toml --grad, cold         <= 40 s   (was ~190 s; warm 17.5 s)
 #   the Python API's first call with a new key (GQA 4/1, D=111, causal, bf16, + backward) <= 3 s
+#   (issue 51; twice, each in a fresh process with empty caches, PyTorch SDPA's first call beside it)
 #   flash's setup in a default bench (compile step + its setup times) <= 10 s   (was 25 s)
 #   warm runs no slower than before; verify's default first call (was 6.0 s warm) and where a
 #   first call's time goes (benchmarks/probes/first_call.py breakdown; cold, warm, warm without the
@@ -14,6 +15,7 @@
 # With 2+ GPUs and Ray installed it also times `bench --workers 2` against `--workers 1`.
 # offline-cold runs twice: with the compiles in processes (the default) and in threads
 # (FLASHRUN_COMPILE_PROCESSES=0), both with -v, whose compile timelines are kept.
+# ONLY=api runs just the API's first calls (about a minute).
 # Files: first-use-summary.json (every number below), the cold runs' --json outputs, the
 # breakdowns, the first calls' profiles, the compile timelines, the stderr of every step.
 set -u
@@ -42,6 +44,7 @@ step() {
 }
 : > steps.txt
 
+if [ "${ONLY:-}" != api ]; then
 python3 -m flashrun gen-cases --offline -o cases.json > /dev/null || exit 1
 fresh
 step offline-cold 150 python3 -m flashrun verify --cases cases.json --grad --json -v
@@ -51,9 +54,17 @@ FLASHRUN_COMPILE_PROCESSES=0 step offline-cold-threads 150 python3 -m flashrun v
 fresh
 step variants-cold 150 python3 -m flashrun verify --config "$REPO/configs/variants.toml" --grad --json
 step variants-warm 60 python3 -m flashrun verify --config "$REPO/configs/variants.toml" --grad --json
+fi
 fresh
 step api-cold 60 python3 "$REPO/benchmarks/probes/first_call.py" new-key --profile "$OUT/first-call-api-cold-profile.txt"
 step api-warm 40 python3 "$REPO/benchmarks/probes/first_call.py" new-key --profile "$OUT/first-call-api-warm-profile.txt"
+fresh
+step api-cold-2 60 python3 "$REPO/benchmarks/probes/first_call.py" new-key
+fresh
+step api-sdpa-cold 40 python3 "$REPO/benchmarks/probes/first_call.py" new-key --sdpa
+fresh
+step api-sdpa-cold-2 40 python3 "$REPO/benchmarks/probes/first_call.py" new-key --sdpa
+if [ "${ONLY:-}" != api ]; then
 fresh
 step bench-cold 150 python3 -m flashrun bench -p flash --set bench.rep_ms=20 --set bench.warmup_ms=5 --out "$WORK/bench" --json
 fresh
@@ -67,6 +78,7 @@ step breakdown-no-verdict 40 python3 "$REPO/benchmarks/probes/first_call.py" bre
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && python3 -c "import ray" 2>/dev/null; then
   step bench-workers1 120 python3 -m flashrun bench -p flash --set bench.rep_ms=20 --set bench.warmup_ms=5 --out "$WORK/bench" --json
   step bench-workers2 120 python3 -m flashrun bench -p flash --set bench.rep_ms=20 --set bench.warmup_ms=5 --out "$WORK/bench" --workers 2 --json
+fi
 fi
 
 cp offline-cold.json "$OUT/first-use-offline-cold.json" 2>/dev/null  # the rest are in the summary (8 files at most come back)
