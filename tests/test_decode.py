@@ -585,14 +585,28 @@ def test_fp8_cache_argument_errors():
           k_scale=2.0)
 
 
-def test_an_fp8_cache_with_unit_scales_is_the_bf16_cache_it_holds():
-    """e4m3 values are exact in bf16: the same cache stored both ways gives the same output."""
-    shape, inputs = _cache_inputs((40, 9), 4, 2, 1, 32, dtype=BF16, page_size=16)
-    k8, v8 = inputs.k.to(E4M3), inputs.v.to(E4M3)
-    as_fp8 = flash_attention_with_kvcache(inputs.q, k8, v8, inputs.cache_seqlens, block_table=inputs.block_table)
-    as_bf16 = flash_attention_with_kvcache(inputs.q, k8.to(BF16), v8.to(BF16), inputs.cache_seqlens,
-                                           block_table=inputs.block_table)
-    assert torch.equal(as_fp8, as_bf16)
+@pytest.mark.parametrize("f16_dots", [False, True], ids=["widened", "f16-dots"])
+def test_an_fp8_cache_with_unit_scales_is_the_bf16_cache_it_holds(monkeypatch, f16_dots):
+    """e4m3 values are exact in bf16: widened to the queries' bf16, the same cache stored both
+    ways gives the same output. Through float16 dots (decode.FP8_DOT_F16, the default) the
+    queries and P are rounded to float16, not bfloat16: closer to float32 attention over the
+    same values (the float32 path) than the bf16 cache's output is, with queries large and small
+    (the power-of-two scaling into float16's range)."""
+    monkeypatch.setattr(decode, "FP8_DOT_F16", f16_dots)
+    monkeypatch.setattr(decode, "_plans", {})
+    for size in (1.0, 3e5, 1e-5):
+        shape, inputs = _cache_inputs((40, 9), 4, 2, 1, 32, dtype=BF16, page_size=16)
+        q = (inputs.q.float() * size).to(BF16)
+        k8, v8 = inputs.k.to(E4M3), inputs.v.to(E4M3)
+        as_fp8 = flash_attention_with_kvcache(q, k8, v8, inputs.cache_seqlens, block_table=inputs.block_table)
+        as_bf16 = flash_attention_with_kvcache(q, k8.to(BF16), v8.to(BF16), inputs.cache_seqlens,
+                                               block_table=inputs.block_table)
+        if not f16_dots:
+            assert torch.equal(as_fp8, as_bf16)
+            continue
+        truth = flash_attention_with_kvcache(q.float(), k8.float(), v8.float(), inputs.cache_seqlens,
+                                             block_table=inputs.block_table)  # float32 throughout
+        assert (as_fp8.float() - truth).abs().max() <= (as_bf16.float() - truth).abs().max(), size
 
 
 def test_verify_judges_an_fp8_cache_on_what_it_holds(tmp_path):

@@ -19,8 +19,13 @@ Times are `triton.testing.do_bench` medians (L2 cleared before each call, the wa
 bench` times, so comparable with it) in microseconds, and `wall`: back-to-back calls without L2
 clearing, host overhead included (the number an inference loop without graphs sees). Then a
 small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
+``--fp8-sweep`` runs instead a sweep of the configs for an fp8 (e4m3) KV cache (issue 50): GQA
+32/8, 8k-128k keys, one scale or a scale per key and head, contiguous or pages of 16, bf16
+queries through float16 dots (decode.FP8_DOT_F16) or the cache widened to bf16, each checked
+against float32 attention over the dequantized cache and timed beside cuDNN's bf16 decode and
+flash's bf16 cache at the same shape.
 
-    OUT=/tmp/out python benchmarks/probes/decode_probe.py [--quick | --no-sweep] [--budget-s 170] [--waves W]
+    OUT=/tmp/out python benchmarks/probes/decode_probe.py [--quick | --no-sweep | --fp8-sweep] [--budget-s 170] [--waves W]
 
 ``--smoke`` runs the same code on the CPU through Triton's interpreter with tiny shapes, SDPA's
 math backend for cuDNN and no graphs: a check that the script itself runs, timings meaningless.
@@ -304,6 +309,90 @@ def config_sweep(started) -> list[dict]:
     return out
 
 
+# (block_n, warps, stages, waves, maxnreg) tried for an fp8 cache; the first is decode's DECODE
+FP8_CONFIGS = [(64, 4, 3, 2, None), (64, 4, 4, 2, None), (64, 4, 3, 3, 168), (64, 4, 3, 4, 128),
+               (32, 4, 3, 4, None), (64, 8, 3, 3, None), (16, 4, 3, 4, None)]
+FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8, 131072)]
+
+
+def fp8_sweep(started) -> list[dict]:
+    """Launch configs of the decode kernel over an e4m3 cache (see the module's docstring)."""
+    out = []
+    wide, default, waves, f16, options = (decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode.FP8_DOT_F16,
+                                          decode._options)
+    # bf16 queries through float16 dots (decode.FP8_DOT_F16, the default) or widening the cache to bf16
+    cells = [("bf16", "tensor", 0), ("bf16 widen", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16)]
+    for b, h, h_kv, n in ((1, 8, 2, 512),) if SMOKE else FP8_SHAPES:
+        gen = torch.Generator(device=DEVICE).manual_seed(2)
+        q = torch.randn(b, 1, h, D, device=DEVICE, generator=gen).to(BF16)  # (B, 1, H, D)
+        k, v = (torch.randn(b, n, h_kv, D, device=DEVICE, generator=gen).to(BF16) for _ in range(2))
+        lengths = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
+        base = {}
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        base["cudnn_bf16_us"] = bench(lambda: cudnn(qt, kt, vt))
+        base["flash_bf16_cache_us"] = bench(lambda: flash_attention_with_kvcache(q, k, v, lengths))
+        caches = {}
+        for kind in ("tensor", "token"):
+            if kind == "tensor":
+                ks, vs = (t.float().abs().amax().item() / decode.FP8_MAX for t in (k, v))
+                k8, v8 = ((t.float() / s).to(torch.float8_e4m3fn) for t, s in ((k, ks), (v, vs)))
+                kd, vd = k8.float() * ks, v8.float() * vs
+            else:
+                ks, vs = (t.float().abs().amax(-1) / decode.FP8_MAX for t in (k, v))  # (B, N, H_kv)
+                k8, v8 = ((t.float() / s[..., None]).to(torch.float8_e4m3fn) for t, s in ((k, ks), (v, vs)))
+                kd, vd = k8.float() * ks[..., None], v8.float() * vs[..., None]
+            caches[kind] = (k8, v8, ks, vs, reference(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2)))
+        for qname, kind, page in cells:
+            k8, v8, ks, vs, ref = caches[kind]
+            qq = q.to(FP16) if qname == "fp16" else q
+            decode.FP8_DOT_F16 = qname != "bf16 widen"
+            if page:
+                pool_k, table = paged(k8.view(torch.uint8), page)  # (index_put has no fp8 kernel)
+                pool_v = torch.empty_like(pool_k)
+                pool_v[table.view(-1).long()] = v8.view(torch.uint8).reshape(-1, page, h_kv, D)
+                pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
+                if kind == "token":  # the scales follow their keys into the pages
+                    s_k, s_v = (torch.empty(pool_k.shape[:3], device=DEVICE) for _ in range(2))
+                    s_k[table.view(-1).long()] = ks.reshape(-1, page, h_kv)
+                    s_v[table.view(-1).long()] = vs.reshape(-1, page, h_kv)
+                else:
+                    s_k, s_v = ks, vs
+
+                def call(qq=qq, pk=pool_k, pv=pool_v, t=table, sk=s_k, sv=s_v):
+                    return flash_attention_with_kvcache(qq, pk, pv, lengths, block_table=t, k_scale=sk, v_scale=sv)
+            else:
+                def call(qq=qq, k8=k8, v8=v8, ks=ks, vs=vs):
+                    return flash_attention_with_kvcache(qq, k8, v8, lengths, k_scale=ks, v_scale=vs)
+            for block_n, warps, stages, w, regs in FP8_CONFIGS[:2] if SMOKE else FP8_CONFIGS:
+                if time.perf_counter() - started > BUDGET_S:
+                    break
+                cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+                decode.DECODE = decode.DECODE_WIDE = cfg
+                decode.WAVES = w
+                decode._options = (lambda c, pdl, regs=regs: {**options(c, pdl), **({"maxnreg": regs} if regs else {})})
+                decode._plans.clear()
+                row = {"shape": f"B{b} H{h}/{h_kv} N{n}", "q": qname, "scales": kind, "page": page,
+                       "config": label(cfg) + (f" r{regs}" if regs else ""), "waves": w, **base}
+                try:
+                    err = max_err(call().transpose(1, 2), ref)
+                    row.update(err=err, ok=err <= ATOL[BF16], us=bench(call),
+                               splits=next(iter(decode._plans.values())).splits)
+                    row["vs_cudnn_bf16"] = base["cudnn_bf16_us"] / row["us"]
+                    row["tb_s"] = 2 * k8.numel() / row["us"] / 1e6
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                out.append(row)
+                print(f"  fp8 {row['shape']:18s} q {qname:10s} {kind:6s} page {page:2d} {row['config']:17s} waves {w}: "
+                      f"{row.get('us', float('nan')):7.1f} us ({row.get('vs_cudnn_bf16', 0):.2f}x cuDNN bf16 "
+                      f"{base['cudnn_bf16_us']:.1f}, flash bf16 {base['flash_bf16_cache_us']:.1f}) "
+                      f"{row.get('tb_s', 0):.2f} TB/s err {row.get('err', float('nan')):.2e} {row.get('error', '')}",
+                      flush=True)
+    decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode.FP8_DOT_F16, decode._options = (
+        wide, default, waves, f16, options)
+    decode._plans.clear()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="four shapes, no config sweep")
@@ -311,6 +400,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip grid shapes that would start after this")
     ap.add_argument("--waves", type=int, help="decode.WAVES for the whole run (the split target; default: decode's)")
     ap.add_argument("--no-sweep", action="store_true", help="the whole grid, without the config sweep")
+    ap.add_argument("--fp8-sweep", action="store_true", help="only the launch configs over an fp8 cache")
     ns = ap.parse_args()
     global BUDGET_S
     BUDGET_S = ns.budget_s
@@ -325,6 +415,12 @@ def main() -> int:
            "waves": decode.WAVES}
     print(f"{env}", flush=True)
     rows: list[dict] = []
+    if ns.fp8_sweep:
+        found = fp8_sweep(started)
+        (out_dir / "decode_fp8_sweep.json").write_text(json.dumps({"env": env, "rows": found}, indent=1, default=str))
+        bad = [r for r in found if r.get("ok") is False or "error" in r]
+        print(f"{len(found)} cells, {len(bad)} failed or wrong")
+        return 1 if bad else 0
     for row in SMOKE_GRID if SMOKE else QUICK if ns.quick else GRID:
         if time.perf_counter() - started > BUDGET_S:
             print(f"time budget: skipping {row}")

@@ -62,7 +62,7 @@ from flashrun.kernels.flash.args import (
     dot_options,
     plain_options,
 )
-from flashrun.kernels.flash.decode_jit import _attn_decode, _attn_decode_combine
+from flashrun.kernels.flash.decode_jit import KV_FP8_F16, KV_FP8_WIDEN, _attn_decode, _attn_decode_combine
 from flashrun.kernels.flash.launch import _current_stream, _hashable, _Launch, _meta, keep
 from flashrun.kernels.tuning import INTERPRETED, LaunchConfig, cdiv, next_power_of_2
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -84,6 +84,10 @@ DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 # waits for its predecessor's writes in the kernel (griddepcontrol.wait). FLASHRUN_PDL=0 turns it
 # off; a plan's key holds it, so that benchmarks/probes/decode_probe.py can compare the two in one process
 PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "off", "no")
+# bfloat16 queries against an fp8 cache: the dots in float16 (decode_jit._queries_f16), not
+# bfloat16: on the H200 1.3x faster (decode_probe.py --fp8-sweep), e4m3 widening to float16 in
+# one instruction per pair and to bfloat16 in three
+FP8_DOT_F16 = True
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
@@ -113,16 +117,17 @@ def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel
 # Plans
 
 
-def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0, kv_fp8: bool = False) -> LaunchConfig:
+def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0) -> LaunchConfig:
     """The fixed config; a paged cache whose pages do not hold whole key blocks (each key's page
     looked up) at most 2 stages: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
     against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21). An fp8 cache
-    takes 32-key tiles too: its 64-key tiles, widened to the queries' dtype, spilled 224-240 B with
-    pages and 48 B without (sm_90, Triton 3.6; 32 keys: none, tests/compile_for_gpu.py); not yet
-    timed on a GPU (benchmarks/suites/decode-fp8.toml)."""
+    takes the same 64-key tiles: on the H200 (benchmarks/probes/decode_probe.py --fp8-sweep, GQA
+    32/8, 32k-128k keys) they read it 1.2-1.4x faster than 32-key tiles, whose quarter of the
+    bytes per step left the loads too few to cover the memory's latency (with token scales they
+    spill 64 B under Triton 3.6 and are still the faster)."""
     if INTERPRETED:
         return DECODE_INTERPRETER
-    cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 or kv_fp8 else DECODE
+    cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
     if page_size % cfg.block_n:
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2))
     return cfg
@@ -233,13 +238,20 @@ class _Plan:
         return o, lse
 
 
+def _kv_fp8(dims: _Dims, dtype: torch.dtype) -> int:
+    """The decode kernel's KV_FP8 constexpr."""
+    if not dims.kv_fp8:
+        return 0
+    return (KV_FP8_F16 if FP8_DOT_F16 and dtype == torch.bfloat16 else KV_FP8_WIDEN).value
+
+
 def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: Variant, sm_scale: float,
                seqlens: bool, write_lse: bool) -> _Plan:
     """Everything a call of these dims launches with, but the data pointers and N_K."""
     if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
         variant = replace(variant, causal=False)
     group = dims.heads // dims.kv_heads
-    cfg = _config(dtype, dims.head_dim, dims.page_size, dims.kv_fp8)
+    cfg = _config(dtype, dims.head_dim, dims.page_size)
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
@@ -254,7 +266,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
             var["qk_scale"] * dims.k_scale, dims.v_scale, var["softcap2"], var["win_left"], var["win_right"],
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
-            *dot_options(dtype).values(), dims.kv_fp8, dims.scales is not None, pdl)
+            *dot_options(dtype).values(), _kv_fp8(dims, dtype), dims.scales is not None, pdl)
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, _options(cfg, pdl))
     combine = None
     if splits > 1:

@@ -18,6 +18,11 @@ from flashrun.kernels.flash.jit import (
     _store_tile,
 )
 
+# The KV_FP8 constexpr: 0 (a float16/bfloat16 cache), or how an e4m3 cache's tiles meet the
+# queries: widened to their dtype, or (bfloat16 queries) both in float16
+KV_FP8_WIDEN = tl.constexpr(1)
+KV_FP8_F16 = tl.constexpr(2)
+
 # ---------------------------------------------------------------------------------------------
 # @triton.jit helpers
 
@@ -75,6 +80,25 @@ def _kv_tile(rows, row_ok, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.conste
 
 
 @triton.jit
+def _queries_f16(q0, q1, qk_scale, BLOCK_D1: tl.constexpr):
+    """(q0, q1, r): the tile's queries times ``qk_scale`` in float16, divided by the power of two r
+    that puts their largest magnitude near 2**14 (an exact scaling: no overflow, no digits lost
+    to float16's narrow range); the scores' dots come out divided by r, so r takes qk_scale's
+    place. For bfloat16 queries against an fp8 cache: e4m3 widens to float16 in one instruction
+    per pair, to bfloat16 in three."""
+    q0 = q0.to(tl.float32) * qk_scale
+    amax = tl.max(tl.max(tl.abs(q0), 1), 0)
+    if BLOCK_D1 > 0:
+        q1 = q1.to(tl.float32) * qk_scale
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q1), 1), 0))
+    r = tl.where(amax > 0.0, tl.math.exp2(tl.math.ceil(tl.math.log2(amax)) - 14.0), 1.0)
+    q0 = (q0 * (1.0 / r)).to(tl.float16)
+    if BLOCK_D1 > 0:
+        q1 = (q1 * (1.0 / r)).to(tl.float16)
+    return q0, q1, r
+
+
+@triton.jit
 def _append(K, V, K_NEW, V_NEW, K_SCALE, V_SCALE, K_NEW_SCALE, V_NEW_SCALE, PAGES, lo, hi, n_cache, n_k,
             stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk, stride_nn, stride_nk,
             stride_sz, stride_sn, stride_tn, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -111,7 +135,9 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, K_SCALE, V_SCALE, PAGES, l
     """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
     (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
     cache); PAGES at the sequence's block table row (paged cache). KV_FP8: the cache holds fp8,
-    widened to q's dtype tile by tile (exact); TOKEN_SCALES: each key's and value's scale
+    widened to q's dtype tile by tile (exact; KV_FP8_F16: q is bfloat16 turned float16 by
+    :func:`_queries_f16`, and V and P go through bfloat16 only with TOKEN_SCALES, whose
+    P · scale float16 would hold too few digits of); TOKEN_SCALES: each key's and value's scale
     (K_SCALE, V_SCALE, laid out as the cache without head_dim) multiplies its score's column and
     its probability's column (q·(s k) = s (q·k); Σ p (s v) = Σ (p s) v), not the tile."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -125,10 +151,16 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, K_SCALE, V_SCALE, PAGES, l
         v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
         if KV_FP8:
             k0 = k0.to(q0.dtype)
-            v0 = v0.to(q0.dtype)
             if BLOCK_D1 > 0:
                 k1 = k1.to(q0.dtype)
-                v1 = v1.to(q0.dtype)
+            if KV_FP8 == KV_FP8_F16 and TOKEN_SCALES:
+                v0 = v0.to(tl.bfloat16)
+                if BLOCK_D1 > 0:
+                    v1 = v1.to(tl.bfloat16)
+            else:
+                v0 = v0.to(q0.dtype)
+                if BLOCK_D1 > 0:
+                    v1 = v1.to(q0.dtype)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         if TOKEN_SCALES:
             at = page * stride_sz + slot * stride_sn
@@ -197,7 +229,8 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     NaN. SPLIT: write this split's normalized output and log2-sum-exp2
     into O_PART (splits, BLOCK_M, HEAD_DIM) and LSE_PART per (batch, kv head, row tile), for
     :func:`_attn_decode_combine`; otherwise the output itself (and with WRITE_LSE the
-    natural-log LSE, (batch, heads, N_Q)). An fp8 cache (KV_FP8) is dequantized as it is read: a
+    natural-log LSE, (batch, heads, N_Q)). An fp8 cache (KV_FP8: KV_FP8_WIDEN or KV_FP8_F16, how
+    its tiles meet the queries, see :func:`_decode_inner`) is dequantized as it is read: a
     scale for the whole cache (K's folded into qk_scale by the launcher, ``v_scale`` applied with
     the normalization), or with TOKEN_SCALES one per key and kv head (K_SCALE, V_SCALE laid out as
     (batch or page, key, kv head); appended keys bring theirs in K_NEW_SCALE, V_NEW_SCALE). PDL: launched as a programmatic dependent launch
@@ -246,6 +279,8 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     q1 = NO_BLOCK
     if BLOCK_D1 > 0:
         q1 = _load_cols(q_rows, row_ok, stride_qk, BLOCK_D0, BLOCK_D1, HEAD_DIM)
+    if KV_FP8 == KV_FP8_F16:
+        q0, q1, qk_scale = _queries_f16(q0, q1, qk_scale, BLOCK_D1)
     if PAGE_SIZE > 0:  # pages: dim 0 of the cache is the page, found in the block table
         k_src = K + off_hkv * stride_kh
         v_src = V + off_hkv * stride_vh
