@@ -47,7 +47,7 @@ class CompileOnly:
         self.arg_names = fn.arg_names  # a lean launch's plan orders its arguments by them
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, **kwargs):
+        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **kwargs):
             bound = inspect.signature(self.fn.fn).bind(*args, **kwargs).arguments
             signature, constants = {}, {}
             for param, name in zip(self.fn.params, self.fn.arg_names):
@@ -58,7 +58,8 @@ class CompileOnly:
                     constants[name] = bound[name]
             start = time.perf_counter()
             compiled = triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
-                                      options={"num_warps": num_warps, "num_stages": num_stages})
+                                      options={"num_warps": num_warps, "num_stages": num_stages,
+                                               **({"maxnreg": maxnreg} if maxnreg else {})})
             PTX.append((self.fn.__name__, constants, compiled.asm["ptx"]))
             RESOURCES.append((self.fn.__name__, constants, resources(compiled)))
             flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ",

@@ -84,6 +84,11 @@ DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 # waits for its predecessor's writes in the kernel (griddepcontrol.wait). FLASHRUN_PDL=0 turns it
 # off; a plan's key holds it, so that benchmarks/probes/decode_probe.py can compare the two in one process
 PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "off", "no")
+# An fp8 cache at head_dim <= 128: the kernel held to 128 registers a thread (ptxas spills some)
+# and four programs per SM: on the H200 1.05-1.3x faster than two of ~250 registers, paged the
+# most (decode_probe.py --fp8-sweep: GQA 32/8, 8k-128k keys)
+FP8_REGISTERS = 128
+FP8_WAVES = 4
 # bfloat16 queries against an fp8 cache: the dots in float16 (decode_jit._queries_f16), not
 # bfloat16: on the H200 1.3x faster (decode_probe.py --fp8-sweep), e4m3 widening to float16 in
 # one instruction per pair and to bfloat16 in three
@@ -166,12 +171,12 @@ def block_m(group: int, n_q: int, head_dim: int) -> int:
     return min(max(16, next_power_of_2(group * n_q)), 64 if head_dim <= 128 else 32)
 
 
-def num_splits(programs: int, keys: int, block_n: int, device: torch.device) -> int:
+def num_splits(programs: int, keys: int, block_n: int, device: torch.device, waves: int | None = None) -> int:
     """Key splits for ``programs`` (batch, kv head, row tile) over at most ``keys`` keys: at most
-    WAVES programs per SM (two fit at once: more would leave a second, partial wave), each split
-    at least MIN_CHUNK_BLOCKS key blocks."""
+    ``waves`` (WAVES) programs per SM (as many as fit at once: more would leave a partial wave),
+    each split at least MIN_CHUNK_BLOCKS key blocks."""
     chunk = MIN_CHUNK_BLOCKS * block_n
-    return max(1, min(WAVES * _multiprocessors(device) // programs, cdiv(keys, chunk)))
+    return max(1, min((waves or WAVES) * _multiprocessors(device) // programs, cdiv(keys, chunk)))
 
 
 def combine_cols(programs: int, head_dim: int, device: torch.device) -> int:
@@ -255,7 +260,8 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
-    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device)
+    held = dims.kv_fp8 and dims.head_dim <= 128 and not INTERPRETED  # FP8_REGISTERS, FP8_WAVES
+    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device, FP8_WAVES if held else None)
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale, dtype)
     pdl = _pdl(device)
@@ -267,7 +273,8 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
             *dot_options(dtype).values(), _kv_fp8(dims, dtype), dims.scales is not None, pdl)
-    decode = _Launch(_attn_decode, (splits, tiles, pairs), tail, _options(cfg, pdl))
+    decode = _Launch(_attn_decode, (splits, tiles, pairs), tail,
+                     {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {})})
     combine = None
     if splits > 1:
         cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)
