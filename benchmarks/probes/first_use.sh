@@ -60,10 +60,6 @@ step api-cold 60 python3 "$REPO/benchmarks/probes/first_call.py" new-key --profi
 step api-warm 40 python3 "$REPO/benchmarks/probes/first_call.py" new-key --profile "$OUT/first-call-api-warm-profile.txt"
 fresh
 step api-cold-2 60 python3 "$REPO/benchmarks/probes/first_call.py" new-key
-fresh  # the compile processes started when the kernels are imported, not at the first call
-FLASHRUN_COMPILE_PROCESSES=early step api-cold-early 60 python3 "$REPO/benchmarks/probes/first_call.py" new-key
-fresh
-FLASHRUN_COMPILE_PROCESSES=early step api-cold-early-2 60 python3 "$REPO/benchmarks/probes/first_call.py" new-key
 fresh
 step api-sdpa-cold 40 python3 "$REPO/benchmarks/probes/first_call.py" new-key --sdpa
 fresh

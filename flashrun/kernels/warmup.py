@@ -328,9 +328,7 @@ def prime() -> None:
     and building Triton's C helpers for CUDA (``CudaUtils``: a gcc build on a cold cache, else a
     load from it), each of which a process's first compile or launch would otherwise wait for.
     The helpers are only built and loaded (no CUDA call); where they cannot be (no CUDA library
-    here), the first launch builds them and reports what is wrong, as before.
-    ``FLASHRUN_COMPILE_PROCESSES=early`` starts the compile processes here as well, instead of at
-    the first batch: a process that will compile anyway has them ready by its first call."""
+    here), the first launch builds them and reports what is wrong, as before."""
     if _primers or tuning.INTERPRETED:
         return
     try:
@@ -341,8 +339,6 @@ def prime() -> None:
     _primers.append(threading.Thread(target=_cuda_utils, name="flashrun-cuda-utils", daemon=True))
     for thread in _primers:
         thread.start()
-    if os.environ.get("FLASHRUN_COMPILE_PROCESSES", "1") == "early":  # the compile processes start now too
-        threading.Thread(target=processes, name="flashrun-compile-processes", daemon=True).start()
 
 
 def _cuda_utils() -> None:
