@@ -53,6 +53,9 @@ def select(requested: str = "auto") -> Device:
         use_interpreter()
         return Device("cpu", True, notice)
     use_compiler()
+    # flashrun's commands judge and time the fast path and compile it ahead: the Gluon paths'
+    # first-use checks wait rather than run in the background (the library's default, hopper.first_use)
+    os.environ.setdefault("FLASHRUN_FIRST_USE", "wait")
     return Device("cuda", False)
 
 

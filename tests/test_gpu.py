@@ -807,11 +807,9 @@ def test_a_launcher_built_ahead_is_the_one_the_first_load_finds(tmp_path, monkey
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon paths are sm_90 only")
 def test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready(monkeypatch, tmp_path):
-    """FLASHRUN_FIRST_USE=background: a Gluon shape's first forward + backward run the portable
-    kernels while the Gluon check compiles in the background; once the pool is settled the next
-    call checks and takes the Gluon kernels. Every call agrees with the portable reference. (On the
-    H200 it read [('triton', 'triton'), ('triton', 'gluon-sm90+dq')]: the backward's check, deciding in
-    the second call, ran a portable forward that relabelled LAST_PATH - fixed, not yet re-run.)"""
+    """The library's default: a Gluon shape's first forward + backward run the portable kernels
+    while the Gluon check compiles in the background; once the pool is settled the next call
+    checks and takes the Gluon kernels. Every call agrees with the portable reference."""
     if flash_hopper.gluon_api():
         pytest.skip(flash_hopper.gluon_api())
     from flashrun.kernels import warmup

@@ -474,14 +474,22 @@ def test_compiling_ahead_in_the_background_lists_the_portable_kernel(monkeypatch
     assert handed == ["_attn_fwd"] and not in_background.batches
 
 
-def test_first_use_checks_wait_unless_asked_to_run_in_the_background(monkeypatch):
-    """The background first use is opt-in (FLASHRUN_FIRST_USE=background) until a GPU has run it right."""
-    from flashrun.kernels import warmup
+def test_commands_wait_for_first_use_checks(monkeypatch):
+    """flashrun's commands judge and time the fast path: on a GPU, device.select makes the checks
+    wait (a user's own FLASHRUN_FIRST_USE stays)."""
+    import os
 
-    monkeypatch.delenv("FLASHRUN_FIRST_USE", raising=False)
-    assert not flash_hopper.background()
+    from flashrun import device
+
+    monkeypatch.setenv("FLASHRUN_FIRST_USE", "")  # so that the undo restores the variable as it was
+    monkeypatch.delenv("FLASHRUN_FIRST_USE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "use_compiler", lambda: None)
+    device.select("auto")
+    assert os.environ["FLASHRUN_FIRST_USE"] == "wait"
     monkeypatch.setenv("FLASHRUN_FIRST_USE", "background")
-    assert flash_hopper.background() == warmup.available()
+    device.select("auto")
+    assert os.environ["FLASHRUN_FIRST_USE"] == "background"
 
 
 def test_a_background_listing_that_raises_checks_at_once(monkeypatch, in_background):

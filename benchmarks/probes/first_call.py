@@ -11,8 +11,8 @@ against an fp32 PyTorch reference, and says which launch config each kernel ran 
 came from (table / heuristic / tuned). ``breakdown`` stamps each step of a fresh process - import
 torch, import flashrun's kernels, the CUDA context, the first call of verify's default shape
 (D=64, N=128), the first calls of a shape the Gluon sm_90 forward takes (D=128, N=4096: its
-first-use check compiles and runs before the call - in the background, the portable kernel
-serving, with FLASHRUN_FIRST_USE=background - unless its verdict is read from FLASHRUN_CACHE_DIR) - and profiles the
+first-use check compiles in the background while the portable kernel serves, unless
+FLASHRUN_FIRST_USE=wait, or its verdict is read from FLASHRUN_CACHE_DIR) - and profiles the
 first call. ``--profile FILE`` writes the first call's profile either way (the 30 costliest
 functions by cumulative time); ``--timeline`` logs flashrun's compile steps (each kernel's
 compile, launcher build and readiness) to stderr, stamped in ms since the process began. One

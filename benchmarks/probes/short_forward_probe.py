@@ -58,6 +58,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from flashrun.kernels import LaunchConfig, tuning, warmup  # noqa: E402
 from flashrun.kernels.flash import attention as flash, hopper  # noqa: E402
 
+os.environ.setdefault("FLASHRUN_FIRST_USE", "wait")  # a Gluon path's first use checks before the call, as commands do
+
 C = LaunchConfig
 
 

@@ -572,12 +572,10 @@ _background: dict[tuple, tuple[warmup.Batch, list[warmup.Compile]]] = {}
 
 
 def background() -> bool:
-    """Whether a first use with no verdict yet checks in the background (``FLASHRUN_FIRST_USE=background``)
-    rather than waiting (the default). Opt-in until a GPU has run it right: on the H200 (2026-12-05)
-    ``test_a_first_use_in_the_background_runs_portable_until_its_check_is_ready`` saw the forward's
-    path as portable after the switch - most likely the backward's check relabelling ``LAST_PATH``
-    (since fixed: ``attention._paths_kept``), not yet re-run."""
-    return os.environ.get("FLASHRUN_FIRST_USE", "wait").strip().lower() == "background" and warmup.available()
+    """Whether a first use with no verdict yet checks in the background (the library's default)
+    rather than waiting: ``FLASHRUN_FIRST_USE=wait`` waits, as flashrun's commands do (they judge
+    and time the fast path, and compile it ahead anyway: :func:`flashrun.device.select`)."""
+    return os.environ.get("FLASHRUN_FIRST_USE", "background").strip().lower() != "wait" and warmup.available()
 
 
 def first_use(checked: dict, key: tuple, check, what: str, then=None) -> bool | None:
