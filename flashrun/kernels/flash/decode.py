@@ -90,8 +90,8 @@ PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "
 FP8_REGISTERS = 128
 FP8_WAVES = 4
 # bfloat16 queries against an fp8 cache: the dots in float16 (decode_jit._queries_f16), not
-# bfloat16: on the H200 1.3x faster (decode_probe.py --fp8-sweep), e4m3 widening to float16 in
-# one instruction per pair and to bfloat16 in three
+# bfloat16: on the H200 1.2-1.3x faster (decode_probe.py --fp8-sweep), e4m3 widening to float16
+# in one instruction per pair and to bfloat16 in three
 FP8_DOT_F16 = True
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
@@ -126,10 +126,9 @@ def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0) -> LaunchConf
     """The fixed config; a paged cache whose pages do not hold whole key blocks (each key's page
     looked up) at most 2 stages: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
     against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21). An fp8 cache
-    takes the same 64-key tiles: on the H200 (benchmarks/probes/decode_probe.py --fp8-sweep, GQA
-    32/8, 32k-128k keys) they read it 1.2-1.4x faster than 32-key tiles, whose quarter of the
-    bytes per step left the loads too few to cover the memory's latency (with token scales they
-    spill 64 B under Triton 3.6 and are still the faster)."""
+    takes the same 64-key tiles (and FP8_REGISTERS): on the H200 (decode_probe.py --fp8-sweep, the
+    decode-fp8-sweep claim: GQA 32/8, 8k-128k keys) they read it 1.0-1.3x faster than 32-key tiles,
+    whose quarter of the bytes per step left too few loads in flight to cover the memory's latency."""
     if INTERPRETED:
         return DECODE_INTERPRETER
     cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
