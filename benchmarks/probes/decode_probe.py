@@ -151,14 +151,19 @@ def timed(fn, calls: int = 100) -> tuple[float, float]:
     return gpu, (time.perf_counter() - start) / calls * 1e6
 
 
-def paged(cache, page):
-    """(pages, page, H_kv, D) pool holding ``cache`` (B, N, H_kv, D) and its block table, pages scrambled."""
-    b, n, h_kv, d = cache.shape
+def paged(page, *caches):
+    """(pools..., block table): each of ``caches`` (B, N, H_kv, ...: a cache, or its token scales)
+    in a (pages, page, H_kv, ...) pool, every one through the same scrambled block table."""
+    b, n = caches[0].shape[:2]
     per = n // page
-    order = torch.randperm(b * per).to(cache.device)
-    pool = torch.empty(b * per, page, h_kv, d, dtype=cache.dtype, device=cache.device)
-    pool[order] = cache.reshape(b * per, page, h_kv, d)
-    return pool, order.view(b, per).to(torch.int32)
+    order = torch.randperm(b * per).to(caches[0].device)
+    pools = []
+    for cache in caches:
+        bits = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache  # no fp8 index_put
+        pool = torch.empty(b * per, page, *cache.shape[2:], dtype=bits.dtype, device=cache.device)
+        pool[order] = bits.reshape(b * per, page, *cache.shape[2:])
+        pools.append(pool.view(cache.dtype))
+    return (*pools, order.view(b, per).to(torch.int32))
 
 
 def lean() -> str:
@@ -206,9 +211,7 @@ def run_shape(row, started, rows, quick):
         lengths = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
         calls["kv"] = lambda: flash_attention_with_kvcache(q4, k_cache, v_cache, lengths, causal=causal).transpose(1, 2)
         for page in PAGES:
-            pool_k, table = paged(k_cache, page)
-            pool_v = torch.empty_like(pool_k)
-            pool_v[table.view(-1).long()] = v_cache.reshape(-1, page, h_kv, D)
+            pool_k, pool_v, table = paged(page, k_cache, v_cache)
             calls[f"kv-p{page}"] = (lambda pk=pool_k, pv=pool_v, t=table: flash_attention_with_kvcache(
                 q4, pk, pv, lengths, block_table=t, causal=causal).transpose(1, 2))
     for name in list(calls):
@@ -265,9 +268,7 @@ def config_sweep(started) -> list[dict]:
         ref = reference(q, k, v)
         q4 = q.transpose(1, 2).contiguous()
         k_cache, v_cache = (t.transpose(1, 2).contiguous() for t in (k, v))
-        pool_k, table = paged(k_cache, 16)
-        pool_v = torch.empty_like(pool_k)
-        pool_v[table.view(-1).long()] = v_cache.reshape(-1, 16, h_kv, D)
+        pool_k, pool_v, table = paged(16, k_cache, v_cache)
         lengths = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
         kv_calls = {"kv": lambda: flash_attention_with_kvcache(q4, k_cache, v_cache, lengths).transpose(1, 2),
                     "kv-p16": lambda: flash_attention_with_kvcache(q4, pool_k, pool_v, lengths,
@@ -344,25 +345,18 @@ def fp8_sweep(started) -> list[dict]:
             caches[kind] = (k8, v8, ks, vs, reference(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2)))
         for qname, kind, page in cells:
             k8, v8, ks, vs, ref = caches[kind]
-            qq = q.to(FP16) if qname == "fp16" else q
             decode.FP8_DOT_F16 = qname != "bf16 widen"
             if page:
-                pool_k, table = paged(k8.view(torch.uint8), page)  # (index_put has no fp8 kernel)
-                pool_v = torch.empty_like(pool_k)
-                pool_v[table.view(-1).long()] = v8.view(torch.uint8).reshape(-1, page, h_kv, D)
-                pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
                 if kind == "token":  # the scales follow their keys into the pages
-                    s_k, s_v = (torch.empty(pool_k.shape[:3], device=DEVICE) for _ in range(2))
-                    s_k[table.view(-1).long()] = ks.reshape(-1, page, h_kv)
-                    s_v[table.view(-1).long()] = vs.reshape(-1, page, h_kv)
+                    pool_k, pool_v, s_k, s_v, table = paged(page, k8, v8, ks, vs)
                 else:
-                    s_k, s_v = ks, vs
+                    (pool_k, pool_v, table), s_k, s_v = paged(page, k8, v8), ks, vs
 
-                def call(qq=qq, pk=pool_k, pv=pool_v, t=table, sk=s_k, sv=s_v):
-                    return flash_attention_with_kvcache(qq, pk, pv, lengths, block_table=t, k_scale=sk, v_scale=sv)
+                def call(pk=pool_k, pv=pool_v, t=table, sk=s_k, sv=s_v):
+                    return flash_attention_with_kvcache(q, pk, pv, lengths, block_table=t, k_scale=sk, v_scale=sv)
             else:
-                def call(qq=qq, k8=k8, v8=v8, ks=ks, vs=vs):
-                    return flash_attention_with_kvcache(qq, k8, v8, lengths, k_scale=ks, v_scale=vs)
+                def call(k8=k8, v8=v8, ks=ks, vs=vs):
+                    return flash_attention_with_kvcache(q, k8, v8, lengths, k_scale=ks, v_scale=vs)
             for block_n, warps, stages, w, regs in FP8_CONFIGS[:2] if SMOKE else FP8_CONFIGS:
                 if time.perf_counter() - started > BUDGET_S:
                     break
