@@ -184,7 +184,7 @@ GATE: dict[tuple[int, bool], tuple[tuple[int, int, str | None], ...]] = {
     # 4096; 0.98x at 8192)
     (192, False): ((0, 0, "d192-persistent"),),
     (192, True): ((0, 0, "d192-persistent"), (8192, 0, "d192")),
-    # This round's (short_forward_probe.py --cells d96, 5376 tiles, 1024-8192 keys): 96 as 64 + 32 columns,
+    # short_forward_probe.py --cells d96 (5376 tiles, 1024-8192 keys): 96 as 64 + 32 columns,
     # 1.05-1.15x cuDNN on the persistent kernel where the portable one ran 0.83-0.93x; causal from 8192
     # keys on "d96" (1.14-1.16x cuDNN against 1.08-1.10x); shorter than 1024 keys not timed
     (96, False): ((1024, 0, "d96-persistent"),),
