@@ -57,6 +57,18 @@ def compile_launch(fn, *args, **kwargs):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
+def can_compile() -> bool:
+    """Whether this Triton compiles for TARGET here (a CUDA backend, ptxas); says why not."""
+    try:
+        compile_launch(flash._attn_bwd_preprocess, torch.empty(16, 64, dtype=torch.float16),
+                       torch.empty(16, 64, dtype=torch.float16), torch.empty(16), *([64, 1] * 4), 1, 16,
+                       HEAD_DIM=64, BLOCK_D0=64, BLOCK_D1=0, BLOCK_M=16)
+    except Exception as exc:  # noqa: BLE001 - no CUDA backend/ptxas in this Triton: nothing to check
+        print(f"cannot compile for {TARGET} here: {type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
 def _tool(name: str) -> str:
     """The CUDA tool this Triton itself uses for sm_90 (3.9 bundles two ptxas and picks the newer)."""
     if name == "ptxas":
@@ -153,12 +165,7 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="also window, softcap + ALiBi, GQA 4:1 (causal)")
     ap.add_argument("--json", help="write the rows here")
     ns = ap.parse_args()
-    try:
-        compile_launch(flash._attn_bwd_preprocess, torch.empty(16, 64, dtype=torch.float16),
-                       torch.empty(16, 64, dtype=torch.float16), torch.empty(16), *([64, 1] * 4), 1, 16,
-                       HEAD_DIM=64, BLOCK_D0=64, BLOCK_D1=0, BLOCK_M=16)
-    except Exception as exc:  # noqa: BLE001 - no CUDA backend/ptxas in this Triton: nothing to check
-        print(f"cannot compile for {TARGET} here: {type(exc).__name__}: {exc}")
+    if not can_compile():
         return 3
     rows: list[dict] = []
     flash._dq_tma_ok = lambda dq: flash_args._split_head_dim(dq.shape[-1])[1] == 0  # as on Hopper

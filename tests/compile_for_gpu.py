@@ -3,7 +3,9 @@
 The interpreter runs the kernels' arithmetic on the CPU but never compiles them, so an error
 that only the compiler sees (a type that changes in a loop, an unsupported construct) would
 wait for a GPU run. Here flash's launchers run as usual, but each kernel launch is caught
-and handed to ``triton.compile`` for the target instead; the variants are compiled with every
+and handed to ``triton.compile`` for the target instead, specialized as the launch would be
+(:func:`compile_bwd.compile_launch`: without it no load is vectorized, and ptxas reports
+registers and spills that the GPU's kernel does not have); the variants are compiled with every
 flag on at once. Used by tests/test_variants.py; run it by hand as
 
     python tests/compile_for_gpu.py
@@ -13,7 +15,6 @@ backend or ptxas), nothing was checked.
 """
 
 import collections
-import inspect
 import os
 import re
 import subprocess
@@ -27,14 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
+from compile_bwd import TARGET, can_compile, compile_launch  # noqa: E402
 from flashrun.kernels import LaunchConfig  # noqa: E402
 from flashrun.kernels.flash import args as flash_args, attention as flash, decode, fp8  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)  # H100/H200
 PTX = []  # (kernel name, its constexprs, its PTX) for every kernel compiled
 RESOURCES = []  # (kernel name, its constexprs, (registers, spilled bytes)) likewise
 
@@ -47,19 +45,11 @@ class CompileOnly:
         self.arg_names = fn.arg_names  # a lean launch's plan orders its arguments by them
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **kwargs):
-            bound = inspect.signature(self.fn.fn).bind(*args, **kwargs).arguments
-            signature, constants = {}, {}
-            for param, name in zip(self.fn.params, self.fn.arg_names):
-                # as a launch would: ints equal to 1 (and None) become constexprs
-                kind = "constexpr" if param.is_constexpr else mangle_type(bound[name], specialize=True)
-                signature[name] = kind
-                if kind == "constexpr":
-                    constants[name] = bound[name]
+        def launch(*args, **kwargs):
             start = time.perf_counter()
-            compiled = triton.compile(ASTSource(self.fn, signature, constants), target=TARGET,
-                                      options={"num_warps": num_warps, "num_stages": num_stages,
-                                               **({"maxnreg": maxnreg} if maxnreg else {})})
+            compiled = compile_launch(self.fn, *args, **kwargs)
+            constants = {self.fn.arg_names[path[0]]: value for path, value in compiled.src.constants.items()
+                         if len(path) == 1}
             PTX.append((self.fn.__name__, constants, compiled.asm["ptx"]))
             RESOURCES.append((self.fn.__name__, constants, resources(compiled)))
             flags = " ".join(f for f in ("CAUSAL", "WINDOW", "SOFTCAP", "ALIBI", "VARLEN", "TMA", "WS", "ATOMIC_DQ",
@@ -145,14 +135,7 @@ def check_split_matmuls() -> None:
 
 
 def main() -> int:
-    try:
-        triton.compile(ASTSource(flash._attn_bwd_preprocess, {
-            "O": "*fp16", "DO": "*fp16", "Delta": "*fp32", **{f"stride_{s}": "i32" for s in (
-                "oz", "oh", "om", "ok", "doz", "doh", "dom", "dok")}, "H": "i32", "N_Q": "i32",
-            "HEAD_DIM": "constexpr", "BLOCK_D0": "constexpr", "BLOCK_D1": "constexpr", "BLOCK_M": "constexpr"},
-            {"HEAD_DIM": 64, "BLOCK_D0": 64, "BLOCK_D1": 0, "BLOCK_M": 16}), target=TARGET)
-    except Exception as exc:  # noqa: BLE001 - no CUDA backend/ptxas in this Triton: nothing to check
-        print(f"cannot compile for {TARGET} here: {type(exc).__name__}: {exc}")
+    if not can_compile():
         return 3
     for name in ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
         setattr(flash, name, CompileOnly(getattr(flash, name)))

@@ -8,7 +8,7 @@ bandwidth and, per call, by the host. The kernel:
     head r % GROUP), padded to at least 16 rows for ``tl.dot``. Each K/V tile is loaded once for
     the whole group, not once per query head.
   * **Splits.** B·H_kv programs cannot fill the GPU, so the keys are shared out over at most
-    ``WAVES`` programs per SM (two fit at once). The share is computed in the kernel from the
+    ``WAVES`` programs per SM. The share is computed in the kernel from the
     sequence's own length (a KV cache's lengths are device values), in whole key blocks, for
     shares of at least ``MIN_CHUNK_BLOCKS`` blocks; splits past the keys write an empty partial. :func:`_attn_decode_combine` merges the
     partials by log-sum-exp: O = Σ_s 2^(lse_s - lse) O_s, lse = log2 Σ_s 2^lse_s. One split: no
@@ -71,11 +71,13 @@ from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 # least DECODE_MIN_KEYS keys (a row tile then faces many key blocks); the KV-cache API always.
 DECODE_MAX_QUERIES = 64
 DECODE_MIN_KEYS = 256
-WAVES = 2  # programs per SM the splits aim at (two fit per SM at the config below: ~180 registers)
+WAVES = 2  # programs per SM the splits aim at (benchmarks/probes/decode_probe.py --waves times others)
 MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
 # Fixed configs, not tuned: the work is bound by reading K and V once (NOTES v3).
-# Past head_dim 128 (and for float32's IEEE dots) a 64-key tile of K and V spills registers
-# (ptxas for sm_90, tests/compile_for_gpu.py): 32 keys there.
+# Past head_dim 128 (and for float32's IEEE dots) 32-key tiles: a 64-key one holds 158-212
+# registers a thread at head_dim 192-256 (ptxas for sm_90, tests/compile_for_gpu.py; no spill),
+# fewer programs per SM. (The spills once quoted here were a compile without the launch's
+# 16-byte alignment, which vectorized no load.) 32 against 64 keys there is not yet timed.
 DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
@@ -84,8 +86,8 @@ DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 # waits for its predecessor's writes in the kernel (griddepcontrol.wait). FLASHRUN_PDL=0 turns it
 # off; a plan's key holds it, so that benchmarks/probes/decode_probe.py can compare the two in one process
 PDL = os.environ.get("FLASHRUN_PDL", "").strip().lower() not in ("0", "false", "off", "no")
-# An fp8 cache at head_dim <= 128: the kernel held to 128 registers a thread (ptxas spills some)
-# and four programs per SM: on the H200 1.05-1.3x faster than two of ~250 registers, paged the
+# An fp8 cache at head_dim <= 128: the kernel held to 128 registers a thread (no spill but 16 B
+# paged with one scale and bf16 queries) and four programs per SM: on the H200 1.05-1.3x faster than two of ~250 registers, paged the
 # most (decode_probe.py --fp8-sweep: GQA 32/8, 8k-128k keys)
 FP8_REGISTERS = 128
 FP8_WAVES = 4
@@ -172,7 +174,7 @@ def block_m(group: int, n_q: int, head_dim: int) -> int:
 
 def num_splits(programs: int, keys: int, block_n: int, device: torch.device, waves: int | None = None) -> int:
     """Key splits for ``programs`` (batch, kv head, row tile) over at most ``keys`` keys: at most
-    ``waves`` (WAVES) programs per SM (as many as fit at once: more would leave a partial wave),
+    ``waves`` (WAVES) programs per SM (a whole number of waves: more would leave a partial one),
     each split at least MIN_CHUNK_BLOCKS key blocks."""
     chunk = MIN_CHUNK_BLOCKS * block_n
     return max(1, min((waves or WAVES) * _multiprocessors(device) // programs, cdiv(keys, chunk)))
