@@ -609,6 +609,26 @@ def test_an_fp8_cache_with_unit_scales_is_the_bf16_cache_it_holds(monkeypatch, f
         assert (as_fp8.float() - truth).abs().max() <= (as_bf16.float() - truth).abs().max(), size
 
 
+def test_an_fp8_v_is_widened_in_pairs_only_where_the_kernel_can(monkeypatch):
+    """decode.FP8_V_PAIRS (inline PTX: compiled code, not the interpreter) takes an fp8 V that
+    meets float16 P in one column block whose rows are whole 16-bit pairs; the GPU suite runs it."""
+    monkeypatch.setattr(decode, "FP8_V_PAIRS", True)
+    monkeypatch.setattr(decode, "INTERPRETED", False)
+    strides = (8 * 1024 * 128, 8 * 128, 128, 1)  # (batch, key, kv head, dim) of a contiguous cache
+    dims = decode._Dims(2, 32, 8, 1, 128, strides, strides, strides, (2, 1, 32, 128), strides, kv_fp8=True)
+    assert decode._v_pairs(dims, BF16) and decode._v_pairs(dims, FP16)
+    token = dataclasses.replace(dims, scales=(8 * 1024, 8, 1))
+    assert decode._v_pairs(token, FP16) and not decode._v_pairs(token, BF16)  # bf16 P times token scales
+    for other in (dataclasses.replace(dims, kv_fp8=False), dataclasses.replace(dims, head_dim=96),
+                  dataclasses.replace(dims, v=(8 * 1024 * 129, 8 * 129, 129, 1)),
+                  dataclasses.replace(dims, v=(1, 8 * 1024 * 128, 1024 * 128, 2))):
+        assert not decode._v_pairs(other, FP16), other
+    monkeypatch.setattr(decode, "FP8_DOT_F16", False)
+    assert not decode._v_pairs(dims, BF16) and decode._v_pairs(dims, FP16)  # bf16 widened: bf16 P
+    monkeypatch.setattr(decode, "INTERPRETED", True)
+    assert not decode._v_pairs(dims, FP16)
+
+
 def test_verify_judges_an_fp8_cache_on_what_it_holds(tmp_path):
     """verify's fp8 cases: the verdict on the dequantized cache (and the appended slots as the fp8
     cache holds them), the error against the unquantized keys reported beside it; a kernel that
