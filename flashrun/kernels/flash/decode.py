@@ -96,7 +96,7 @@ FP8_WAVES = 4
 # in one instruction per pair and to bfloat16 in three
 FP8_DOT_F16 = True
 # an fp8 V widened to float16 two values at a time before the P V dot (decode_jit._e4m3_pairs_f16):
-# in the sm_90 SASS of the GQA 32/8 head_dim 128 loop, 468 instructions a 64-key step against 560
+# in the sm_90 SASS of the GQA 32/8 head_dim 128 loop, 460 instructions a 64-key step against 560
 # (one shared-memory load per byte of V gone); not yet timed on the GPU (decode_probe.py --fp8-sweep
 # times both), so off
 FP8_V_PAIRS = False
