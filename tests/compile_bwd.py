@@ -50,11 +50,15 @@ KERNEL = {"bwd_fused": "_attn_bwd_dkdv", "bwd_dkdv": "_attn_bwd_dkdv", "bwd_dq":
 
 
 def compile_launch(fn, *args, **kwargs):
-    """``fn[grid](*args, **kwargs)``'s compilation for TARGET, specialized as a launch would be."""
+    """``fn[grid](*args, **kwargs)``'s compilation for TARGET, specialized as a launch would be
+    (a @triton.jit or a @gluon.jit kernel)."""
     binder = create_function_from_signature(fn.signature, fn.params, BACKEND)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(BACKEND, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    source = ASTSource
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
 def can_compile() -> bool:

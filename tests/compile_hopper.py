@@ -28,17 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
+from compile_bwd import compile_launch  # noqa: E402
 from flashrun.kernels.flash import hopper as flash_hopper  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_one(dtype, causal, cfg, group=1):
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from flashrun.kernels.flash.hopper_jit import _fa3_fwd
 
     z, h, n, d = 1, 4, 256, cfg.head_dim
@@ -53,18 +49,7 @@ def compile_one(dtype, causal, cfg, group=1):
         v, o, descales = k, torch.empty_like(q), None
     _, args, constexprs, options = flash_hopper.launch_args(q, k, v, o, lse, 0.125, causal, cfg, sms=132,
                                                             descales=descales)
-    signature, constants = {}, {}
-    params = [p for p in _fa3_fwd.params]
-    for p, value in zip(params, list(args) + [None] * len(params)):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(params.index(p),)] = constexprs[p.name]
-        else:
-            signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
-            if signature[p.name] == "constexpr":  # an int equal to 1 (a descale's stride), specialized away
-                constants[(params.index(p),)] = value
-    src = GluonASTSource(_fa3_fwd, signature, constants)
-    return triton.compile(src, target=TARGET, options=options)
+    return compile_launch(_fa3_fwd, *args, **constexprs, **options)
 
 
 def ptxas_info(ptx: str) -> str:

@@ -35,12 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
+from compile_bwd import TARGET, compile_launch  # noqa: E402
 from flashrun.kernels.flash import hopper as flash_hopper, hopper_bwd  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 
 
 # (causal, window, softcap, ALiBi); the variants where the kernel takes them (hopper_bwd.takes_variants)
@@ -52,8 +50,6 @@ VARIANT_MASKS = ("softcap", "alibi", "sc+ali")
 def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     """The kernel as hopper_bwd.launch_args launches it, compiled for sm_90 (``mask``: a MASKS key;
     ``fused``: with dQ; ``adds``: a split's parts add into one float32 head)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     z, h_kv, n, d = 1, 2, 256, cfg.head_dim
     q = torch.empty(z, h_kv * group, n, d, dtype=dtype)
     k = torch.empty(z, h_kv, n, d, dtype=dtype)
@@ -65,18 +61,7 @@ def compile_one(dtype, mask, cfg, group=1, split=1, fused=False, adds=False):
     slopes = torch.empty(h_kv * group, dtype=torch.float32) if alibi else None
     _, args, constexprs, options = hopper_bwd.launch_args(q, k, k, q, lse, lse, dk, dk, 0.125, causal, cfg, split, dq,
                                                           window, adds, softcap, slopes)
-    signature, constants = {}, {}
-    params = list(cfg.kernel.params)
-    for p, value in zip(params, list(args) + [None] * len(params)):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(params.index(p),)] = constexprs[p.name]
-        else:
-            signature[p.name] = mangle_type(value, specialize=not p.do_not_specialize)  # as a launch would
-            if signature[p.name] == "constexpr":  # an int equal to 1 (ALiBi's head stride), specialized away
-                constants[(params.index(p),)] = value
-    src = GluonASTSource(cfg.kernel, signature, constants)
-    return triton.compile(src, target=TARGET, options=options)
+    return compile_launch(cfg.kernel, *args, **constexprs, **options)
 
 
 def ptxas(ptx: str) -> dict:
