@@ -565,6 +565,32 @@ def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, length
         assert check.passed, check.reason()
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("decades", [(-12, 3), (-5, -3)], ids=["1e-12..1e3", "1e-5..1e-3"])
+def test_token_scales_keep_float16_p_accurate(monkeypatch, dtype, decades):
+    """An fp8 cache with a scale per key, P in float16 (fp16 queries; bf16 ones through float16
+    dots): P takes each V scale over its tile's largest, since P · scale itself can leave float16's
+    range (scales near 1e-8 flush it to zero). With V's rows spanning 1e-12 to 1e3 within every tile,
+    or all tiny, the output passes the judge on the dequantized cache; with bf16 queries it is no
+    farther from it than the cache widened to bf16 (bf16 P · scale)."""
+    gen = torch.Generator().manual_seed(0)
+    shape, inputs = _cache_inputs((200, 1000), 4, 2, 1, 32, dtype=dtype)
+    low, high = decades
+    size = 10.0 ** (torch.rand(inputs.v.shape[:-1], generator=gen) * (high - low) + low)
+    k8, k_scale = to_e4m3(inputs.k, "token")
+    v8, v_scale = to_e4m3((inputs.v.float() * size[..., None]).to(dtype), "token")
+    truth = dataclasses.replace(inputs, k=from_e4m3(k8, k_scale, dtype), v=from_e4m3(v8, v_scale, dtype))
+    errors = {}
+    for f16_dots in (True, False) if dtype == BF16 else (True,):
+        monkeypatch.setattr(decode, "FP8_DOT_F16", f16_dots)
+        monkeypatch.setattr(decode, "_plans", {})
+        out = flash_attention_with_kvcache(inputs.q, k8, v8, inputs.cache_seqlens, k_scale=k_scale, v_scale=v_scale)
+        (check,) = Reference.for_kvcache(truth, causal=False).judge(out, None, None)
+        assert check.passed, check.reason()
+        errors[f16_dots] = check.rel_l2
+    assert errors[True] <= errors.get(False, 1.0), errors
+
+
 def test_fp8_cache_argument_errors():
     q = torch.randn(2, 1, 4, 16, dtype=BF16)
     cache = torch.randn(2, 32, 2, 16).to(E4M3)
@@ -618,7 +644,7 @@ def test_an_fp8_v_is_widened_in_pairs_only_where_the_kernel_can(monkeypatch):
     dims = decode._Dims(2, 32, 8, 1, 128, strides, strides, strides, (2, 1, 32, 128), strides, kv_fp8=True)
     assert decode._v_pairs(dims, BF16) and decode._v_pairs(dims, FP16)
     token = dataclasses.replace(dims, scales=(8 * 1024, 8, 1))
-    assert decode._v_pairs(token, FP16) and not decode._v_pairs(token, BF16)  # bf16 P times token scales
+    assert decode._v_pairs(token, FP16) and decode._v_pairs(token, BF16)
     for other in (dataclasses.replace(dims, kv_fp8=False), dataclasses.replace(dims, head_dim=96),
                   dataclasses.replace(dims, v=(8 * 1024 * 129, 8 * 129, 129, 1)),
                   dataclasses.replace(dims, v=(1, 8 * 1024 * 128, 1024 * 128, 2))):

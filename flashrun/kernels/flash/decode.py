@@ -258,9 +258,9 @@ def _kv_fp8(dims: _Dims, dtype: torch.dtype) -> int:
 
 def _v_pairs(dims: _Dims, dtype: torch.dtype) -> bool:
     """The decode kernel's V_PAIRS constexpr: FP8_V_PAIRS for an fp8 V that meets float16 P (fp16
-    queries, or bf16 ones through float16 dots without token scales) in one column block, its
-    rows in whole 16-bit pairs; compiled code only (inline PTX)."""
-    meets_f16 = dtype == torch.float16 or (_kv_fp8(dims, dtype) == KV_FP8_F16.value and dims.scales is None)
+    queries, or bf16 ones through float16 dots) in one column block, its rows in whole 16-bit
+    pairs; compiled code only (inline PTX)."""
+    meets_f16 = dtype == torch.float16 or _kv_fp8(dims, dtype) == KV_FP8_F16.value
     d0, d1 = _split_head_dim(dims.head_dim)
     return (FP8_V_PAIRS and dims.kv_fp8 and meets_f16 and not INTERPRETED and d1 == 0 and d0 == dims.head_dim
             and dims.v[3] == 1 and all(stride % 2 == 0 for stride in dims.v[:3]))

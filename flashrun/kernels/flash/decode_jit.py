@@ -141,7 +141,7 @@ def _append(K, V, K_NEW, V_NEW, K_SCALE, V_SCALE, K_NEW_SCALE, V_NEW_SCALE, PAGE
 
 
 @triton.jit
-def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, V16, K_SCALE, V_SCALE, PAGES, lo, hi, n_k, N_Q,
+def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, V16, K_SCALE, V_SCALE, PAGES, lo, hi, n_k, N_Q,
                   stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk, stride_sz, stride_sn,
                   offs_i, qk_scale, softcap2, slope2, left, right,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
@@ -153,10 +153,11 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, V16, K_SCALE, V_SCALE, PAG
     (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
     cache); PAGES at the sequence's block table row (paged cache). KV_FP8: the cache holds fp8,
     widened to q's dtype tile by tile (exact; KV_FP8_F16: q is bfloat16 turned float16 by
-    :func:`_queries_f16`, and V and P go through bfloat16 only with TOKEN_SCALES, whose
-    P · scale float16 would hold too few digits of); TOKEN_SCALES: each key's and value's scale
+    :func:`_queries_f16`, V and P float16 too); TOKEN_SCALES: each key's and value's scale
     (K_SCALE, V_SCALE, laid out as the cache without head_dim) multiplies its score's column and
-    its probability's column (q·(s k) = s (q·k); Σ p (s v) = Σ (p s) v), not the tile. V_PAIRS:
+    its probability's column (q·(s k) = s (q·k); Σ p (s v) = Σ (p s) v), not the tile; in float16
+    P · scale could leave its range, so P takes each scale over the tile's largest and the
+    accumulator is kept in units of that largest (``v_unit``, the caller's scale). V_PAIRS:
     unmasked tiles of an e4m3 V widened to float16 by :func:`_e4m3_pairs_f16` from V16, V as
     int16 (its strides halved)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -178,10 +179,6 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, V16, K_SCALE, V_SCALE, PAG
                 k1 = k1.to(q0.dtype)
             if V_PAIRS and not MASKED:
                 pass  # float16 already
-            elif KV_FP8 == KV_FP8_F16 and TOKEN_SCALES:
-                v0 = v0.to(tl.bfloat16)
-                if BLOCK_D1 > 0:
-                    v1 = v1.to(tl.bfloat16)
             else:
                 v0 = v0.to(q0.dtype)
                 if BLOCK_D1 > 0:
@@ -213,14 +210,22 @@ def _decode_inner(acc0, acc1, l_i, m_i, q0, q1, K, V, V16, K_SCALE, V_SCALE, PAG
         alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- update the output accumulator --
+        if TOKEN_SCALES and v0.dtype == tl.float16:
+            # P · scale can leave float16's range: P times each scale over the tile's largest
+            # (in [0, 1]), the accumulator kept in units of that largest (v_unit)
+            v_top = tl.max(v_scale, 0)
+            v_top = tl.where(v_top > 0.0, v_top, v_unit)  # a tile of masked keys: scales 0, P 0
+            alpha = alpha * (v_unit / v_top)
+            p = p * (v_scale * (1.0 / v_top))[None, :]
+            v_unit = v_top
+        elif TOKEN_SCALES:
+            p = p * v_scale[None, :]
         acc0 = acc0 * alpha[:, None]
         if BLOCK_D1 > 0:
             acc1 = acc1 * alpha[:, None]
-        if TOKEN_SCALES:
-            p = p * v_scale[None, :]
         acc0, acc1 = _dot_cols(p.to(v0.dtype), v0, v1, acc0, acc1, BLOCK_D1, UPCAST, PRECISION)
         m_i = m_ij
-    return acc0, acc1, l_i, m_i
+    return acc0, acc1, l_i, m_i, v_unit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,13 +355,14 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
         slope2 = 0.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    v_unit = 1.0  # the accumulator's unit (token scales into float16 P, see _decode_inner)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_M, BLOCK_D0], dtype=tl.float32)
     acc1 = NO_BLOCK
     if BLOCK_D1 > 0:
         acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     if WINDOW:  # stage 0: the window's left edge - masked
-        acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, v_src16, k_scales,
+        acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, v_src16, k_scales,
                                              v_scales, pages, tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), n_k, N_Q,
                                              stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                                              stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
@@ -364,7 +370,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                                              CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
                                              TOKEN_SCALES, V_PAIRS)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, v_src16, k_scales,
+    acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, v_src16, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
@@ -372,7 +378,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                                          CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
                                              TOKEN_SCALES, V_PAIRS)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
-    acc0, acc1, l_i, m_i = _decode_inner(acc0, acc1, l_i, m_i, q0, q1, k_src, v_src, v_src16, k_scales,
+    acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, v_src16, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
@@ -383,7 +389,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    inv_l = v_scale / l_safe  # one reciprocal per row, a multiply per output (a whole-cache V scale with it)
+    inv_l = v_scale * v_unit / l_safe  # one reciprocal per row, a multiply per output (a whole-cache V scale with it)
     acc0 = acc0 * inv_l[:, None]
     if BLOCK_D1 > 0:
         acc1 = acc1 * inv_l[:, None]
