@@ -210,6 +210,25 @@ def test_verify_tune_flag_checks_the_tuned_configs(cli, monkeypatch):
     assert launches == ["default", "tune"]
 
 
+def test_importing_the_kernels_starts_what_a_first_launch_would_wait_for(python):
+    # Triton's specializer imports Gluon on a process's first launch, whatever the kernel (0.27 s
+    # of the API's first call on the H200, whose Triton keeps no bytecode): a primer imports it
+    # while the caller sets up, beside the installation's hash and the CUDA helpers
+    code = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import flashrun.kernels
+from flashrun.kernels import warmup
+print(" ".join(thread.name for thread in warmup._primers))
+warmup._primed()
+print("triton.experimental.gluon.nvidia.hopper" in sys.modules)
+"""
+    result = python("-c", code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names, imported = result.stdout.splitlines()
+    assert "flashrun-gluon" in names.split() and imported == "True"
+
+
 def test_a_compile_workers_source_hash_ignores_what_the_process_compiled_before(python):
     # Triton appends to every function's key the constexpr globals its callees were seen to use,
     # which grows as a process compiles (on the H200, 41 of 109 kernels keyed differently in a
