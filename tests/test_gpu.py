@@ -798,6 +798,26 @@ def test_decode_as_a_dependent_launch_reads_what_the_kernel_before_wrote(paged, 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
+
+
+@triton.jit
+def _tanh_ptx_kernel(X, Y, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, _tanh(tl.load(X + offs), SOFTCAP_FAST_PTX))
+
+
+def test_the_compiled_fast_tanh_is_as_accurate_as_the_interpreters():
+    """The softcap's fast tanh as compiled code computes it (rcp.approx, unclamped: only here):
+    within 3e-7 of tanh, absolute, as test_variants.py holds the interpreter's form to, across
+    0, the saturation and past e^2x's overflow (x = 88, 1e4: t = 1, not NaN)."""
+    x = torch.cat([torch.linspace(-12, 12, 1000), torch.linspace(-0.45, 0.45, 1000),
+                   torch.tensor([0.0, 1e-30, -1e-8, 88.0, -88.0, 1e4, -1e4])])
+    x = torch.cat([x, torch.zeros(2048 - len(x))]).cuda()
+    y = torch.empty_like(x)
+    _tanh_ptx_kernel[(1,)](x, y, BLOCK=2048)
+    assert ((y.double() - torch.tanh(x.double())).abs() <= 3e-7).all()
+
 from flashrun.kernels import warmup  # noqa: E402
 
 

@@ -26,8 +26,16 @@ from flashrun.kernels import (
     flash_attention,
     flash_attention_varlen,
 )
+from flashrun.kernels.flash import args as flash_args
 from flashrun.kernels.flash import attention as flash
-from flashrun.kernels.flash.jit import _key_range, _query_range, _tanh
+from flashrun.kernels.flash.jit import (
+    SOFTCAP_FAST,
+    SOFTCAP_FAST_PTX,
+    SOFTCAP_PRECISE,
+    _key_range,
+    _query_range,
+    _tanh,
+)
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -328,9 +336,9 @@ def test_block_ranges(n_q, n_k, causal, left, right, block_m, block_n):
 
 # -- the softcap's tanh (built from exp2: the interpreter has no libdevice) ------------------------
 @triton.jit
-def _tanh_kernel(X, Y, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+def _tanh_kernel(X, Y, BLOCK: tl.constexpr, KIND: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(Y + offs, _tanh(tl.load(X + offs), PRECISE))
+    tl.store(Y + offs, _tanh(tl.load(X + offs), KIND))
 
 
 @pytest.mark.parametrize("precise", [True, False], ids=["precise", "fast"])
@@ -344,21 +352,25 @@ def test_tanh_is_accurate(precise):
                    torch.tensor([88.0, -88.0, 1e4])])
     x = torch.cat([x, torch.zeros(2048 - len(x))])
     y = torch.empty_like(x)
-    _tanh_kernel[(1,)](x, y, BLOCK=2048, PRECISE=precise)
+    _tanh_kernel[(1,)](x, y, BLOCK=2048, KIND=SOFTCAP_PRECISE if precise else SOFTCAP_FAST)
     want = torch.tanh(x.double())
     bound = 2e-7 * want.abs().clamp(min=1e-30) + 1e-38 if precise else 3e-7
     assert ((y.double() - want).abs() <= bound).all()
 
 
-def test_the_fast_tanh_only_where_its_error_is_below_the_rounding_of_p():
+@pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "compiled"])
+def test_the_fast_tanh_only_where_its_error_is_below_the_rounding_of_p(monkeypatch, interpreted):
+    # compiled code takes the fast tanh's PTX form (its reciprocal in rcp.approx)
+    monkeypatch.setattr(flash_args, "INTERPRETED", interpreted)
+    fast = SOFTCAP_FAST.value if interpreted else SOFTCAP_FAST_PTX.value
     q = torch.zeros(1, 2, 8, 64, dtype=FP16)
     kinds = {}
     for dtype in (FP16, torch.bfloat16, torch.float32):
         for cap in (0.0, 30.0, 256.0, 257.0):
             variant = flash._variant(q.to(dtype), 1, 8, False, (-1, -1), cap, None)
             kinds[dtype, cap] = variant.kernel_args(0.125, dtype)["SOFTCAP"]
-    assert kinds == {(FP16, 0.0): 0, (FP16, 30.0): 1, (FP16, 256.0): 1, (FP16, 257.0): 2,
-                     (torch.bfloat16, 0.0): 0, (torch.bfloat16, 30.0): 1, (torch.bfloat16, 256.0): 1,
+    assert kinds == {(FP16, 0.0): 0, (FP16, 30.0): fast, (FP16, 256.0): fast, (FP16, 257.0): 2,
+                     (torch.bfloat16, 0.0): 0, (torch.bfloat16, 30.0): fast, (torch.bfloat16, 256.0): fast,
                      (torch.bfloat16, 257.0): 2,
                      (torch.float32, 0.0): 0, (torch.float32, 30.0): 2, (torch.float32, 256.0): 2,
                      (torch.float32, 257.0): 2}

@@ -17,6 +17,7 @@ from flashrun.kernels.flash.jit import (
     LOG2E,
     SOFTCAP_FAST,
     SOFTCAP_FAST_CAP,
+    SOFTCAP_FAST_PTX,
     SOFTCAP_PRECISE,
     UNBOUNDED,
 )
@@ -268,11 +269,13 @@ class Variant:
 
     def softcap_kind(self, dtype: torch.dtype) -> int:
         """The SOFTCAP constexpr: 0 without a softcap; the fast tanh where its error (the cap
-        times 3e-7) stays far below the rounding of float16/bfloat16 P; else the precise one."""
+        times 3e-7) stays far below the rounding of float16/bfloat16 P (compiled: its PTX form);
+        else the precise one."""
         if not self.softcap:
             return 0
-        fast = dtype in (torch.float16, torch.bfloat16) and self.softcap <= SOFTCAP_FAST_CAP
-        return SOFTCAP_FAST.value if fast else SOFTCAP_PRECISE.value
+        if dtype in (torch.float16, torch.bfloat16) and self.softcap <= SOFTCAP_FAST_CAP:
+            return (SOFTCAP_FAST if INTERPRETED else SOFTCAP_FAST_PTX).value
+        return SOFTCAP_PRECISE.value
 
     def key_span(self, n_q: int, n_k: int) -> tuple[int, int]:
         """Keys [first, n_k) that some of queries 0..n_q-1 may see (the last query faces the last

@@ -18,9 +18,11 @@ UNBOUNDED_C = tl.constexpr(UNBOUNDED)
 NO_BLOCK = tl.constexpr(0)
 # The SOFTCAP constexpr: 0 (off) or which tanh the kernels compute (:func:`_tanh`). The fast one's
 # absolute error (3e-7) times the cap is the scores' error: up to SOFTCAP_FAST_CAP it stays below
-# 1e-4, a fifth of float16's rounding of P (bfloat16's is 8x coarser still)
+# 1e-4, a fifth of float16's rounding of P (bfloat16's is 8x coarser still). SOFTCAP_FAST_PTX is
+# the fast one as compiled code computes it (its reciprocal in PTX: not the interpreter)
 SOFTCAP_FAST = tl.constexpr(1)
 SOFTCAP_PRECISE = tl.constexpr(2)
+SOFTCAP_FAST_PTX = tl.constexpr(3)
 SOFTCAP_FAST_CAP = 256.0
 
 
@@ -122,14 +124,20 @@ def _in_window(rows, cols, shift, left, right, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x, PRECISE: tl.constexpr):
-    # tanh from exp2 (the interpreter has no libdevice; one code path for CPU and GPU), as
-    # 1 - 2 / (1 + e^2x): one exp2 and one reciprocal, within 3e-7 of tanh everywhere (absolute),
-    # which is what a score c·tanh(s / c) needs while c·3e-7 stays far below the P's rounding
-    # (SOFTCAP_FAST). PRECISE keeps the relative precision of float32 near 0 too, where that
-    # form cancels: the odd Taylor series below 0.4, (1 - e)/(1 + e) with e = exp(-2|x|) above
-    # (both within about 1e-7 relative there), for float32 inputs and caps too wide for the other
-    if PRECISE:
+def _tanh(x, KIND: tl.constexpr):
+    # tanh from exp2 (the interpreter has no libdevice), as 1 - 2 / (1 + e^2x): one exp2 and one
+    # reciprocal, within 3e-7 of tanh everywhere (absolute), which is what a score c·tanh(s / c)
+    # needs while c·3e-7 stays far below the P's rounding (SOFTCAP_FAST; SOFTCAP_FAST_PTX takes
+    # the reciprocal as rcp.approx, within 1 ulp, and unclamped: e^2x = inf gives t = 1, where the
+    # division compiled to a full-range one after a clamp, 5 instructions more a score on sm_90).
+    # SOFTCAP_PRECISE keeps the relative precision of float32 near 0 too, where that form cancels:
+    # the odd Taylor series below 0.4, (1 - e)/(1 + e) with e = exp(-2|x|) above (both within
+    # about 1e-7 relative there), for float32 inputs and caps too wide for the other
+    if KIND == SOFTCAP_FAST_PTX:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + tl.math.exp2(x * (2.0 * LOG2E_C))],
+                                      dtype=tl.float32, is_pure=True, pack=1)  # 1 / (1 + e^2x), in (0, 1]
+        t = 1.0 - 2.0 * r
+    elif KIND == SOFTCAP_PRECISE:
         a = tl.abs(x)
         e = tl.math.exp2(a * (-2.0 * LOG2E_C))  # exp(-2|x|) in (0, 1]: cannot overflow
         far = (1.0 - e) / (1.0 + e)
@@ -149,9 +157,9 @@ def _tanh(x, PRECISE: tl.constexpr):
 def _scores(qk, rows, cols, shift, qk_scale, softcap2, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Base-2 scores s · log2 e from the dot products ``qk`` (``rows``/``cols`` broadcast to its
     shape), and t = tanh(s / softcap) for the softcap backward (``qk`` when SOFTCAP is off: unused).
-    SOFTCAP: 0 off, SOFTCAP_FAST or SOFTCAP_PRECISE (which tanh, see :func:`_tanh`)."""
+    SOFTCAP: 0 off, else which tanh (SOFTCAP_FAST, _FAST_PTX or _PRECISE, see :func:`_tanh`)."""
     if SOFTCAP:
-        t = _tanh(qk * qk_scale, SOFTCAP == SOFTCAP_PRECISE)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
+        t = _tanh(qk * qk_scale, SOFTCAP)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
         s = t * softcap2  # softcap · log2 e: base 2 only after the tanh
     else:
         t = qk
