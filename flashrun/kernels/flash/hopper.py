@@ -151,6 +151,10 @@ KERNELS = {
     "d256": HopperConfig(256, block_n=64, stages=2),
     "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
     "d256-n32": HopperConfig(256, block_n=32, stages=4),
+    # the persistent twins (the same binaries, a grid of the programs that fit at once): as at 64,
+    # 128 and 192, where they won, for short_forward_probe.py --cells d256 to time; not yet run
+    "d256-persistent": HopperConfig(256, block_n=64, stages=2, persistent=True),
+    "d256-base-persistent": HopperConfig(256, block_n=64, stages=2, overlap=False, persistent=True),
 }
 
 # Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, fewest query tiles of
