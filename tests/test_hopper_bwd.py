@@ -603,14 +603,30 @@ def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(mon
     (dict(softcap=5.0, d=96), False, None)])
 def test_the_variants_scope_once_turned_on(monkeypatch, change, fused, why):
     """Softcap and ALiBi run on the untransposed kernels, the fast tanh's caps, and not on the
-    kernels that split dQ's columns between the consumers (they spill)."""
+    kernels that split dQ's columns between the consumers unless asked (not yet timed)."""
     monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
+    monkeypatch.delenv(hopper_bwd.FUSED_VARIANTS_ENV, raising=False)
     d = change.get("d", 64)
     q, k, v, do = _inputs(d=d, dtype=torch.bfloat16)
     slopes = torch.ones(2) if change.get("alibi") else None
     variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), change.get("softcap", 0.0), slopes)
     reason = hopper_bwd.scope(q, k, v, do, variant, fused)
     assert reason is None if why is None else why in reason, reason
+
+
+@pytest.mark.parametrize("d", [80, 96, 128])
+@pytest.mark.parametrize("value,takes", [("1", True), ("on", True), ("0", False), ("", False)])
+def test_the_kernels_that_split_dq_take_the_variants_when_asked(monkeypatch, d, value, takes):
+    """FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=1: softcap and ALiBi also on the kernels with dQ inside
+    that split its columns (80, 96, 128); the deterministic backward's kernels take them either way."""
+    monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
+    monkeypatch.setenv(hopper_bwd.FUSED_VARIANTS_ENV, value)
+    q, k, v, do = _inputs(d=d, dtype=torch.bfloat16)
+    for softcap, slopes in ((5.0, None), (0.0, torch.ones(2))):
+        variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), softcap, slopes)
+        assert hopper_bwd.scope(q, k, v, do, variant, False) is None
+        reason = hopper_bwd.scope(q, k, v, do, variant, True)
+        assert reason is None if takes else "with dQ inside" in reason, reason
 
 
 @pytest.mark.parametrize("variants", [dict(softcap=2.0), dict(alibi=True), dict(softcap=2.0, alibi=True, window=(9, 2))],

@@ -85,6 +85,9 @@ ENV = "FLASHRUN_HOPPER_BWD"
 # softcap and ALiBi on the Gluon kernel (the transposed one, 192 and 256: a softcap): on unless
 # FLASHRUN_HOPPER_BWD_VARIANTS=0 (the first-use check guards each dtype, head dim and variant)
 VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_VARIANTS"
+# ... and on the kernels with dQ inside that split its columns (80, 96, 128: the atomic backward's),
+# off unless FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=1 until the H200 times it (takes_variants)
+FUSED_VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_FUSED_VARIANTS"
 SOFTCAP_MAX = 256.0  # the portable kernels' fast tanh up to here (args.SOFTCAP_FAST_CAP): the one this kernel has
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
 LAST_PATH: str | None = None  # the last backward's dK/dV path: GLUON_PATH, FUSED_PATH or TRITON_PATH
@@ -223,14 +226,19 @@ def variants_reason(head_dim: int, fused: bool, variant) -> str | None:
 
 def takes_variants(cfg: BwdConfig, alibi: bool = True) -> bool:
     """Whether the kernel runs the score variants (``alibi``: ALiBi too, else a softcap alone):
-    not one whose consumers split dQ's columns every step (``dq_split``: dQ's accumulator beside
-    the variants' arithmetic spilled 16-256 B at head_dim 96 and 128 under Triton 3.6 or 3.9,
-    tests/compile_hopper_bwd.py); the transposed kernel (192, 256) a softcap only (its scores are
-    S, not Sᵀ: ALiBi's per-key split would be per query there). Those calls keep the deterministic
-    Gluon dK/dV with the portable dQ, or the portable backward. Compiled for sm_90 without a spill
-    under 3.9; under 3.6 the head_dim 128 kernel spills 8 B with ALiBi and a split GQA group, 4-12 B
-    with ALiBi and a window."""
-    return not alibi if cfg.transposed else not cfg.dq_split
+    one whose consumers split dQ's columns every step (``dq_split``) only with
+    ``FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=1``; the transposed kernel (192, 256) a softcap only (its
+    scores are S, not Sᵀ: ALiBi's per-key split would be per query there). Other calls keep the
+    deterministic Gluon dK/dV with the portable dQ, or the portable backward. Compiled for sm_90
+    without a spill under 3.9; under 3.6 the head_dim 128 kernel spills 8 B with ALiBi and a split
+    GQA group, 4-12 B with ALiBi and a window. The dq_split kernels once spilled 16-256 B with the
+    variants (a compile without the launch's alignment, before the softcap's reciprocal by
+    rcp.approx); now, compiled as launched: spill-free at 80 and 96 with a softcap or ALiBi (both
+    at 96: 32-52 B with one kv head a program), at 128 with a softcap under 3.9 but 44-88 B under
+    3.6, with ALiBi 20-104 B; not yet timed."""
+    if cfg.transposed:
+        return not alibi
+    return not cfg.dq_split or os.environ.get(FUSED_VARIANTS_ENV, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def launched_threads(cfg: BwdConfig) -> int:
