@@ -359,8 +359,8 @@ def _gluon() -> None:
     sources, ahead of the first compile."""
     try:
         import triton.experimental.gluon.nvidia.hopper  # noqa: F401
-    except ImportError:  # a Triton without Gluon: its specializer imports none
-        pass
+    except Exception as exc:  # noqa: BLE001 - no Gluon in this Triton (or it fails): the first launch says so
+        log.debug("Gluon not imported ahead: %s: %s", type(exc).__name__, exc)
 
 
 def _primed() -> None:
