@@ -134,6 +134,23 @@ def test_new_keys_may_differ_in_the_stride_of_a_size_one_dim():
                                                                                                   caches[0][1])
 
 
+def test_a_block_table_of_one_page_a_row_may_have_any_column_stride():
+    """Sequences that fit one page give a (B, 1) block table, whose column stride means nothing:
+    the harness's own table (a transpose made contiguous, which torch leaves as it is for a
+    size-1 dim: strides (1, B)) was refused. It runs as its contiguous copy does."""
+    shape, inputs = _cache_inputs((0, 17, 40), 4, 2, 1, 16, page_size=48, new_keys=2)
+    table = inputs.block_table
+    assert table.shape == (3, 1) and table.stride() == (1, 3)
+    outs, caches = [], []
+    for t in (table, table.clone(memory_format=torch.contiguous_format).as_strided((3, 1), (1, 1))):
+        k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
+        outs.append(flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
+                                                 v=inputs.v_new, block_table=t))
+        caches.append((k_cache, v_cache))
+    assert torch.equal(outs[0], outs[1]) and all(torch.equal(a, b) for a, b in zip(*caches))
+    _check(shape, inputs)
+
+
 def test_kvcache_argument_errors():
     q = torch.randn(2, 1, 4, 16, dtype=FP16)
     cache = torch.randn(2, 32, 2, 16, dtype=FP16)

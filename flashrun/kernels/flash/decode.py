@@ -409,7 +409,8 @@ def _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale
         if block_table.dtype != torch.int32:
             raise ArgumentError(f"block_table must be int32, got {block_table.dtype}",
                                 hint="pass block_table.to(torch.int32)")
-        if block_table.shape[0] != batch or block_table.device != q.device or block_table.stride(1) != 1:
+        rows_contiguous = block_table.stride(1) == 1 or block_table.shape[1] == 1  # (one page a row: any stride)
+        if block_table.shape[0] != batch or block_table.device != q.device or not rows_contiguous:
             raise ArgumentError(f"block_table must be ({batch}, max_pages) on {q.device} with contiguous rows, got "
                                 f"{tuple(block_table.shape)} on {block_table.device}, strides {block_table.stride()}")
         page_size = k_cache.shape[1]
