@@ -608,6 +608,21 @@ def test_token_scales_keep_float16_p_accurate(monkeypatch, dtype, decades):
     assert errors[True] <= errors.get(False, 1.0), errors
 
 
+def test_token_scales_may_differ_in_the_stride_of_a_size_one_dim():
+    """MQA token scales (B, S, 1): k's from a transpose and v's contiguous lay out the same
+    elements alike; the call takes them (a size-1 dim's stride never counts) and gives what two
+    contiguous ones give."""
+    shape, inputs = _cache_inputs((30, 70), 4, 1, 1, 16, dtype=BF16)
+    k8, k_scale = to_e4m3(inputs.k, "token")
+    v8, v_scale = to_e4m3(inputs.v, "token")
+    b, n, _ = k_scale.shape
+    k_odd = k_scale.as_strided(k_scale.shape, (n, 1, n))
+    assert k_odd.stride() != v_scale.stride() and torch.equal(k_odd, k_scale)
+    outs = [flash_attention_with_kvcache(inputs.q, k8, v8, inputs.cache_seqlens, k_scale=ks, v_scale=v_scale)
+            for ks in (k_scale, k_odd)]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_fp8_cache_argument_errors():
     q = torch.randn(2, 1, 4, 16, dtype=BF16)
     cache = torch.randn(2, 32, 2, 16).to(E4M3)

@@ -370,7 +370,8 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 def _layouts_differ(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether new keys and values lay their elements out differently (a size-1 dim's stride never counts)."""
+    """Whether two tensors of one shape (new keys and values, or their token scales) lay their
+    elements out differently (a size-1 dim's stride never counts)."""
     return k.shape == v.shape and any(a != b for a, b, n in zip(k.stride(), v.stride(), k.shape) if n > 1)
 
 
@@ -470,9 +471,9 @@ def _fp8_scales(q, k_cache, k_scale, v_scale) -> tuple[int, int, int] | None:
         return None
     shape = tuple(k_cache.shape[:3])
     if not all(tensors) or any(s.dtype != torch.float32 or tuple(s.shape) != shape or s.device != q.device
-                               for s in (k_scale, v_scale)) or k_scale.stride() != v_scale.stride():
+                               for s in (k_scale, v_scale)) or _layouts_differ(k_scale, v_scale):
         raise ArgumentError(f"token scales: k_scale and v_scale must both be float32 tensors {shape} on {q.device} "
-                            "(the cache's shape without head_dim) with the same strides",
+                            "(the cache's shape without head_dim) laid out alike",
                             hint="or pass a number each: one scale for the whole cache")
     return tuple(k_scale.stride())
 
