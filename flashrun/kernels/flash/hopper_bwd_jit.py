@@ -72,6 +72,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
+
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -227,9 +229,8 @@ def _probs(sT, lse2, offs_m, lo, hi, qk_scale, MASKED: gl.constexpr, WINDOW: gl.
 def _scored(sT, offs_m, rel, qk_scale, softcap2, slope2, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
             CAUSAL: gl.constexpr):
     """The variants' base-2 scores of Sᵀ (keys x queries start_m + offs_m) as the portable kernels
-    make them (``jit._scores``, its fast tanh, 1 − 2 / (1 + e^2x), but the reciprocal approximate,
-    within 1 ulp, and unclamped: compiled code only, e^2x = inf gives t = 1 as IEEE says; a full-range
-    division and the clamp were 4 more instructions a score in the sm_90 SASS): SOFTCAP,
+    make them (``jit._scores``, its fast tanh in the form compiled code takes, ``jit._tanh``'s
+    SOFTCAP_FAST_PTX: 4 instructions a score fewer in the sm_90 SASS than the clamped one): SOFTCAP,
     sᵀ = softcap · tanh(Sᵀ · sm_scale / softcap)
     (qk_scale = sm_scale / softcap, softcap2 = softcap · log2 e), with tᵀ = that tanh for the
     backward's 1 − t²; ALIBI, minus slope2 · |i + shift − j| (slope2 = the head's slope · log2 e),
@@ -239,10 +240,7 @@ def _scored(sT, offs_m, rel, qk_scale, softcap2, slope2, SOFTCAP: gl.constexpr, 
     per-query vector (16 registers a thread in this layout; the head_dim 128 kernel spilled 32-80 B
     with them). Both parts stay small where P is not: no cancellation. Without SOFTCAP, tᵀ is Sᵀ."""
     if SOFTCAP:
-        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f",  # 1 / (1 + e^2x), in (0, 1]
-                                      [1.0 + gl.exp2(sT * (qk_scale * (2.0 * LOG2E_C)))], dtype=gl.float32,
-                                      is_pure=True, pack=1)
-        tT = 1.0 - 2.0 * r
+        tT = _tanh(sT, qk_scale, SOFTCAP_FAST_PTX)
         s2 = tT * softcap2
     else:
         tT = sT

@@ -124,8 +124,8 @@ def _in_window(rows, cols, shift, left, right, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x, KIND: tl.constexpr):
-    # tanh from exp2 (the interpreter has no libdevice), as 1 - 2 / (1 + e^2x): one exp2 and one
+def _tanh(x, scale, KIND: tl.constexpr):
+    # tanh(x · scale) (a scalar scale: folded into the exp2's factor) from exp2 (the interpreter has no libdevice), as 1 - 2 / (1 + e^2x): one exp2 and one
     # reciprocal, within 3e-7 of tanh everywhere (absolute), which is what a score c·tanh(s / c)
     # needs while c·3e-7 stays far below the P's rounding (SOFTCAP_FAST; SOFTCAP_FAST_PTX takes
     # the reciprocal as rcp.approx, within 1 ulp, and unclamped: e^2x = inf gives t = 1, where the
@@ -134,10 +134,12 @@ def _tanh(x, KIND: tl.constexpr):
     # the odd Taylor series below 0.4, (1 - e)/(1 + e) with e = exp(-2|x|) above (both within
     # about 1e-7 relative there), for float32 inputs and caps too wide for the other
     if KIND == SOFTCAP_FAST_PTX:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + tl.math.exp2(x * (2.0 * LOG2E_C))],
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f",
+                                      [1.0 + tl.math.exp2(x * (scale * (2.0 * LOG2E_C)))],
                                       dtype=tl.float32, is_pure=True, pack=1)  # 1 / (1 + e^2x), in (0, 1]
         t = 1.0 - 2.0 * r
     elif KIND == SOFTCAP_PRECISE:
+        x = x * scale
         a = tl.abs(x)
         e = tl.math.exp2(a * (-2.0 * LOG2E_C))  # exp(-2|x|) in (0, 1]: cannot overflow
         far = (1.0 - e) / (1.0 + e)
@@ -149,7 +151,7 @@ def _tanh(x, KIND: tl.constexpr):
     else:
         # clamped where t is 1 in float32 already (x > 43): e^2x stays finite (no overflow for
         # the interpreter's numpy to warn about) and 1 - 2 / (1 + 2^126) rounds to 1
-        t = 1.0 - 2.0 / (1.0 + tl.math.exp2(tl.minimum(x * (2.0 * LOG2E_C), 126.0)))
+        t = 1.0 - 2.0 / (1.0 + tl.math.exp2(tl.minimum(x * (scale * (2.0 * LOG2E_C)), 126.0)))
     return t
 
 
@@ -159,7 +161,7 @@ def _scores(qk, rows, cols, shift, qk_scale, softcap2, slope2, SOFTCAP: tl.const
     shape), and t = tanh(s / softcap) for the softcap backward (``qk`` when SOFTCAP is off: unused).
     SOFTCAP: 0 off, else which tanh (SOFTCAP_FAST, _FAST_PTX or _PRECISE, see :func:`_tanh`)."""
     if SOFTCAP:
-        t = _tanh(qk * qk_scale, SOFTCAP)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
+        t = _tanh(qk, qk_scale, SOFTCAP)  # qk_scale = sm_scale / softcap: the tanh's argument, natural units
         s = t * softcap2  # softcap · log2 e: base 2 only after the tanh
     else:
         t = qk
