@@ -44,7 +44,7 @@ KERNELS = Path(__file__).parent / "kernels"
 
 # (Z, H, H_kv, N_q, N_k, D): awkward lengths, Nq != Nk (incl. rows that see no key when causal),
 # head dims split into two column blocks (40 = 32 + 16 padded to 48, 80 = 64 + 16, 96 = 64 + 32,
-# 192 = 128 + 64), GQA and MQA.
+# 192 = 128 + 64), rows that are not whole 16-byte units (37: the API pads them to 40), GQA and MQA.
 SHAPES = [
     (1, 2, 2, 1, 1, 64),
     (2, 2, 2, 17, 17, 16),
@@ -58,6 +58,7 @@ SHAPES = [
     (1, 2, 2, 33, 70, 80),
     (1, 2, 1, 17, 97, 192),
     (1, 2, 2, 97, 33, 96),  # causal: the first 64 rows see no key
+    (1, 2, 1, 33, 70, 37),
     (1, 2, 1, 17, 97, 256),  # Gemma's head dim: one 256-wide block, MQA
     (2, 2, 2, 1, 33, 256),
 ]
@@ -366,7 +367,7 @@ def test_heads_do_not_leak_into_each_other(launch, layout):
 # 1x1x4x64x513: row 0 sees no key of the last split (its partial result must weigh nothing).
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(1, 2, 1, 1, 300, 64), (1, 2, 2, 20, 517, 40), (1, 1, 1, 64, 513, 16),
-                                   (1, 3, 1, 7, 700, 128), (1, 2, 1, 3, 300, 192)],
+                                   (1, 3, 1, 7, 700, 128), (1, 2, 1, 3, 300, 192), (1, 2, 1, 3, 300, 37)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_flash_decoding_splits_the_keys(shape, causal):
     q, k, v, do = _inputs(shape, torch.float16)
@@ -376,7 +377,7 @@ def test_flash_decoding_splits_the_keys(shape, causal):
 
 @settings(max_examples=12, deadline=None)
 @given(
-    n_q=st.integers(1, 80), n_k=st.integers(1, 80), head_dim=st.sampled_from([16, 24, 40, 48, 64, 96]),
+    n_q=st.integers(1, 80), n_k=st.integers(1, 80), head_dim=st.sampled_from([16, 24, 27, 40, 48, 64, 96]),
     group=st.sampled_from([(2, 2), (2, 1), (4, 2)]), causal=st.booleans(), seed=st.integers(0, 2**16),
 )
 def test_property_random_shapes(n_q, n_k, head_dim, group, causal, seed):
@@ -425,6 +426,32 @@ def test_launchers_plan_the_split(head_dim, blocks):
     (plan,) = flash._delta_plans.values()
     names = _attn_bwd_preprocess.arg_names[3:]
     assert (plan.tail[names.index("BLOCK_D0")], plan.tail[names.index("BLOCK_D1")]) == blocks
+
+
+# fp16 rows of 37 or 38 elements, float32 rows of 38, are not whole 16-byte units: the kernels
+# get them padded to 40 (zero columns); flash-decoding's shapes keep theirs
+@pytest.mark.parametrize("dtype,head_dim,width", [(torch.float16, 37, 40), (torch.float16, 38, 40),
+                                                  (torch.float32, 38, 40), (torch.float32, 36, 36),
+                                                  (torch.float16, 40, 40)])
+@pytest.mark.parametrize("n_q,n_k", [(33, 47), (2, 300)], ids=["dense", "decode"])
+def test_rows_reach_the_kernels_in_whole_16_byte_units(dtype, head_dim, width, n_q, n_k):
+    q, k, v, do = _inputs((1, 2, 1, n_q, n_k, head_dim), dtype)
+    seen = []
+    real = flash.launch_kernel
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append(kwargs["HEAD_DIM"])
+        return real(kernel, grid, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash, "launch_kernel", spy)
+        out = flash_attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        o, _ = flash.attention_forward(q.detach(), k.detach(), v.detach(), causal=True)
+    assert set(seen) == {width if n_q == 33 else head_dim}
+    assert out.shape == o.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _judge(out, grads, q, k, v, do, causal=True)
+    _judge(o, None, q.detach(), k.detach(), v.detach(), do, causal=True)
 
 
 # -- minimal: right where it claims to be, refuses elsewhere -------------------------------------

@@ -211,6 +211,8 @@ VARLEN_CASES = [
     ("window-wider-than-one-sequence", [30, 5, 20], [4, 40, 60], 2, 2, 16, FP32, False, {"window": (2, 5)}),
     ("causal-window-d96", [40, 1, 70, 5], [33, 7, 50, 90], 4, 2, 96, FP16, True, {"window": (20, -1)}),
     ("causal-softcap-d256", [17, 0, 33], [17, 5, 40], 2, 1, 256, FP16, True, {"softcap": 5.0}),
+    # 37: rows that are not whole 16-byte units, padded to 40 on the way in
+    ("window-alibi-d37", [17, 0, 33], [17, 5, 40], 2, 1, 37, FP16, False, {"window": (9, 4), "alibi_slopes": "H"}),
 ]
 
 

@@ -132,6 +132,17 @@ def _head_descriptors(t: torch.Tensor, block_rows: int) -> tuple:
                  if width else None for width in _split_head_dim(t.shape[-1]))
 
 
+def aligned_head_dim(head_dim: int, dtype: torch.dtype) -> int:
+    """The head dim rounded up to whole 16-byte rows (fp16/bf16: a multiple of 8; float32: of 4).
+    A tensor whose rows are not (bf16 D = 111: 222 bytes) is loaded one element at a time, each
+    with its own 64-bit address (sm_90 compile, Triton 3.6, the D = 111 forward and backward at
+    1024 keys: 255 registers and 48-296 B spilled against 157-255 and 0-72 B at 112), so the API
+    pads such inputs with zero columns (:func:`.attention.flash_attention`), as FlashAttention-2
+    and SDPA do."""
+    unit = 16 // dtype.itemsize
+    return -(-head_dim // unit) * unit
+
+
 def _block_d(head_dim: int) -> int:
     """The head dim padded to one power-of-two tile (flash-decoding's combine still pads)."""
     return max(16, next_power_of_2(head_dim))

@@ -49,6 +49,9 @@ Conventions (shared with ``flashrun.harness.reference``, which this module never
     accumulate per block; the TMA forward reads each block through its own descriptor. Where
     two blocks would be no narrower than one padded tile (24 = 16 + 16, 112 = 64 + 64) and for
     powers of two, one tile of the next power of two (BLOCK_D1 = 0), its padding masked;
+  * rows that are not whole 16-byte units (fp16/bf16 head dims not a multiple of 8) would load one
+    element at a time: the API pads q, k and v with zero columns (:func:`_padded_width`) and cuts
+    the outputs, as FlashAttention-2 does (flash-decoding's shapes excepted);
   * float16/bfloat16 use tensor cores with float32 accumulation; float32 inputs use IEEE fp32
     dots (``input_precision="ieee"``, no TF32), so float32 is exact enough to check against, not fast.
   * Causal work is split into the key blocks every query of the tile sees (no mask) and the few
@@ -107,6 +110,7 @@ from flashrun.kernels.flash.args import (
     _split_head_dim,
     _tma_ok,
     _variant,
+    aligned_head_dim,
     across_heads,
     check_inputs,
     dot_options,
@@ -574,17 +578,32 @@ def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
 
 class _CheckedCall:
     """A call's arguments, checked (:func:`_checked_call`): its variant and scale, q's, k's and v's
-    :func:`.launch._meta` where the call is plain (else None), and ``decoding``: for a plain call of
+    :func:`.launch._meta` where the call is plain (else None), ``width``: the head dim its inputs are
+    padded to (:func:`_padded_width`; None: none), and ``decoding``: for a plain call of
     flash-decoding's shapes (:func:`.decode.applies`), its plans for calls without autograd by
     :data:`.decode.PDL`, kept by the first such call (else None). Flash-decoding's route reads no
     switch (neither tuning nor the Gluon path's), so those calls skip :func:`_route_key`: on the
     H200's host a decode call's Python outlasted its ~16-25 µs of kernels (NOTES v22, v23)."""
 
-    __slots__ = ("variant", "scale", "metas", "decoding")
+    __slots__ = ("variant", "scale", "metas", "width", "decoding")
 
-    def __init__(self, variant: Variant, scale: float, metas: tuple | None, decodes: bool) -> None:
-        self.variant, self.scale, self.metas = variant, scale, metas
+    def __init__(self, variant: Variant, scale: float, metas: tuple | None, width: int | None, decodes: bool) -> None:
+        self.variant, self.scale, self.metas, self.width = variant, scale, metas, width
         self.decoding: dict[bool, decode._Plan] | None = {} if decodes else None
+
+
+def _padded_width(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> int | None:
+    """The head dim a call's inputs are zero-padded to where their rows are not whole 16-byte units
+    (:func:`.args.aligned_head_dim`), else None. The zero columns add nothing to Q Kᵀ, and O's, dQ's,
+    dK's and dV's come out zero and are cut off. Flash-decoding's shapes keep their rows: its kernel
+    reads each key once, so a padded copy would triple its traffic, where the other kernels read
+    K and V once per query tile."""
+    width = aligned_head_dim(q.shape[-1], q.dtype)
+    return None if width == q.shape[-1] or decode.applies(q, k, variant) else width
+
+
+def _pad_head_dim(width: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors)
 
 
 # the plain calls whose arguments passed the checks, by everything those read (:func:`_checked_call`)
@@ -607,7 +626,8 @@ def _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes) -> _
             return found
     check_inputs(q, k, v)
     variant = _variant(q, q.shape[0], k.shape[2], causal, window, softcap, alibi_slopes)
-    call = _CheckedCall(variant, _scale(q, sm_scale), metas, plain and decode.applies(q, k, variant))
+    call = _CheckedCall(variant, _scale(q, sm_scale), metas, _padded_width(q, k, variant),
+                        plain and decode.applies(q, k, variant))
     if plain:
         keep(_checked_calls, key, call)
     return call
@@ -619,6 +639,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only, no autograd: returns ``(o, lse)``, lse in natural log, float32, (B, H, Nq)."""
     call = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
+    if call.width is not None:
+        o, lse = attention_forward(*_pad_head_dim(call.width, q, k, v), causal, call.scale, launch, window=window,
+                                   softcap=softcap, alibi_slopes=alibi_slopes)
+        return o[..., :q.shape[-1]], lse
     return _attn_forward(q, k, v, call.scale, call.variant, launch,
                          key=_route_key(q, k, v, call.scale, call.variant, launch, True, metas=call.metas))
 
@@ -639,6 +663,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     the default) the faster per call: the 5-matmul Gluon sm_90 kernel where it applies, else the deterministic kernels
     (NOTES v10)."""
     call = _checked_call(q, k, v, causal, sm_scale, window, softcap, alibi_slopes)
+    if call.width is not None:  # (autograd pads dO and cuts dQ, dK, dV)
+        return flash_attention(*_pad_head_dim(call.width, q, k, v), causal, call.scale, launch, window=window,
+                               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)[..., :q.shape[-1]]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # no graph to record: no autograd
         if call.decoding is not None:  # flash-decoding's plan, at once (_CheckedCall)
@@ -679,6 +706,10 @@ def attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Forward only, packed sequences: ``(o, lse)``, lse (H, total_q) in natural log, float32."""
     variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                               softcap, alibi_slopes)
+    width = _padded_width(q, k, variant)
+    if width is not None:
+        o, lse = _attn_forward(*_pad_head_dim(width, q, k, v), _scale(q, sm_scale), variant, launch)
+        return o[..., :q.shape[-1]], lse
     return _attn_forward(q, k, v, _scale(q, sm_scale), variant, launch)
 
 
@@ -696,4 +727,8 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``deterministic`` as in :func:`flash_attention`."""
     variant = _varlen_variant(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                               softcap, alibi_slopes)
+    width = _padded_width(q, k, variant)
+    if width is not None:
+        return FlashAttention.apply(*_pad_head_dim(width, q, k, v), _scale(q, sm_scale), variant, launch,
+                                    deterministic)[..., :q.shape[-1]]
     return FlashAttention.apply(q, k, v, _scale(q, sm_scale), variant, launch, deterministic)
