@@ -4,7 +4,7 @@ its one-program-per-tile twin, compiled once), fp16 and bf16, causal and not; re
 holds (wgmma, those of them with A from registers - "rs" -, TMA, mbarrier, setmaxnreg), the threads launched, shared memory and the registers
 and spills ptxas reports.
 
-    python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR]
+    python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR] [--sass-count OPS]
 
 Exit status 0: all compiled; 3: this Triton lacks the Gluon Hopper API the kernel uses or cannot
 compile for sm_90 here (nothing was checked); 1: a compile failed.
@@ -75,9 +75,22 @@ def ptxas_info(ptx: str) -> str:
             f"spill stores/loads {spills.group(1) + '/' + spills.group(2) if spills else '?'} B")
 
 
+def sass_counts(cubin: bytes, opcodes: list[str]) -> str:
+    """How many instructions of each SASS opcode (``MUFU.EX2``: that opcode with those modifiers
+    first) the cubin holds, as the cuobjdump bundled with Triton disassembles it."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not opcodes or not tool.exists():
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "k.cubin").write_bytes(cubin)
+        sass = subprocess.run([str(tool), "-sass", str(Path(tmp, "k.cubin"))], capture_output=True, text=True).stdout
+    found = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass, re.M)
+    return "  SASS " + " ".join(f"{op} {sum(f == op or f.startswith(op + '.') for f in found)}" for op in opcodes)
+
+
 def check_one(job) -> tuple[bool, str]:
     """Compile one (kernel names, config, dtype, causal) and describe it: (ok, the report lines)."""
-    same, cfg, dtype, causal, ptx_dir = job
+    same, cfg, dtype, causal, ptx_dir, opcodes = job
     label = f"{'/'.join(same)} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'}"
     start = time.perf_counter()
     try:
@@ -98,7 +111,7 @@ def check_one(job) -> tuple[bool, str]:
         Path(ptx_dir, f"fa3_{same[0]}_{str(dtype)[6:]}_{int(causal)}.ptx").write_text(ptx)
     return True, (f"ok   {label}: {time.perf_counter() - start:.1f}s  threads {threads.group(1) if threads else '?'}  "
                   f"shared {kernel.metadata.shared} B  " + " ".join(f"{k} {v}" for k, v in counts.items())
-                  + f" (to {regs})  {ptxas_info(ptx)}")
+                  + f" (to {regs})  {ptxas_info(ptx)}" + sass_counts(kernel.asm["cubin"], opcodes))
 
 
 def main() -> int:
@@ -109,6 +122,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     ap.add_argument("--ptx", help="write each PTX here")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 kernels (one column block), full and causal, instead")
+    ap.add_argument("--sass-count", default="", help="comma-separated SASS opcodes to count, e.g. MUFU.EX2")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
@@ -123,7 +137,8 @@ def main() -> int:
     if ns.fp8:
         pairs = [(torch.float8_e4m3fn, causal) for causal in (False, True)]
         binaries = {cfg: same for cfg, same in binaries.items() if not flash_hopper.split_head_dim(cfg.head_dim)[1]}
-    jobs = [(same, cfg, dtype, causal, ns.ptx) for cfg, same in binaries.items() for dtype, causal in pairs]
+    opcodes = [op for op in ns.sass_count.split(",") if op]
+    jobs = [(same, cfg, dtype, causal, ns.ptx, opcodes) for cfg, same in binaries.items() for dtype, causal in pairs]
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(check_one, jobs))
     for _, report in results:

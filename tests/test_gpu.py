@@ -915,7 +915,7 @@ def test_the_variants_on_the_gluon_backward(monkeypatch, variants, head_dim, det
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
 @pytest.mark.parametrize("name", ["d64", "d64-persistent", "d64-m64", "d128", "d128-persistent", "d128-m64",
-                                  "d256", "d256-base"])
+                                  "d256", "d256-base", "d64-fma1", "d128-persistent-fma2"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1037, True), (1, 4, 4, 4096, 4096, False), (1, 4, 1, 17, 300, True)],
                          ids=["gqa-ragged-causal", "4k-full", "short-mqa-causal"])
 def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):

@@ -510,16 +510,25 @@ def test_a_background_listing_that_raises_checks_at_once(monkeypatch, in_backgro
 def test_the_fp8_kernels_compile_for_hopper(python):
     """The Gluon forward with FP8 (e4m3 in, bf16 out, Vᵀ tiles, P through shared memory): every
     one-block kernel at head_dim 64 and 128 compiles for sm_90 without a spill, its wgmmas e4m3 and
-    P V's A from shared memory (the script: --fp8 without --kernels adds 256)."""
-    result = python(str(Path(__file__).parent / "compile_hopper.py"), "--fp8", "--kernels", "d64,d128,d128-m64")
+    P V's A from shared memory (the script: --fp8 without --kernels adds 256); with the odd columns'
+    exponentials of consumer 1 (EXP_FMA 1) or of both (2) emulated, 64 or 128 of its MUFU.EX2 fewer
+    (two unmasked softmax steps, 64 exponentials a thread each, half of them emulated)."""
+    result = python(str(Path(__file__).parent / "compile_hopper.py"), "--fp8", "--kernels",
+                    "d64,d128,d128-m64,d128-fma1,d128-persistent-fma2", "--sass-count", "MUFU.EX2")
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 6 and all("float8_e4m3fn" in line and " rs 0 " in line for line in oks), oks
+    assert len(oks) == 10 and all("float8_e4m3fn" in line and " rs 0 " in line for line in oks), oks
     for line in oks:
         if "ptxas:" in line and "(no bundled ptxas)" not in line:
             assert "spill stores/loads 0/0 B" in line, line
+    ex2 = {tuple(line.split()[1:4]): int(re.search(r"MUFU.EX2 (\d+)", line).group(1)) for line in oks
+           if "MUFU.EX2" in line}
+    for mask in ("full:", "causal:"):
+        if ("d128", "float8_e4m3fn", mask) in ex2:
+            assert ex2["d128", "float8_e4m3fn", mask] - ex2["d128-fma1", "float8_e4m3fn", mask] == 64, ex2
+            assert ex2["d128", "float8_e4m3fn", mask] - ex2["d128-persistent-fma2", "float8_e4m3fn", mask] == 128, ex2
 
 
 def test_fp8_launch_arguments():
