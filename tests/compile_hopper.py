@@ -5,6 +5,7 @@ holds (wgmma, those of them with A from registers - "rs" -, TMA, mbarrier, setma
 and spills ptxas reports.
 
     python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR] [--sass-count OPS]
+                                   [--fp8 [--p-regs]]
 
 Exit status 0: all compiled; 3: this Triton lacks the Gluon Hopper API the kernel uses or cannot
 compile for sm_90 here (nothing was checked); 1: a compile failed.
@@ -72,7 +73,8 @@ def ptxas_info(ptx: str) -> str:
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
     return (f"ptxas: {regs.group(1) if regs else '?'} regs (launch cap; partitions re-split with setmaxnreg), "
-            f"spill stores/loads {spills.group(1) + '/' + spills.group(2) if spills else '?'} B")
+            f"spill stores/loads {spills.group(1) + '/' + spills.group(2) if spills else '?'} B"
+            + ("  wgmma serialized (ptxas C7515)" if "C7515" in out or "serialized" in out else ""))
 
 
 def sass_counts(cubin: bytes, opcodes: list[str]) -> str:
@@ -123,6 +125,7 @@ def main() -> int:
     ap.add_argument("--ptx", help="write each PTX here")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 kernels (one column block), full and causal, instead")
     ap.add_argument("--sass-count", default="", help="comma-separated SASS opcodes to count, e.g. MUFU.EX2")
+    ap.add_argument("--p-regs", action="store_true", help="with --fp8: P V's P from registers (HopperConfig.p_regs)")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
@@ -136,7 +139,8 @@ def main() -> int:
         [(dtype, causal) for dtype in flash_hopper.DTYPES for causal in (False, True)]
     if ns.fp8:
         pairs = [(torch.float8_e4m3fn, causal) for causal in (False, True)]
-        binaries = {cfg: same for cfg, same in binaries.items() if not flash_hopper.split_head_dim(cfg.head_dim)[1]}
+        binaries = {replace(cfg, p_regs=ns.p_regs): same for cfg, same in binaries.items()
+                    if not flash_hopper.split_head_dim(cfg.head_dim)[1]}
     opcodes = [op for op in ns.sass_count.split(",") if op]
     jobs = [(same, cfg, dtype, causal, ns.ptx, opcodes) for cfg, same in binaries.items() for dtype, causal in pairs]
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs), mp_context=multiprocessing.get_context("fork")) as pool:

@@ -531,6 +531,25 @@ def test_the_fp8_kernels_compile_for_hopper(python):
             assert ex2["d128", "float8_e4m3fn", mask] - ex2["d128-persistent-fma2", "float8_e4m3fn", mask] == 128, ex2
 
 
+def test_the_fp8_kernels_take_p_from_registers_when_told(python):
+    """HopperConfig.p_regs: P V's e4m3 P from registers, as FlashAttention-3 has it - no 2-byte
+    stores of P to shared memory left (with P there, 32 a step and thread), no spill, and ptxas
+    serializes no wgmma (its warning would say so)."""
+    counts = {}
+    for extra in ([], ["--p-regs"]):
+        result = python(str(Path(__file__).parent / "compile_hopper.py"), "--fp8", "--kernels", "d128,d256-base",
+                        "--sass-count", "STS.U16", *extra)
+        if result.returncode == 3:
+            pytest.skip(result.stdout.strip())
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
+        assert len(oks) == 4 and not any("spill stores/loads" in line and "0/0 B" not in line for line in oks), oks
+        assert not any("serialized" in line for line in oks), oks
+        counts[bool(extra)] = [int(m.group(1)) for line in oks if (m := re.search(r"STS.U16 (\d+)", line))]
+    if counts[False]:  # (no cuobjdump bundled: nothing counted)
+        assert all(n >= 32 for n in counts[False]) and counts[True] == [0] * 4, counts
+
+
 def test_fp8_launch_arguments():
     """run_fp8's launch: V's descriptor reads the seq-contiguous v as Vᵀ tiles (head dim x keys),
     the descales ride per (batch, kv head) with their strides, and O by TMA and Q in registers stay off."""

@@ -243,11 +243,10 @@ def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.
 
 
 @gluon.jit
-def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
-    """P as P V's A operand: in registers, or FP8 through this consumer's shared tile (an async
-    wgmma's wait cannot hold 8-bit register operands: "Unexpected bitwidth in WGMMAWaitGroupOp"
-    under Triton 3.6 and 3.9), once the previous P V has read it (the caller waits first)."""
-    if FP8:
+def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, VIA_SMEM: gl.constexpr):
+    """P as P V's A operand: in registers, or (VIA_SMEM) through this consumer's shared tile, once
+    the previous P V has read it (the caller waits first)."""
+    if VIA_SMEM:
         p_smem.store(p.to(dtype))
         fence_async_shared()
         p_op = p_smem
@@ -287,7 +286,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
               C: gl.constexpr, GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               OVERLAP: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr, Q_REGS: gl.constexpr,
-              FP8: gl.constexpr, EXP_FMA: gl.constexpr):
+              FP8: gl.constexpr, EXP_FMA: gl.constexpr, P_REGS: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's K: 32 bytes of its operands' rows
@@ -321,6 +320,11 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
     Q_FREE: gl.constexpr = Q0_REGS
     # EXP_FMA: 1, consumer 1 takes half its exponentials on the FMA pipes (_exp2_mixed); 2, both do
     EMULATED: gl.constexpr = EXP_FMA == 2 or (EXP_FMA == 1 and C == 1)
+    # FP8: P V's e4m3 P through shared memory, or with P_REGS from registers (FlashAttention-3's
+    # way). An async wgmma's wait cannot keep 8-bit register operands alive ("Unexpected bitwidth
+    # in WGMMAWaitGroupOp", Triton 3.6 and 3.9), so _pv_wait does not name them: the loop forms
+    # the next P only after that wait, and ptxas holds a wgmma's registers until its wait_group
+    P_SMEM: gl.constexpr = FP8 and not P_REGS
 
     q_view = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
     if HEAD_D1 > 0:
@@ -374,7 +378,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 s_val = warpgroup_mma_wait(0, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift,
                                                    scale, BLOCK_N, CAUSAL, FP8, EMULATED)
-                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)  # acc is still 0: no rescale
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, P_SMEM)  # acc is still 0: no rescale
                 for i in range(1, n_blocks):
                     s = (it + i) % STAGES
                     prev = (it + i - 1) % STAGES
@@ -391,7 +395,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
+                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, P_SMEM)
                 if not Q_FREE:
                     mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
                 if TMA_O:
@@ -418,7 +422,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 if HEAD_D1 > 0:
                     acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, P_SMEM)
                 mbarrier.wait(v_bars.index(s), phase)
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout, FP8)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
@@ -501,7 +505,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr,
-             Q_REGS: gl.constexpr, FP8: gl.constexpr, EXP_FMA: gl.constexpr = 0):
+             Q_REGS: gl.constexpr, FP8: gl.constexpr, EXP_FMA: gl.constexpr = 0, P_REGS: gl.constexpr = False):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
@@ -527,7 +531,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
         q1_smem = q_smem
         k1_smem = k_smem
         v1_smem = v_smem
-    if FP8:  # each consumer's P, P V's A operand (_p_operand)
+    if FP8 and not P_REGS:  # each consumer's P, P V's A operand (_p_operand)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M_C, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M_C, BLOCK_N], p_layout)
     else:  # never touched
@@ -559,12 +563,12 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8, EXP_FMA)),
+                         TMA_O, Q_REGS, FP8, EXP_FMA, P_REGS)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars,
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 1, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8, EXP_FMA)),
+                         TMA_O, Q_REGS, FP8, EXP_FMA, P_REGS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
@@ -575,7 +579,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8, EXP_FMA)),
+                         TMA_O, Q_REGS, FP8, EXP_FMA, P_REGS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
