@@ -27,11 +27,11 @@ yet: this decides where they go) and 256 (8 heads).
 shipped, cuDNN and every Gluon kernel at that head_dim, three times in turns (round 28: Q as QKᵀ's
 register operand, the ``-qregs`` kernels, against the shipped ones).
 
-``--cells fp8`` times the e4m3 forward (bf16, the bench sweep's heads, 1024 to 16384 keys, head_dim 64,
-128 and 256, full and causal; inputs quantized once by ``quantize_qkv``): shipped (``flash_attention_fp8``),
-every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``), each also with P V's P from
-registers (``p-regs``, ``HopperConfig.p_regs``), and cuDNN's bf16 forward on the unquantized inputs, three
-times in turns; errors are against cuDNN's bf16 output (e4m3's own, about 1e-2).
+``--cells fp8`` times the e4m3 forward (bf16, the bench sweep's heads, 1024 to 16384 keys, head_dim 64, 128
+and 256, full and causal; inputs quantized once by ``quantize_qkv``): shipped (``flash_attention_fp8``),
+every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``), each also with S's Q and P V's
+P from registers (``regs``: ``HopperConfig.q_regs``, ``p_regs``), and cuDNN's bf16 forward on the
+unquantized inputs, three times in turns; errors are against cuDNN's bf16 output (e4m3's own, about 1e-2).
 
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
@@ -147,9 +147,8 @@ def fp8_launches(cell, q, k, v) -> dict:
     for name, cfg in hopper.KERNELS.items():
         if cfg.head_dim == cell["d"] and not hopper.split_head_dim(cfg.head_dim)[1]:
             calls[f"gluon {name}"] = lambda cfg=cfg: hopper.run_fp8(q8, k8, v8, *descales, scale, causal, cfg)[0]
-            p_regs = dataclasses.replace(cfg, p_regs=True)  # P V's P from registers, not shared memory
-            calls[f"gluon {name} p-regs"] = lambda cfg=p_regs: hopper.run_fp8(q8, k8, v8, *descales, scale, causal,
-                                                                              cfg)[0]
+            regs = dataclasses.replace(cfg, p_regs=True, q_regs=True)  # Q and P from registers, not shared memory
+            calls[f"gluon {name} regs"] = lambda cfg=regs: hopper.run_fp8(q8, k8, v8, *descales, scale, causal, cfg)[0]
     return calls
 
 

@@ -88,7 +88,9 @@ class HopperConfig:
     maxnreg: int = 168
     q_regs: bool = False  # Q as QKᵀ's register operand (RS wgmma): S reads only K from shared memory
     exp_fma: int = 0  # emulated exponentials (hopper_jit's EXP_FMA): 1 in consumer 1's odd columns, 2 in all odd ones
-    p_regs: bool = False  # e4m3: P V's P from registers, not through shared memory (hopper_jit's P_REGS)
+    # e4m3: P V's P from registers, not through shared memory (hopper_jit's P_REGS), and with q_regs S's
+    # Q too (an e4m3 kernel's Q stays in shared memory otherwise)
+    p_regs: bool = False
 
     @property
     def block_m(self) -> int:
@@ -373,7 +375,8 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
                       ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")), TMA_O=out,
-                      Q_REGS=cfg.q_regs and not fp8, FP8=fp8, EXP_FMA=cfg.exp_fma, P_REGS=fp8 and cfg.p_regs)
+                      Q_REGS=cfg.q_regs and (not fp8 or cfg.p_regs), FP8=fp8, EXP_FMA=cfg.exp_fma,
+                      P_REGS=fp8 and cfg.p_regs)
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))

@@ -517,7 +517,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     gl.static_assert(not TMA_O or (OVERLAP and BLOCK_N >= HALF_M_C))
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
-    gl.static_assert(not FP8 or (HEAD_D1 == 0 and not TMA_O and not Q_REGS))  # (a bf16 O is no e4m3 tile's size)
+    gl.static_assert(not FP8 or (HEAD_D1 == 0 and not TMA_O))  # (a bf16 O is no e4m3 tile's size)
+    gl.static_assert(not (FP8 and Q_REGS) or P_REGS)  # (an e4m3 Q in registers only beside P there: p_regs)
     SPLIT: gl.constexpr = HEAD_D1 > 0
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
