@@ -323,7 +323,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
     # FP8: P V's e4m3 P through shared memory, or with P_REGS from registers (FlashAttention-3's
     # way). An async wgmma's wait cannot keep 8-bit register operands alive ("Unexpected bitwidth
     # in WGMMAWaitGroupOp", Triton 3.6 and 3.9), so _pv_wait does not name them: the loop forms
-    # the next P only after that wait, and ptxas holds a wgmma's registers until its wait_group
+    # the next P only after that wait (in the PTX too), and where code wrote a wgmma's registers
+    # before its wait_group ptxas would serialize the wgmmas and say so (tests/compile_hopper.py)
     P_SMEM: gl.constexpr = FP8 and not P_REGS
 
     q_view = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
