@@ -452,9 +452,12 @@ def test_launchers_plan_the_split(head_dim, blocks):
 @pytest.mark.parametrize("dtype,head_dim,width", [(torch.float16, 37, 40), (torch.float16, 38, 40),
                                                   (torch.float32, 38, 40), (torch.float32, 36, 36),
                                                   (torch.float16, 40, 40)])
-@pytest.mark.parametrize("n_q,n_k", [(33, 47), (2, 300)], ids=["dense", "decode"])
-def test_rows_reach_the_kernels_in_whole_16_byte_units(dtype, head_dim, width, n_q, n_k):
+@pytest.mark.parametrize("n_q,n_k,layout", [(33, 47, "dense"), (33, 47, "model"), (2, 300, "dense")],
+                         ids=["dense", "model-layout", "decode"])
+def test_rows_reach_the_kernels_in_whole_16_byte_units(dtype, head_dim, width, n_q, n_k, layout):
     q, k, v, do = _inputs((1, 2, 1, n_q, n_k, head_dim), dtype)
+    if layout == "model":  # a (B, N, H, D) projection seen as (B, H, N, D)
+        q, k, v = (_model_layout(t) for t in (q, k, v))
     seen = []
     real = flash.launch_kernel
 
