@@ -127,6 +127,27 @@ def test_flash_on_gpu(case):  # the atomic backward: on sm_90 the Gluon kernel w
     _check(*_inputs(*shape, dtype), causal, launch=_defaults(shape[-1], dtype))
 
 
+# Head dims whose rows are not whole 16-byte units (padded on the way in; a decode-like shape keeps its
+# rows): the first-call probe's shape (GQA 4:1, D=111, causal), ragged, N = 1, packed with variants.
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", [(1, 8, 2, 1025, 1025, 111, BF16, True), (1, 4, 4, 97, 130, 37, FP16, False),
+                                  (1, 2, 2, 1, 1, 37, BF16, True), (2, 4, 1, 1, 8191, 37, FP16, False)],
+                         ids=_case_id)
+def test_odd_head_dims_padded_on_gpu(case, deterministic):
+    *shape, dtype, causal = case
+    _check(*_inputs(*shape, dtype), causal, deterministic=deterministic)
+
+
+def test_odd_head_dims_padded_packed_on_gpu():
+    q, k, v, do, cu_q, cu_k = _packed(LENGTHS_Q, LENGTHS_K, 4, 2, 37, BF16, 1)
+    variants = {"window": (512, 0), "alibi_slopes": _slopes("H", len(LENGTHS_Q), 4)}
+    with _poisoned_allocations():
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, causal=True, **variants)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    _judge(Reference(Inputs(q, k, v, do), causal=True, grads=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     **variants), out, grads)
+
+
 # The deterministic backward on the shapes that stress it most: GQA 8:1 at 16384, rows with no
 # key, head_dim 256, split head dims (80 = 64 + 16, 192 = 128 + 64), float32, the transposed Gluon
 # dK/dV (192: GQA 4:1 ragged, GQA 6:1 causal with Nq != Nk).
