@@ -223,6 +223,22 @@ def test_the_first_use_check_passes_a_right_kernel_and_fails_wrong_ones(head_dim
     assert "RuntimeError: no kernel image" in fp8.check(raises, cpu, head_dim)
 
 
+def test_the_first_use_check_judges_nothing_while_compiling_ahead():
+    """Inside a compile-ahead (bench's, the probes') launches only compile and outputs hold
+    garbage: the check passes nothing on it and fails nothing; a raise still fails it."""
+    from flashrun.kernels import tuning
+    from flashrun.kernels.flash import fp8
+
+    garbage = lambda q8, *_: torch.full(q8.shape, 448.0)  # what an unlaunched output may hold
+
+    def raises(*_):
+        raise RuntimeError("no kernel image")
+    with tuning.compile_only(lambda *_: None):
+        assert fp8.check(garbage, torch.device("cpu"), 64) is None
+        assert "no kernel image" in fp8.check(raises, torch.device("cpu"), 64)
+    assert "max error" in fp8.check(garbage, torch.device("cpu"), 64)
+
+
 def test_the_gpu_fallback_on_the_dequantized_inputs_passes_the_rule():
     """Where the GPU's kernel cannot run a call, it runs dequantized in bf16: right by the same rule."""
     from flashrun.kernels.flash import fp8

@@ -968,6 +968,27 @@ def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
+def test_an_fp8_compile_ahead_leaves_the_first_use_check_to_the_first_call(monkeypatch):
+    """A compile-ahead (warmup.Batch.collect, as bench and the probes do) of a first fp8 call:
+    its check's launches only compile, so no verdict is kept; the first real call checks and
+    takes the Gluon kernel (once, the garbage outputs turned the path off for the process)."""
+    if flash_hopper.gluon_api():
+        pytest.skip(flash_hopper.gluon_api())
+    from flashrun.kernels import flash_attention_fp8, quantize_qkv, warmup
+    from flashrun.kernels.flash import fp8
+
+    monkeypatch.setattr(fp8, "_checked", {})
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q8, k8, v8, *descales = quantize_qkv(*(torch.randn(1, 4, 512, 64, device="cuda", generator=gen) for _ in range(3)))
+    batch = warmup.Batch()
+    batch.wait(batch.collect(lambda: flash_attention_fp8(q8, k8, v8, *descales, causal=True)))
+    batch.close()
+    assert 64 not in fp8._checked
+    flash_attention_fp8(q8, k8, v8, *descales, causal=True)
+    assert fp8._checked[64] is None
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
 @pytest.mark.parametrize("head_dim,window,path", [(128, (-1, -1), "gluon"), (256, (-1, -1), "gluon"),
                                                   (96, (-1, -1), "head_dim 96"), (64, (100, 0), "a sliding window")])
 def test_flash_attention_fp8_takes_the_gluon_kernel_or_runs_dequantized(head_dim, window, path):

@@ -34,7 +34,7 @@ import torch
 from flashrun.errors import ArgumentError, KernelError
 from flashrun.kernels.flash.args import _check_device, _variant, tma_aligned
 from flashrun.kernels.flash.fp8_jit import _attn_fwd_fp8
-from flashrun.kernels.tuning import INTERPRETED, cdiv, next_power_of_2
+from flashrun.kernels.tuning import INTERPRETED, cdiv, compiling, next_power_of_2
 from flashrun.limits import MAX_HEAD_DIM, MIN_HEAD_DIM
 
 log = logging.getLogger("flashrun.hopper")
@@ -176,7 +176,8 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def gluon_reason(q: torch.Tensor, k: torch.Tensor, variant) -> str | None:
     """None when the Gluon e4m3 forward takes this call (its first-use check run, once per head
-    dim and process), else why not."""
+    dim and process), else why not. While compiling ahead (:func:`~flashrun.kernels.tuning.compiling`)
+    the check's launches only compile: nothing is judged or kept, and the path is taken."""
     from flashrun.kernels.flash import hopper
 
     if not hopper.ENABLED or hopper._disabled_by_env():
@@ -194,8 +195,11 @@ def gluon_reason(q: torch.Tensor, k: torch.Tensor, variant) -> str | None:
     if reason is None and head_dim not in _checked:
         if torch.cuda.is_current_stream_capturing():
             return "its first-use check cannot run under CUDA-graph capture: call it once before capturing"
-        _checked[head_dim] = check(_gluon, q.device, head_dim)
-        if _checked[head_dim]:
+        verdict = check(_gluon, q.device, head_dim)
+        if compiling():
+            return None
+        _checked[head_dim] = verdict
+        if verdict:
             log.warning("flashrun: the fp8 forward is off for head_dim %d in this process (%s)", head_dim,
                         _checked[head_dim])
         else:
@@ -242,7 +246,8 @@ def check(run, device: torch.device, head_dim: int) -> str | None:
     queries and keys, causal and not, descales per (batch, kv head). The truth: float32 attention
     on the dequantized inputs; the yardstick: the same with P rounded to e4m3 (as exp2(s - max + 8),
     as the kernels form it) and O to bf16. None when max |o - truth| <= 2 x the yardstick's + 1e-3,
-    else what went wrong (errors of a wrong kernel are orders of magnitude past it)."""
+    else what went wrong (errors of a wrong kernel are orders of magnitude past it). While compiling
+    ahead its launches only compile, and it says None."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(1, h, 300, head_dim, generator=gen).to(device) for h in (4, 2, 2))
     q8, k8, v8, *descales = quantize_qkv(q, k, v)
@@ -255,6 +260,8 @@ def check(run, device: torch.device, head_dim: int) -> str | None:
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
             return f"the kernel raised {type(exc).__name__}: {last}"
+        if compiling():  # the launch was only compiled: o holds nothing to judge
+            continue
         s = qh @ kh.transpose(2, 3) * scale
         if causal:
             s = s.masked_fill(torch.ones(300, 300, dtype=torch.bool, device=device).triu(1), float("-inf"))
