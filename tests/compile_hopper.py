@@ -5,7 +5,6 @@ holds (wgmma, those of them with A from registers - "rs" -, TMA, mbarrier, setma
 and spills ptxas reports.
 
     python tests/compile_hopper.py [--kernels d128,d192] [--pairs] [--jobs N] [--ptx DIR] [--sass-count OPS]
-                                   [--fp8 [--p-regs]]
 
 Exit status 0: all compiled; 3: this Triton lacks the Gluon Hopper API the kernel uses or cannot
 compile for sm_90 here (nothing was checked); 1: a compile failed.
@@ -125,7 +124,6 @@ def main() -> int:
     ap.add_argument("--ptx", help="write each PTX here")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 kernels (one column block), full and causal, instead")
     ap.add_argument("--sass-count", default="", help="comma-separated SASS opcodes to count, e.g. MUFU.EX2")
-    ap.add_argument("--p-regs", action="store_true", help="with --fp8: P V's P from registers (HopperConfig.p_regs)")
     ns = ap.parse_args()
     missing = flash_hopper.gluon_api()
     if missing:
@@ -139,8 +137,7 @@ def main() -> int:
         [(dtype, causal) for dtype in flash_hopper.DTYPES for causal in (False, True)]
     if ns.fp8:
         pairs = [(torch.float8_e4m3fn, causal) for causal in (False, True)]
-        binaries = {replace(cfg, p_regs=ns.p_regs): same for cfg, same in binaries.items()
-                    if not flash_hopper.split_head_dim(cfg.head_dim)[1]}
+        binaries = {cfg: same for cfg, same in binaries.items() if not flash_hopper.split_head_dim(cfg.head_dim)[1]}
     opcodes = [op for op in ns.sass_count.split(",") if op]
     jobs = [(same, cfg, dtype, causal, ns.ptx, opcodes) for cfg, same in binaries.items() for dtype, causal in pairs]
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs), mp_context=multiprocessing.get_context("fork")) as pool:

@@ -29,9 +29,8 @@ register operand, the ``-qregs`` kernels, against the shipped ones).
 
 ``--cells fp8`` times the e4m3 forward (bf16, the bench sweep's heads, 1024 to 16384 keys, head_dim 64, 128
 and 256, full and causal; inputs quantized once by ``quantize_qkv``): shipped (``flash_attention_fp8``),
-every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``), each also with S's Q and P V's
-P from registers (``regs``: ``HopperConfig.q_regs``, ``p_regs``), and cuDNN's bf16 forward on the
-unquantized inputs, three times in turns; errors are against cuDNN's bf16 output (e4m3's own, about 1e-2).
+every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``), and cuDNN's bf16 forward on
+the unquantized inputs, three times in turns; errors are against cuDNN's bf16 output (e4m3's own, about 1e-2).
 
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
 D128, bf16 causal 4 x 2048, the model's (B, N, H, D) layout seen as (B, H, N, D)): shipped and
@@ -41,7 +40,6 @@ cuDNN, for A/Bs of one commit against another in separate processes.
 """
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -147,8 +145,6 @@ def fp8_launches(cell, q, k, v) -> dict:
     for name, cfg in hopper.KERNELS.items():
         if cfg.head_dim == cell["d"] and not hopper.split_head_dim(cfg.head_dim)[1]:
             calls[f"gluon {name}"] = lambda cfg=cfg: hopper.run_fp8(q8, k8, v8, *descales, scale, causal, cfg)[0]
-            regs = dataclasses.replace(cfg, p_regs=True, q_regs=True)  # Q and P from registers, not shared memory
-            calls[f"gluon {name} regs"] = lambda cfg=regs: hopper.run_fp8(q8, k8, v8, *descales, scale, causal, cfg)[0]
     return calls
 
 

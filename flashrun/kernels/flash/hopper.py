@@ -87,10 +87,6 @@ class HopperConfig:
     # (128 x 232 + 128 x 24 = 256 x 128)
     maxnreg: int = 168
     q_regs: bool = False  # Q as QKᵀ's register operand (RS wgmma): S reads only K from shared memory
-    exp_fma: int = 0  # emulated exponentials (hopper_jit's EXP_FMA): 1 in consumer 1's odd columns, 2 in all odd ones
-    # e4m3: P V's P from registers, not through shared memory (hopper_jit's P_REGS), and with q_regs S's
-    # Q too (an e4m3 kernel's Q stays in shared memory otherwise)
-    p_regs: bool = False
 
     @property
     def block_m(self) -> int:
@@ -159,14 +155,6 @@ KERNELS = {
     # 128 and 192, where they won, for short_forward_probe.py --cells d256 to time; not yet run
     "d256-persistent": HopperConfig(256, block_n=64, stages=2, persistent=True),
     "d256-base-persistent": HopperConfig(256, block_n=64, stages=2, overlap=False, persistent=True),
-    # a quarter (consumer 1's odd columns, "-fma1") or half (every consumer's, "-fma2") of an
-    # unmasked block's exponentials emulated on the FMA pipes (EXP_FMA), where an e4m3 block's (or
-    # head_dim 64's) matmuls take about as long as its 16384 ex2 on the MUFU unit; for
-    # short_forward_probe.py --cells fp8 and --cells lengths to time against their twins, not yet run
-    "d64-fma1": HopperConfig(64, block_n=128, stages=4, exp_fma=1),
-    "d64-persistent-fma2": HopperConfig(64, block_n=128, stages=4, persistent=True, q_regs=True, exp_fma=2),
-    "d128-fma1": HopperConfig(128, block_n=128, stages=3, exp_fma=1),
-    "d128-persistent-fma2": HopperConfig(128, block_n=128, stages=3, persistent=True, exp_fma=2),
 }
 
 # Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, fewest query tiles of
@@ -375,8 +363,7 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       # (a constexpr: one more runtime value spilled head_dim 256's consumers on Triton 3.9)
                       ACROSS=bool(causal and across_heads(z * h, n_k, d, q.dtype, h_kv / h, "kv")), TMA_O=out,
-                      Q_REGS=cfg.q_regs and (not fp8 or cfg.p_regs), FP8=fp8, EXP_FMA=cfg.exp_fma,
-                      P_REGS=fp8 and cfg.p_regs)
+                      Q_REGS=cfg.q_regs and not fp8, FP8=fp8)
     tiles = cdiv(n_q, cfg.block_m) * z * h
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))

@@ -25,11 +25,7 @@ Three kinds of partition (``gl.warp_specialize``):
     the shared memory) lets two programs share an SM instead;
   * ``OVERLAP`` (FA3's intra-warpgroup pipelining): S for block j+1 is issued before block j's
     softmax, so the tensor cores work while this warpgroup does exp2; P V of block j is waited
-    for only at the next iteration;
-  * ``EXP_FMA`` (FlashAttention-4's emulated exponential): the odd columns of an unmasked block's
-    exp2 are computed with float multiply-adds (``jit._exp2_fma``) in consumer 1 (1) or in both
-    (2), so each warp issues exponentials to the MUFU unit (16 a clock per SM) and the FMA pipes at
-    once; where the matmuls per score are few (e4m3, or head_dim 64) those ex2 bound the loop.
+    for only at the next iteration.
 
 Head dims: register tensors and TMA boxes are powers of two, wgmma's N need not be. A head dim
 that is not one runs as two column blocks, ``HEAD_D0`` + ``HEAD_D1`` (192 = 128 + 64), as the
@@ -57,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashrun.kernels.flash.jit import _exp2_fma, tile_of
+from flashrun.kernels.flash.jit import tile_of
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
@@ -147,11 +143,9 @@ def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem
 
 @gluon.jit
 def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, EMULATED: gl.constexpr):
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """One key block's online-softmax step in base 2: (p, alpha, m_new, l_new). FP8: p in
-    [0, 2^P_SHIFT] (``fp8_jit.P_SHIFT``), before its cast to e4m3; l carries the same factor.
-    EMULATED: an unmasked block's p in odd columns by ``jit._exp2_fma`` instead of the MUFU unit's
-    exp2 (:func:`_exp2_mixed`)."""
+    [0, 2^P_SHIFT] (``fp8_jit.P_SHIFT``), before its cast to e4m3; l carries the same factor."""
     if MASKED:
         keep = gl.expand_dims(cols, 0) < N_K
         if CAUSAL:
@@ -171,40 +165,24 @@ def _softmax_block(s_val, m_i, l_i, cols, rows, N_K, shift, qk_scale,
         s_val = s_val * qk_scale
         m_sub = m_new
     if FP8:
-        x = s_val - gl.expand_dims(m_sub - P_SHIFT_C, 1)
+        p = gl.exp2(s_val - gl.expand_dims(m_sub - P_SHIFT_C, 1))
     else:
-        x = s_val - gl.expand_dims(m_sub, 1)
-    if EMULATED and not MASKED:  # (a masked block's -inf scores need exp2's exact 0)
-        p = _exp2_mixed(x)
-    else:
-        p = gl.exp2(x)
+        p = gl.exp2(s_val - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _exp2_mixed(x):
-    """exp2 of a wgmma accumulator tile, its even columns on the MUFU unit and its odd ones by
-    ``jit._exp2_fma`` on the FMA pipes: every warp issues to both. Columns 2c and 2c + 1 sit in one
-    thread in the accumulator layout, so the split and the join move no data."""
-    M: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    even, odd = x.reshape([M, N // 2, 2]).split()
-    p = gl.join(gl.exp2(even), _exp2_fma(odd)).reshape([M, N])
-    return gl.convert_layout(p, x.type.layout, assert_trivial=True)
-
-
-@gluon.jit
 def _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, EMULATED: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """Block i's softmax step: unmasked below ``n_unmasked``, masked from there."""
     if i < n_unmasked:
         p, alpha, m_new, l_new = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale,
-                                                False, CAUSAL, FP8, EMULATED)
+                                                False, CAUSAL, FP8)
     else:
         p, alpha, m_new, l_new = _softmax_block(s_val, m_i, l_i, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale,
-                                                True, CAUSAL, FP8, EMULATED)
+                                                True, CAUSAL, FP8)
     return p, alpha, m_new, l_new
 
 
@@ -243,10 +221,11 @@ def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.
 
 
 @gluon.jit
-def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, VIA_SMEM: gl.constexpr):
-    """P as P V's A operand: in registers, or (VIA_SMEM) through this consumer's shared tile, once
-    the previous P V has read it (the caller waits first)."""
-    if VIA_SMEM:
+def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
+    """P as P V's A operand: in registers, or FP8 through this consumer's shared tile (an async
+    wgmma's wait cannot hold 8-bit register operands: "Unexpected bitwidth in WGMMAWaitGroupOp"
+    under Triton 3.6 and 3.9), once the previous P V has read it (the caller waits first)."""
+    if FP8:
         p_smem.store(p.to(dtype))
         fence_async_shared()
         p_op = p_smem
@@ -286,7 +265,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
               C: gl.constexpr, GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               OVERLAP: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr, Q_REGS: gl.constexpr,
-              FP8: gl.constexpr, EXP_FMA: gl.constexpr, P_REGS: gl.constexpr):
+              FP8: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's K: 32 bytes of its operands' rows
@@ -318,14 +297,6 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
     Q0_REGS: gl.constexpr = Q_REGS and (HEAD_D1 == 0 or not CAUSAL)
     Q1_REGS: gl.constexpr = Q_REGS and HEAD_D1 > 0
     Q_FREE: gl.constexpr = Q0_REGS
-    # EXP_FMA: 1, consumer 1 takes half its exponentials on the FMA pipes (_exp2_mixed); 2, both do
-    EMULATED: gl.constexpr = EXP_FMA == 2 or (EXP_FMA == 1 and C == 1)
-    # FP8: P V's e4m3 P through shared memory, or with P_REGS from registers (FlashAttention-3's
-    # way). An async wgmma's wait cannot keep 8-bit register operands alive ("Unexpected bitwidth
-    # in WGMMAWaitGroupOp", Triton 3.6 and 3.9), so _pv_wait does not name them: the loop forms
-    # the next P only after that wait (in the PTX too), and where code wrote a wgmma's registers
-    # before its wait_group ptxas would serialize the wgmmas and say so (tests/compile_hopper.py)
-    P_SMEM: gl.constexpr = FP8 and not P_REGS
 
     q_view = q_smem.index(C).reshape([HALF_M_C, HEAD_D0])
     if HEAD_D1 > 0:
@@ -378,8 +349,8 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 s_tok = _qk(q, q1, k_smem, k1_smem, it % STAGES, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
                 s_val = warpgroup_mma_wait(0, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift,
-                                                   scale, BLOCK_N, CAUSAL, FP8, EMULATED)
-                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, P_SMEM)  # acc is still 0: no rescale
+                                                   scale, BLOCK_N, CAUSAL, FP8)
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)  # acc is still 0: no rescale
                 for i in range(1, n_blocks):
                     s = (it + i) % STAGES
                     prev = (it + i - 1) % STAGES
@@ -390,13 +361,13 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                                                p1_layout, FP8)
                     s_val = warpgroup_mma_wait(PV_OPS, deps=(s_tok,))
                     p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
-                                                       scale, BLOCK_N, CAUSAL, FP8, EMULATED)
+                                                       scale, BLOCK_N, CAUSAL, FP8)
                     acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
                     mbarrier.arrive(empty_bars.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, P_SMEM)
+                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
                 if not Q_FREE:
                     mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
                 if TMA_O:
@@ -419,11 +390,11 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 mbarrier.wait(k_bars.index(s), phase)
                 s_val = warpgroup_mma_wait(0, deps=(_qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1),))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
-                                                   scale, BLOCK_N, CAUSAL, FP8, EMULATED)
+                                                   scale, BLOCK_N, CAUSAL, FP8)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 if HEAD_D1 > 0:
                     acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, P_SMEM)
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
                 mbarrier.wait(v_bars.index(s), phase)
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout, FP8)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
@@ -506,7 +477,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
              GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr,
-             Q_REGS: gl.constexpr, FP8: gl.constexpr, EXP_FMA: gl.constexpr = 0, P_REGS: gl.constexpr = False):
+             Q_REGS: gl.constexpr, FP8: gl.constexpr):
     """q_desc: 4-D descriptor over q (B, H, N_Q, D), box [1, 1, 64, HEAD_D0]; k_desc, v_desc over k,
     v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D0]; the *1_desc the same with HEAD_D1 columns
     from column HEAD_D0 (HEAD_D1 = 0: unused, pass the first ones again). O: (B, H, N_Q, D), last
@@ -518,8 +489,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     gl.static_assert(not TMA_O or (OVERLAP and BLOCK_N >= HALF_M_C))
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
-    gl.static_assert(not FP8 or (HEAD_D1 == 0 and not TMA_O))  # (a bf16 O is no e4m3 tile's size)
-    gl.static_assert(not (FP8 and Q_REGS) or P_REGS)  # (an e4m3 Q in registers only beside P there: p_regs)
+    gl.static_assert(not FP8 or (HEAD_D1 == 0 and not TMA_O and not Q_REGS))  # (a bf16 O is no e4m3 tile's size)
     SPLIT: gl.constexpr = HEAD_D1 > 0
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -533,7 +503,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
         q1_smem = q_smem
         k1_smem = k_smem
         v1_smem = v_smem
-    if FP8 and not P_REGS:  # each consumer's P, P V's A operand (_p_operand)
+    if FP8:  # each consumer's P, P V's A operand (_p_operand)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M_C, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M_C, BLOCK_N], p_layout)
     else:  # never touched
@@ -565,12 +535,12 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8, EXP_FMA, P_REGS)),
+                         TMA_O, Q_REGS, FP8)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars,
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 1, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8, EXP_FMA, P_REGS)),
+                         TMA_O, Q_REGS, FP8)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
@@ -581,7 +551,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8, EXP_FMA, P_REGS)),
+                         TMA_O, Q_REGS, FP8)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
                          GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),

@@ -24,10 +24,6 @@ SOFTCAP_FAST = tl.constexpr(1)
 SOFTCAP_PRECISE = tl.constexpr(2)
 SOFTCAP_FAST_PTX = tl.constexpr(3)
 SOFTCAP_FAST_CAP = 256.0
-# 2^f on [-0.5, 0.5] as a cubic (:func:`_exp2_fma`), fitted for relative error: within 7.5e-5 of
-# 2^f evaluated in float32, where P's rounding to float16 is up to 4.9e-4 (bfloat16 2e-3, e4m3 6e-2)
-EXP2_C0, EXP2_C1, EXP2_C2, EXP2_C3 = (tl.constexpr(0.9999281167984009), tl.constexpr(0.6932609677314758),
-                                      tl.constexpr(0.24261054396629333), tl.constexpr(0.05517132207751274))
 
 
 
@@ -157,21 +153,6 @@ def _tanh(x, scale, KIND: tl.constexpr):
         # the interpreter's numpy to warn about) and 1 - 2 / (1 + 2^126) rounds to 1
         t = 1.0 - 2.0 / (1.0 + tl.math.exp2(tl.minimum(x * (scale * (2.0 * LOG2E_C)), 126.0)))
     return t
-
-
-@triton.jit
-def _exp2_fma(x):
-    # 2^x from float adds and multiply-adds and one integer op instead of the MUFU unit's ex2, whose
-    # 16 results per clock and SM bound a forward whose matmuls are as fast (e4m3; fp16/bf16 at
-    # head_dim 64): FlashAttention-4's emulated exponential (arXiv 2603.05451). x = j + f, j =
-    # round(x) read from the low mantissa bits of x + 1.5 * 2^23, f in [-0.5, 0.5]; 2^f by a cubic
-    # (EXP2_C*), j added to its exponent bits (one LEA on sm_90). x is clamped at -125 (2^-125, not
-    # 0, below), so it suits scores in blocks without masked (-inf) ones, each row's max among them
-    x = tl.maximum(x, -125.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
-    return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
