@@ -175,7 +175,8 @@ def main() -> int:
     jobs = [(name, hopper_bwd.KERNELS[name], *case, f, ns.ptx) for name in names for case in cases for f in fused
             if (not f or hopper_bwd.fusable(hopper_bwd.KERNELS[name]))
             and not (case[1] in VARIANT_MASKS
-                     and not hopper_bwd.takes_variants(hopper_bwd.KERNELS[name], alibi=MASKS[case[1]][3]))]
+                     and not hopper_bwd.takes_variants(hopper_bwd.KERNELS[name], alibi=MASKS[case[1]][3],
+                                                     window=MASKS[case[1]][1] is not None))]
     print(f"Triton {triton.__version__}, sm_90, {len(jobs)} compiles", flush=True)
     with concurrent.futures.ProcessPoolExecutor(max(1, ns.jobs),
                                                 mp_context=multiprocessing.get_context("fork")) as pool:

@@ -548,7 +548,8 @@ def test_compiles_for_hopper(python):
     # each kernel as the deterministic backward's dK/dV and with dQ inside
     kernels = len(hopper_bwd.KERNELS) + sum(map(hopper_bwd.fusable, hopper_bwd.KERNELS.values()))
     # and softcap + ALiBi with a window (bf16 GQA 4:1 split) where the kernel takes them
-    variants = sum(hopper_bwd.takes_variants(cfg) * (1 + hopper_bwd.fusable(cfg)) for cfg in hopper_bwd.KERNELS.values())
+    variants = sum(hopper_bwd.takes_variants(cfg, window=True) * (1 + hopper_bwd.fusable(cfg))
+                   for cfg in hopper_bwd.KERNELS.values())
     assert result.stdout.count("ok ") == 4 * kernels + variants  # --pairs: full, causal (two GQA splits), a window
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
 
@@ -598,35 +599,38 @@ def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(mon
 @pytest.mark.parametrize("change,fused,why", [
     (dict(softcap=5.0), False, None), (dict(alibi=True), False, None), (dict(softcap=5.0, alibi=True), True, None),
     (dict(softcap=300.0), False, "precise tanh"), (dict(softcap=5.0, d=192), False, None), (dict(alibi=True, d=192), False, "ALiBi at head_dim 192"),
-    (dict(alibi=True, d=128), True, "with dQ inside"), (dict(alibi=True, d=128), False, None),
-    (dict(alibi=True, d=96), True, "with dQ inside"), (dict(softcap=5.0, d=128), True, "with dQ inside"),
-    (dict(softcap=5.0, d=96), False, None)])
+    (dict(alibi=True, d=128), True, None), (dict(alibi=True, d=128, window=(9, 2)), True, "with dQ inside"),
+    (dict(alibi=True, d=128, window=(9, 2)), False, None), (dict(softcap=5.0, d=128, window=(9, 2)), True, None),
+    (dict(softcap=5.0, alibi=True, d=96, window=(9, 2)), True, "with dQ inside"), (dict(softcap=5.0, d=96), True, None)])
 def test_the_variants_scope_once_turned_on(monkeypatch, change, fused, why):
-    """Softcap and ALiBi run on the untransposed kernels, the fast tanh's caps, and not on the
-    kernels that split dQ's columns between the consumers unless asked (not yet timed)."""
+    """Softcap and ALiBi run on the untransposed kernels, the fast tanh's caps; on the kernels that
+    split dQ's columns between the consumers all but ALiBi with a window (timed slower there)."""
     monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
     monkeypatch.delenv(hopper_bwd.FUSED_VARIANTS_ENV, raising=False)
     d = change.get("d", 64)
     q, k, v, do = _inputs(d=d, dtype=torch.bfloat16)
     slopes = torch.ones(2) if change.get("alibi") else None
-    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), change.get("softcap", 0.0), slopes)
+    variant = flash._variant(q, 1, k.shape[2], True, change.get("window", (-1, -1)), change.get("softcap", 0.0), slopes)
     reason = hopper_bwd.scope(q, k, v, do, variant, fused)
     assert reason is None if why is None else why in reason, reason
 
 
 @pytest.mark.parametrize("d", [80, 96, 128])
-@pytest.mark.parametrize("value,takes", [("1", True), ("on", True), ("0", False), ("", False)])
-def test_the_kernels_that_split_dq_take_the_variants_when_asked(monkeypatch, d, value, takes):
-    """FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=1: softcap and ALiBi also on the kernels with dQ inside
-    that split its columns (80, 96, 128); the deterministic backward's kernels take them either way."""
+@pytest.mark.parametrize("value,takes", [("1", (True, True)), ("on", (True, True)), ("0", (False, False)),
+                                         ("", (True, False))], ids=["1", "on", "0", "unset"])
+def test_the_kernels_that_split_dq_take_the_variants_as_asked(monkeypatch, d, value, takes):
+    """FLASHRUN_HOPPER_BWD_FUSED_VARIANTS: =1 softcap and ALiBi on the kernels with dQ inside that
+    split its columns (80, 96, 128) with or without a window, =0 neither, unset all but ALiBi
+    with a window; the deterministic backward's kernels take them either way."""
     monkeypatch.setenv(hopper_bwd.VARIANTS_ENV, "1")
     monkeypatch.setenv(hopper_bwd.FUSED_VARIANTS_ENV, value)
     q, k, v, do = _inputs(d=d, dtype=torch.bfloat16)
-    for softcap, slopes in ((5.0, None), (0.0, torch.ones(2))):
-        variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), softcap, slopes)
+    for softcap, slopes, window in ((5.0, None, (-1, -1)), (0.0, torch.ones(2), (-1, -1)), (0.0, torch.ones(2), (9, 2))):
+        variant = flash._variant(q, 1, k.shape[2], True, window, softcap, slopes)
         assert hopper_bwd.scope(q, k, v, do, variant, False) is None
         reason = hopper_bwd.scope(q, k, v, do, variant, True)
-        assert reason is None if takes else "with dQ inside" in reason, reason
+        expected = takes[1] if window != (-1, -1) else takes[0]
+        assert reason is None if expected else "with dQ inside" in reason, reason
 
 
 @pytest.mark.parametrize("variants", [dict(softcap=2.0), dict(alibi=True), dict(softcap=2.0, alibi=True, window=(9, 2))],

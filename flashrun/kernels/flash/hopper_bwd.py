@@ -20,9 +20,8 @@ as two column blocks, 64 + 16 and 64 + 32, as the Gluon forward runs 192; and 19
 aligned (TMA descriptors), plain, causal or a window (bottom-right aligned when Nq != Nk), any GQA
 group; no packed sequences (those, float32 and other head dims keep the portable dK/dV kernel).
 Softcap and ALiBi (each, both, with or without a window) run on the untransposed kernels (with dQ
-inside only at 64), a softcap alone on the transposed one (:func:`takes_variants`); on the H200,
-causal N=8192 D=128, 1.19-1.30x the portable backward (``FLASHRUN_HOPPER_BWD_VARIANTS=0`` turns
-them off).
+inside: all but ALiBi with a window), a softcap alone on the transposed one (:func:`takes_variants`;
+``FLASHRUN_HOPPER_BWD_VARIANTS=0`` turns them off).
 
 The first eligible call per (dtype, head_dim, with dQ or not, with a window or not, with a softcap
 or not, with ALiBi or not) in a process compares the kernel with the portable backward on small
@@ -85,8 +84,8 @@ ENV = "FLASHRUN_HOPPER_BWD"
 # softcap and ALiBi on the Gluon kernel (the transposed one, 192 and 256: a softcap): on unless
 # FLASHRUN_HOPPER_BWD_VARIANTS=0 (the first-use check guards each dtype, head dim and variant)
 VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_VARIANTS"
-# ... and on the kernels with dQ inside that split its columns (80, 96, 128: the atomic backward's),
-# off unless FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=1 until the H200 times it (takes_variants)
+# ... and on the kernels with dQ inside that split its columns (80, 96, 128: the atomic backward's) as
+# the H200 timed them (takes_variants); =0 keeps the variants off those kernels, =1 puts them all on
 FUSED_VARIANTS_ENV = "FLASHRUN_HOPPER_BWD_FUSED_VARIANTS"
 SOFTCAP_MAX = 256.0  # the portable kernels' fast tanh up to here (args.SOFTCAP_FAST_CAP): the one this kernel has
 FUSED_PATH = hopper.GLUON_PATH + "+dq"  # the Gluon kernel with dQ inside (the non-deterministic backward)
@@ -219,26 +218,34 @@ def variants_reason(head_dim: int, fused: bool, variant) -> str | None:
         return f"softcap {variant.softcap:g} > {SOFTCAP_MAX:g} (the precise tanh)"
     cfg = KERNELS.get(kernel_for(head_dim, fused) or "")
     alibi = variant.alibi_slopes is not None
-    if cfg is None or not takes_variants(cfg, alibi):
+    if cfg is None or not takes_variants(cfg, alibi, window=variant.window is not None):
         return f"{'ALiBi' if alibi else 'softcap'} at head_dim {head_dim}" + (" with dQ inside" if fused else "")
     return None
 
 
-def takes_variants(cfg: BwdConfig, alibi: bool = True) -> bool:
-    """Whether the kernel runs the score variants (``alibi``: ALiBi too, else a softcap alone):
-    one whose consumers split dQ's columns every step (``dq_split``) only with
-    ``FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=1``; the transposed kernel (192, 256) a softcap only (its
-    scores are S, not Sᵀ: ALiBi's per-key split would be per query there). Other calls keep the
-    deterministic Gluon dK/dV with the portable dQ, or the portable backward. Compiled for sm_90
-    without a spill under 3.9; under 3.6 the head_dim 128 kernel spills 8 B with ALiBi and a split
-    GQA group, 4-12 B with ALiBi and a window. The dq_split kernels once spilled 16-256 B with the
-    variants (a compile without the launch's alignment, before the softcap's reciprocal by
-    rcp.approx); now, compiled as launched: spill-free at 80 and 96 with a softcap or ALiBi (both
-    at 96: 32-52 B with one kv head a program), at 128 with a softcap under 3.9 but 44-88 B under
-    3.6, with ALiBi 20-104 B; not yet timed."""
+def takes_variants(cfg: BwdConfig, alibi: bool = True, window: bool = False) -> bool:
+    """Whether the kernel runs the score variants (``alibi``: ALiBi too, else a softcap alone;
+    ``window``: with a sliding window). The transposed kernel (192, 256) a softcap only (its
+    scores are S, not Sᵀ: ALiBi's per-key split would be per query there). One whose consumers
+    split dQ's columns every step (``dq_split``: 80, 96, 128 with dQ inside) a softcap, and ALiBi
+    without a window: on the H200 (causal, N=8192, D=128, bf16; the ``variants-backward`` claim)
+    it ran ALiBi, a softcap and both 1.13x, 1.23x and 1.27x faster than the deterministic dK/dV
+    kernel with the portable dQ, a softcap with a window 1.21x, but ALiBi with a window 0.88x and
+    with a softcap too 0.97x. ``FLASHRUN_HOPPER_BWD_FUSED_VARIANTS=0`` keeps the variants off those
+    kernels, ``=1`` puts them all on. Other calls keep the deterministic Gluon dK/dV with the
+    portable dQ, or the portable backward. Compiled for sm_90 without a spill under 3.9; under 3.6
+    the head_dim 128 kernel spills 8 B with ALiBi and a split GQA group, 4-12 B with ALiBi and a
+    window; the dq_split kernels are spill-free at 80 and 96 with a softcap or ALiBi (both at 96:
+    32-52 B with one kv head a program), at 128 with a softcap under 3.9 but 44-88 B under 3.6,
+    with ALiBi 20-104 B."""
     if cfg.transposed:
         return not alibi
-    return not cfg.dq_split or os.environ.get(FUSED_VARIANTS_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    if not cfg.dq_split:
+        return True
+    asked = os.environ.get(FUSED_VARIANTS_ENV, "").strip().lower()
+    if asked in ("0", "false", "off", "no"):
+        return False
+    return asked in ("1", "true", "on", "yes") or not (alibi and window)
 
 
 def launched_threads(cfg: BwdConfig) -> int:
