@@ -167,11 +167,6 @@ def main() -> int:
     print("an fp8 KV cache: paged (page 16) with token scales and 1 new key, GQA; contiguous with one scale, MQA")
     kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, cache_dtype=torch.float8_e4m3fn, scales="token")
     kvcache(2, 32, 1, 1, 128, torch.float16, 16384, 0, 0, cache_dtype=torch.float8_e4m3fn, scales="tensor")
-    print("the same, V widened in pairs (decode.FP8_V_PAIRS): paged bf16 with one scale, fp16 with token scales")
-    decode.FP8_V_PAIRS = True
-    kvcache(4, 32, 8, 1, 128, torch.bfloat16, 8192, 16, 1, cache_dtype=torch.float8_e4m3fn, scales="tensor")
-    kvcache(2, 32, 8, 1, 128, torch.float16, 16384, 0, 0, cache_dtype=torch.float8_e4m3fn, scales="token")
-    decode.FP8_V_PAIRS = False
     print("head_dim 192 = 128 + 64 columns: causal, GQA; the forward through TMA (two descriptors per tensor)")
     # the backward on 4-warp tiles: one warpgroup spans a tile's columns, so its 128 + 64 blocks are
     # n128 and n64 wgmmas (8 warps over a 64-row dK tile split the columns: n64 and n32)

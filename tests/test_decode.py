@@ -585,11 +585,11 @@ def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, length
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("decades", [(-12, 3), (-5, -3)], ids=["1e-12..1e3", "1e-5..1e-3"])
 def test_token_scales_keep_float16_p_accurate(monkeypatch, dtype, decades):
-    """An fp8 cache with a scale per key, P in float16 (fp16 queries; bf16 ones through float16
-    dots): P takes each V scale over its tile's largest, since P · scale itself can leave float16's
-    range (scales near 1e-8 flush it to zero). With V's rows spanning 1e-12 to 1e3 within every tile,
-    or all tiny, the output passes the judge on the dequantized cache; with bf16 queries it is no
-    farther from it than the cache widened to bf16 (bf16 P · scale)."""
+    """An fp8 cache with a scale per key and fp16 queries, P in float16: P takes each V scale over
+    its tile's largest, since P · scale itself can leave float16's range (scales near 1e-8 flush it
+    to zero). With V's rows spanning 1e-12 to 1e3 within every tile, or all tiny, the output passes
+    the judge on the dequantized cache; so do bf16 queries (P · scale in bf16, with float16 dots for
+    the scores or without)."""
     gen = torch.Generator().manual_seed(0)
     shape, inputs = _cache_inputs((200, 1000), 4, 2, 1, 32, dtype=dtype)
     low, high = decades
@@ -597,15 +597,12 @@ def test_token_scales_keep_float16_p_accurate(monkeypatch, dtype, decades):
     k8, k_scale = to_e4m3(inputs.k, "token")
     v8, v_scale = to_e4m3((inputs.v.float() * size[..., None]).to(dtype), "token")
     truth = dataclasses.replace(inputs, k=from_e4m3(k8, k_scale, dtype), v=from_e4m3(v8, v_scale, dtype))
-    errors = {}
     for f16_dots in (True, False) if dtype == BF16 else (True,):
         monkeypatch.setattr(decode, "FP8_DOT_F16", f16_dots)
         monkeypatch.setattr(decode, "_plans", {})
         out = flash_attention_with_kvcache(inputs.q, k8, v8, inputs.cache_seqlens, k_scale=k_scale, v_scale=v_scale)
         (check,) = Reference.for_kvcache(truth, causal=False).judge(out, None, None)
         assert check.passed, check.reason()
-        errors[f16_dots] = check.rel_l2
-    assert errors[True] <= errors.get(False, 1.0), errors
 
 
 def test_token_scales_may_differ_in_the_stride_of_a_size_one_dim():
@@ -665,26 +662,6 @@ def test_an_fp8_cache_with_unit_scales_is_the_bf16_cache_it_holds(monkeypatch, f
         truth = flash_attention_with_kvcache(q.float(), k8.float(), v8.float(), inputs.cache_seqlens,
                                              block_table=inputs.block_table)  # float32 throughout
         assert (as_fp8.float() - truth).abs().max() <= (as_bf16.float() - truth).abs().max(), size
-
-
-def test_an_fp8_v_is_widened_in_pairs_only_where_the_kernel_can(monkeypatch):
-    """decode.FP8_V_PAIRS (inline PTX: compiled code, not the interpreter) takes an fp8 V that
-    meets float16 P in one column block whose rows are whole 16-bit pairs; the GPU suite runs it."""
-    monkeypatch.setattr(decode, "FP8_V_PAIRS", True)
-    monkeypatch.setattr(decode, "INTERPRETED", False)
-    strides = (8 * 1024 * 128, 8 * 128, 128, 1)  # (batch, key, kv head, dim) of a contiguous cache
-    dims = decode._Dims(2, 32, 8, 1, 128, strides, strides, strides, (2, 1, 32, 128), strides, kv_fp8=True)
-    assert decode._v_pairs(dims, BF16) and decode._v_pairs(dims, FP16)
-    token = dataclasses.replace(dims, scales=(8 * 1024, 8, 1))
-    assert decode._v_pairs(token, FP16) and decode._v_pairs(token, BF16)
-    for other in (dataclasses.replace(dims, kv_fp8=False), dataclasses.replace(dims, head_dim=96),
-                  dataclasses.replace(dims, v=(8 * 1024 * 129, 8 * 129, 129, 1)),
-                  dataclasses.replace(dims, v=(1, 8 * 1024 * 128, 1024 * 128, 2))):
-        assert not decode._v_pairs(other, FP16), other
-    monkeypatch.setattr(decode, "FP8_DOT_F16", False)
-    assert not decode._v_pairs(dims, BF16) and decode._v_pairs(dims, FP16)  # bf16 widened: bf16 P
-    monkeypatch.setattr(decode, "INTERPRETED", True)
-    assert not decode._v_pairs(dims, FP16)
 
 
 def test_verify_judges_an_fp8_cache_on_what_it_holds(tmp_path):

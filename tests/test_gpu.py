@@ -714,32 +714,6 @@ def test_kvcache_on_gpu(case):
     assert not failures, "; ".join(failures)
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "paged16"])
-def test_an_fp8_v_widened_in_pairs_matches_the_reference(monkeypatch, dtype, page):
-    """decode.FP8_V_PAIRS (an e4m3 V widened to float16 a pair at a time by inline PTX, so only
-    here, compiled): GQA 32/8, head_dim 128, one scale, an appended key, lengths that leave
-    masked and unmasked tiles and splits: judged on the dequantized cache, as the default path."""
-    from flashrun.harness.inputs import from_e4m3, make_inputs
-    from flashrun.harness.shapes import Shape, kvcache
-    from flashrun.kernels import flash_attention_with_kvcache
-    from flashrun.kernels.flash import decode
-
-    monkeypatch.setattr(decode, "FP8_V_PAIRS", True)
-    monkeypatch.setattr(decode, "_plans", {})
-    shape = kvcache(Shape(1, 32, 8, 1, 1, 128, str(dtype)[6:], False), (0, 1, 17, 97, 1025, 70000), page, 1,
-                    kv_scale="tensor")
-    inputs = make_inputs(shape, 0, "cuda")[0]
-    k_cache, v_cache = inputs.k.clone(), inputs.v.clone()
-    out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
-                                       v=inputs.v_new, block_table=inputs.block_table, **inputs.per_set())
-    (plan,) = decode._plans.values()
-    assert plan.decode.tail[-2] is True  # V_PAIRS: the path under test ran
-    cache = tuple(from_e4m3(c, s, dtype) for c, s in ((k_cache, inputs.k_scale), (v_cache, inputs.v_scale)))
-    checks = Reference.for_kvcache(inputs, causal=False).judge(out, None, None, cache=cache)
-    assert all(check.passed for check in checks), "; ".join(c.reason() for c in checks if not c.passed)
-
-
 def test_decode_replays_from_a_cuda_graph_and_launches_lean():
     """flash_attention's decode path and the paged KV cache captured in one graph and replayed on
     new values give what eager calls give; after their first calls both launch their kept

@@ -21,8 +21,7 @@ clearing, host overhead included (the number an inference loop without graphs se
 small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
 ``--fp8-sweep`` runs instead a sweep of the configs for an fp8 (e4m3) KV cache (issue 50): GQA
 32/8, 8k-128k keys, one scale or a scale per key and head, contiguous or pages of 16, bf16
-queries through float16 dots (decode.FP8_DOT_F16), V widened in pairs or not (decode.FP8_V_PAIRS), each checked
-against float32 attention over the dequantized cache and timed beside cuDNN's bf16 decode and
+queries through float16 dots (decode.FP8_DOT_F16), each checked against float32 attention over the dequantized cache and timed beside cuDNN's bf16 decode and
 flash's bf16 cache at the same shape.
 
     OUT=/tmp/out python benchmarks/probes/decode_probe.py [--quick | --no-sweep | --fp8-sweep] [--budget-s 170] [--waves W]
@@ -320,12 +319,9 @@ FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8
 def fp8_sweep(started) -> list[dict]:
     """Launch configs of the decode kernel over an e4m3 cache (see the module's docstring)."""
     out = []
-    wide, default, waves, pairs, options = (decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode.FP8_V_PAIRS,
-                                            decode._options)
-    # bf16 queries through float16 dots (decode.FP8_DOT_F16), V widened as the dot's operand or
-    # in pairs before it (decode.FP8_V_PAIRS; a scale per key keeps V in bf16, whatever it says)
-    cells = [("bf16", "tensor", 0), ("bf16 pairs", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16),
-             ("bf16 pairs", "tensor", 16)]
+    wide, default, waves, options = decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode._options
+    # bf16 queries through float16 dots (decode.FP8_DOT_F16; a scale per key keeps V and P in bf16)
+    cells = [("bf16", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16), ("bf16", "token", 16)]
     for b, h, h_kv, n in ((1, 8, 2, 512),) if SMOKE else FP8_SHAPES:
         gen = torch.Generator(device=DEVICE).manual_seed(2)
         q = torch.randn(b, 1, h, D, device=DEVICE, generator=gen).to(BF16)  # (B, 1, H, D)
@@ -348,7 +344,6 @@ def fp8_sweep(started) -> list[dict]:
             caches[kind] = (k8, v8, ks, vs, reference(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2)))
         for qname, kind, page in cells:
             k8, v8, ks, vs, ref = caches[kind]
-            decode.FP8_V_PAIRS = qname == "bf16 pairs"
             if page:
                 if kind == "token":  # the scales follow their keys into the pages
                     pool_k, pool_v, s_k, s_v, table = paged(page, k8, v8, ks, vs)
@@ -384,8 +379,7 @@ def fp8_sweep(started) -> list[dict]:
                       f"{base['cudnn_bf16_us']:.1f}, flash bf16 {base['flash_bf16_cache_us']:.1f}) "
                       f"{row.get('tb_s', 0):.2f} TB/s err {row.get('err', float('nan')):.2e} {row.get('error', '')}",
                       flush=True)
-    decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode.FP8_V_PAIRS, decode._options = (
-        wide, default, waves, pairs, options)
+    decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode._options = wide, default, waves, options
     decode._plans.clear()
     return out
 

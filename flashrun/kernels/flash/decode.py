@@ -95,11 +95,6 @@ FP8_WAVES = 4
 # bfloat16: on the H200 1.2-1.3x faster (decode_probe.py --fp8-sweep), e4m3 widening to float16
 # in one instruction per pair and to bfloat16 in three
 FP8_DOT_F16 = True
-# an fp8 V widened to float16 two values at a time before the P V dot (decode_jit._e4m3_pairs_f16):
-# in the sm_90 SASS of the GQA 32/8 head_dim 128 loop, 460 instructions a 64-key step against 560
-# (one shared-memory load per byte of V gone); not yet timed on the GPU (decode_probe.py --fp8-sweep
-# times both), so off
-FP8_V_PAIRS = False
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
@@ -256,16 +251,6 @@ def _kv_fp8(dims: _Dims, dtype: torch.dtype) -> int:
     return (KV_FP8_F16 if FP8_DOT_F16 and dtype == torch.bfloat16 else KV_FP8_WIDEN).value
 
 
-def _v_pairs(dims: _Dims, dtype: torch.dtype) -> bool:
-    """The decode kernel's V_PAIRS constexpr: FP8_V_PAIRS for an fp8 V that meets float16 P (fp16
-    queries, or bf16 ones through float16 dots) in one column block, its rows in whole 16-bit
-    pairs; compiled code only (inline PTX)."""
-    meets_f16 = dtype == torch.float16 or _kv_fp8(dims, dtype) == KV_FP8_F16.value
-    d0, d1 = _split_head_dim(dims.head_dim)
-    return (FP8_V_PAIRS and dims.kv_fp8 and meets_f16 and not INTERPRETED and d1 == 0 and d0 == dims.head_dim
-            and dims.v[3] == 1 and all(stride % 2 == 0 for stride in dims.v[:3]))
-
-
 def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: Variant, sm_scale: float,
                seqlens: bool, write_lse: bool) -> _Plan:
     """Everything a call of these dims launches with, but the data pointers and N_K."""
@@ -289,7 +274,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
             *dot_options(dtype).values(), _kv_fp8(dims, dtype), dims.scales is not None,
-            _v_pairs(dims, dtype), pdl)
+            pdl)
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail,
                      {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {})})
     combine = None

@@ -80,22 +80,6 @@ def _kv_tile(rows, row_ok, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.conste
 
 
 @triton.jit
-def _e4m3_pairs_f16(rows, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The e4m3 rows at int16 pointers ``rows`` (each row's first two values) widened to float16,
-    a pair per 16-bit load and per conversion (``cvt.rn.f16x2.e4m3x2``: sm_89+, not the
-    interpreter). Widened here, in the load's layout, the tile meets the P V dot as 16-bit data,
-    whose transposed operand comes from shared memory in ``ldmatrix.trans``; an e4m3 tile
-    widened by ``.to`` is transposed by the dot a byte at a time (one shared-memory load per
-    byte, sm_90's ldmatrix having no 8-bit transpose)."""
-    packed = tl.load(rows[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :])
-    both = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [packed], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-    lo = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # the value at the lower address
-    hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, HEAD_DIM))
-
-
-@triton.jit
 def _queries_f16(q0, q1, qk_scale, BLOCK_D1: tl.constexpr):
     """(q0, q1, r): the tile's queries times ``qk_scale`` in float16, divided by the power of two r
     that puts their largest magnitude near 2**14 (an exact scaling: no overflow, no digits lost
@@ -141,25 +125,23 @@ def _append(K, V, K_NEW, V_NEW, K_SCALE, V_SCALE, K_NEW_SCALE, V_NEW_SCALE, PAGE
 
 
 @triton.jit
-def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, V16, K_SCALE, V_SCALE, PAGES, lo, hi, n_k, N_Q,
+def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, K_SCALE, V_SCALE, PAGES, lo, hi, n_k, N_Q,
                   stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk, stride_sz, stride_sn,
                   offs_i, qk_scale, softcap2, slope2, left, right,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                  V_PAIRS: tl.constexpr):
+                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr):
     """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
     (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
     cache); PAGES at the sequence's block table row (paged cache). KV_FP8: the cache holds fp8,
     widened to q's dtype tile by tile (exact; KV_FP8_F16: q is bfloat16 turned float16 by
-    :func:`_queries_f16`, V and P float16 too); TOKEN_SCALES: each key's and value's scale
+    :func:`_queries_f16`, V and P float16 too, but bfloat16 with TOKEN_SCALES: on the H200 the
+    float16 route below ran 1.1-1.2x slower there); TOKEN_SCALES: each key's and value's scale
     (K_SCALE, V_SCALE, laid out as the cache without head_dim) multiplies its score's column and
     its probability's column (q·(s k) = s (q·k); Σ p (s v) = Σ (p s) v), not the tile; in float16
-    P · scale could leave its range, so P takes each scale over the tile's largest and the
-    accumulator is kept in units of that largest (``v_unit``, the caller's scale). V_PAIRS:
-    unmasked tiles of an e4m3 V widened to float16 by :func:`_e4m3_pairs_f16` from V16, V as
-    int16 (its strides halved)."""
+    (fp16 queries) P · scale could leave its range, so P takes each scale over the tile's largest
+    and the accumulator is kept in units of that largest (``v_unit``, the caller's scale)."""
     offs_n = tl.arange(0, BLOCK_N)
     shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -168,17 +150,15 @@ def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, V16, K_SCALE, V_SC
         k_rows = K + page * stride_kz + slot * stride_kn
         v_rows = V + page * stride_vz + slot * stride_vn
         k0, k1 = _kv_tile(k_rows, cols < n_k, stride_kk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
-        if V_PAIRS and not MASKED:
-            v0 = _e4m3_pairs_f16(V16 + page * (stride_vz // 2) + slot * (stride_vn // 2), BLOCK_N, HEAD_DIM)
-            v1 = NO_BLOCK
-        else:
-            v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
+        v0, v1 = _kv_tile(v_rows, cols < n_k, stride_vk, HEAD_DIM, BLOCK_D0, BLOCK_D1, MASKED)
         if KV_FP8:
             k0 = k0.to(q0.dtype)
             if BLOCK_D1 > 0:
                 k1 = k1.to(q0.dtype)
-            if V_PAIRS and not MASKED:
-                pass  # float16 already
+            if KV_FP8 == KV_FP8_F16 and TOKEN_SCALES:
+                v0 = v0.to(tl.bfloat16)
+                if BLOCK_D1 > 0:
+                    v1 = v1.to(tl.bfloat16)
             else:
                 v0 = v0.to(q0.dtype)
                 if BLOCK_D1 > 0:
@@ -250,7 +230,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                  SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                 V_PAIRS: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
     head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
     sequence holds N_K cached keys (or CACHE_SEQLENS[batch]) and N_NEW appended ones (APPEND).
@@ -263,8 +243,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     its tiles meet the queries, see :func:`_decode_inner`) is dequantized as it is read: a
     scale for the whole cache (K's folded into qk_scale by the launcher, ``v_scale`` applied with
     the normalization), or with TOKEN_SCALES one per key and kv head (K_SCALE, V_SCALE laid out as
-    (batch or page, key, kv head); appended keys bring theirs in K_NEW_SCALE, V_NEW_SCALE); V_PAIRS:
-    its V widened two values at a time (:func:`_decode_inner`). PDL: launched as a programmatic
+    (batch or page, key, kv head); appended keys bring theirs in K_NEW_SCALE, V_NEW_SCALE). PDL: launched as a programmatic
     dependent launch (sm_90+): the program may start while the kernel before it drains, so it waits for that
     kernel's writes before reading anything, and lets the combine launch as the grid's last
     programs start (the combine waits for this grid's writes in turn)."""
@@ -318,11 +297,6 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     else:
         k_src = K + off_z * stride_kz + off_hkv * stride_kh
         v_src = V + off_z * stride_vz + off_hkv * stride_vh
-    v_src16 = v_src  # (unused without V_PAIRS)
-    if V_PAIRS:  # the strides are even (the launcher checks): the same rows in 16-bit steps
-        v_src16 = V.to(tl.pointer_type(tl.int16)) + off_hkv * (stride_vh // 2)
-        if PAGE_SIZE == 0:
-            v_src16 += off_z * (stride_vz // 2)
     k_scales = K_SCALE  # (absent without TOKEN_SCALES: used only where it says they exist)
     v_scales = V_SCALE
     if TOKEN_SCALES:
@@ -362,29 +336,29 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     if BLOCK_D1 > 0:
         acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     if WINDOW:  # stage 0: the window's left edge - masked
-        acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, v_src16, k_scales,
+        acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, k_scales,
                                              v_scales, pages, tl.maximum(k_lo, lo), tl.minimum(k_hi, mid_lo), n_k, N_Q,
                                              stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                                              stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                              win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
                                              CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                             TOKEN_SCALES, V_PAIRS)
+                                             TOKEN_SCALES)
     # stage 1: key blocks every row of the tile sees in full - no mask
-    acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, v_src16, k_scales,
+    acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, False,
                                          CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                             TOKEN_SCALES, V_PAIRS)
+                                             TOKEN_SCALES)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
-    acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, v_src16, k_scales,
+    acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,
                                          stride_kz, stride_kn, stride_kk, stride_vz, stride_vn, stride_vk,
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
                                          CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                             TOKEN_SCALES, V_PAIRS)
+                                             TOKEN_SCALES)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
     seen = l_i > 0.0
