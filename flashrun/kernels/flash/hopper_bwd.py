@@ -160,13 +160,9 @@ KERNELS = {
     # for the dQ tiles, so dQ stays portable). Spill-free for sm_90 under Triton 3.9; under 3.6 the
     # GQA 1:1 launch (dK/dV handed to the producer's TMA stores) spills 16 B. Right on the H200
     # (gluon_bwd_probe.py --kernels d256: 39 cases against float64, N = 1 to 1025, GQA, windows).
+    # A twin with 16 keys per consumer (room for dQ inside, 210 KB) ran slower on the H200, with dQ
+    # inside or not (causal N4096: 191 and 207 TFLOP/s against 255; backward-d256 probe): dropped.
     "d256": BwdConfig(256, keys=32),
-    # 16 keys per consumer (N = 16 wgmmas for S and dP, keys being N in this kernel): K + V 32 KB
-    # less, room for dQ inside (210 KB), where 256's dQ otherwise stays portable (on the H200 3.1 of
-    # the portable backward's 7.0 ms at causal N4096, backward-d256 probe). Compiled for sm_90
-    # spill-free under Triton 3.9 (under 3.6 the GQA 1:1 launch spills 16 B, 36 B with dQ); not
-    # yet run on a GPU: gluon_bwd_probe.py --kernels d256,d256-k16,d256-k16+dq --shape 256,...
-    "d256-k16": BwdConfig(256, keys=16),
 }
 # what the path runs; benchmarks/probes/gluon_bwd_probe.py times the rest
 DEFAULT = {64: "d64", 80: "d80", 96: "d96", 128: "d128", 192: "d192", 256: "d256"}
