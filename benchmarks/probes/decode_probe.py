@@ -21,8 +21,8 @@ clearing, host overhead included (the number an inference loop without graphs se
 small sweep of decode launch configs (block_n, warps, stages, waves, smallest split) on three shapes.
 ``--fp8-sweep`` runs instead a sweep of the configs for an fp8 (e4m3) KV cache (issue 50): GQA
 32/8, 8k-128k keys, one scale or a scale per key and head, contiguous or pages of 16, bf16
-queries through float16 dots (decode.FP8_DOT_F16), each checked against float32 attention over the dequantized cache and timed beside cuDNN's bf16 decode and
-flash's bf16 cache at the same shape.
+queries through float16 dots (decode.FP8_DOT_F16), each checked against float32 attention over
+the dequantized cache and timed beside cuDNN's bf16 decode and flash's bf16 cache at the same shape.
 
     OUT=/tmp/out python benchmarks/probes/decode_probe.py [--quick | --no-sweep | --fp8-sweep] [--budget-s 170] [--waves W]
 
