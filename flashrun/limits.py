@@ -25,4 +25,4 @@ DETERMINISTIC_BACKWARD: bool | None = None
 # launches): recorded with every result (flashrun.env.fingerprint) and forwarded to Ray workers
 # (flashrun.harness.cluster).
 KERNEL_SWITCHES = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER", "FLASHRUN_HOPPER_BWD", "FLASHRUN_HOPPER_BWD_VARIANTS",
-                   "FLASHRUN_HOPPER_BWD_FUSED_VARIANTS", "FLASHRUN_PDL")
+                   "FLASHRUN_HOPPER_BWD_FUSED_VARIANTS", "FLASHRUN_HOPPER_BWD_DQ", "FLASHRUN_PDL")

@@ -9,6 +9,7 @@ serialized"), which would cost more than any spill (NOTES v6), and the wgmma wai
 other instructions wrote while an earlier wgmma of the same stage was in flight).
 
     python tests/compile_hopper_bwd.py [--kernels d64,d128] [--pairs] [--jobs N] [--ptx DIR]
+    python tests/compile_hopper_bwd.py --gluon-dq     # the Gluon dQ kernel (hopper_dq_jit) instead
 
 The registers ptxas reports are the launch's cap (maxnreg); the partitions re-split them with
 setmaxnreg (consumers 240, producer 24), and a partition that needs more than its share spills,
@@ -141,8 +142,38 @@ def check_one(job) -> tuple[bool, str]:
     return True, f"ok   {line}"
 
 
+def check_dq(job) -> tuple[bool, str]:
+    """Compile the Gluon dQ kernel (hopper_bwd.DQ_KERNELS[head_dim]) for one (dtype, causal, GQA
+    group) as hopper_bwd.gluon_dq launches it, and describe it: (ok, the report line)."""
+    head_dim, dtype, causal, group = job
+    cfg = hopper_bwd.DQ_KERNELS[head_dim]
+    label = f"dq d{head_dim} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'} GQA {group}:1"
+    q = torch.empty(1, 2 * group, 256, head_dim, dtype=dtype)
+    k = torch.empty(1, 2, 256, head_dim, dtype=dtype)
+    lse = torch.empty(1, 2 * group, 256, dtype=torch.float32)
+    try:
+        _, args, constexprs, options = hopper_bwd.dq_launch_args(q, k, k, q, lse, lse, q, 0.0625, causal, cfg)
+        kernel = compile_launch(cfg.kernel, *args, **constexprs, **options)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-4:])
+    ptx = kernel.asm["ptx"]
+    info = ptxas(ptx)
+    problems = [what for what, bad in (
+        (f"shared memory {kernel.metadata.shared} B over {hopper_bwd.SMEM_LIMIT}", kernel.metadata.shared > hopper_bwd.SMEM_LIMIT),
+        (f"ptxas exited {info['rc']}", info["rc"] != 0), ("spills", bool(info["spill_stores"] or info["spill_loads"])),
+        ("wgmma serialized (C7515)", info["serialized"]),
+        # the kernel waits twice per key block and consumer: S and dP, then dQ
+        (f"{info['waits']} wgmma waits in the SASS, the kernel has {2 * cfg.consumers}",
+         info["waits"] is not None and info["waits"] > 2 * cfg.consumers)) if bad]
+    line = (f"{label}: shared {kernel.metadata.shared} B, wgmma {len(re.findall(r'wgmma[.]mma_async', ptx))}, "
+            f"ptxas: {info['regs']} regs (launch cap), spill stores/loads {info['spill_stores']}/{info['spill_loads']} B, "
+            f"{'C7515 SERIALIZED' if info['serialized'] else 'no C7515'}, wgmma waits {info['waits']}")
+    return (False, f"FAIL {line}\n     " + "; ".join(problems)) if problems else (True, f"ok   {line}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--gluon-dq", action="store_true", help="the Gluon dQ kernel (hopper_dq_jit) instead")
     ap.add_argument("--kernels", help="comma-separated hopper_bwd.KERNELS names (default: all)")
     ap.add_argument("--pairs", action="store_true",
                     help="per kernel only fp16 full, bf16 causal GQA split and fp16 window (each dtype, mask and "
@@ -162,6 +193,14 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         print(f"Triton {triton.__version__}: no CUDA backend to compile sm_90 with ({exc}); nothing compiled")
         return 3
+    if ns.gluon_dq:
+        dq_jobs = [(d, dtype, causal, group) for d in hopper_bwd.DQ_KERNELS for dtype in hopper_bwd.DTYPES
+                   for causal in (False, True) for group in (1, 4)]
+        results = [check_dq(job) for job in dq_jobs]
+        print(f"Triton {triton.__version__}, sm_90, {len(dq_jobs)} compiles", flush=True)
+        for _, report in results:
+            print(report, flush=True)
+        return 0 if all(ok for ok, _ in results) else 1
     names = ns.kernels.split(",") if ns.kernels else list(hopper_bwd.KERNELS)
     # (dtype, mask, GQA group, split, adds): the plain launch and the split GQA ones (float32
     # partials, or float32 heads the parts add into)

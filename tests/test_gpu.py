@@ -147,6 +147,23 @@ def test_odd_head_dims_padded_packed_on_gpu():
                      **variants), out, grads)
 
 
+# The Gluon dQ kernel (FLASHRUN_HOPPER_BWD_DQ=1, head_dim 256): GQA, ragged, N = 1 and 17, Nq != Nk
+# both ways (rows that see no key), full and causal; the deterministic backward, where it runs
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon backward is sm_90 only")
+@pytest.mark.parametrize("case", [(2, 8, 2, 1025, 1025, 256, BF16, True), (1, 4, 4, 4096, 4096, 256, FP16, False),
+                                  (1, 4, 1, 97, 130, 256, BF16, False), (1, 2, 2, 17, 17, 256, FP16, True),
+                                  (1, 2, 2, 1, 1, 256, BF16, True), (1, 4, 2, 3000, 1000, 256, BF16, True)],
+                         ids=_case_id)
+def test_the_gluon_dq_kernel_on_gpu(case, monkeypatch):
+    monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
+    calls = []
+    real = hopper_bwd.gluon_dq
+    monkeypatch.setattr(hopper_bwd, "gluon_dq", lambda *a: calls.append(a) or real(*a))
+    *shape, dtype, causal = case
+    _check(*_inputs(*shape, dtype), causal, deterministic=True)
+    assert calls, "the Gluon dQ kernel did not run"
+
+
 # The deterministic backward on the shapes that stress it most: GQA 8:1 at 16384, rows with no
 # key, head_dim 256, split head dims (80 = 64 + 16, 192 = 128 + 64), float32, the transposed Gluon
 # dK/dV (192: GQA 4:1 ragged, GQA 6:1 causal with Nq != Nk).

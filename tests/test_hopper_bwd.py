@@ -554,6 +554,34 @@ def test_compiles_for_hopper(python):
     assert "wgmma 0 " not in result.stdout and "tma 0 " not in result.stdout
 
 
+def test_the_gluon_dq_kernel_compiles_for_hopper(python):
+    """The Gluon dQ kernel (hopper_dq_jit, FLASHRUN_HOPPER_BWD_DQ=1) at each of its head dims, fp16
+    and bf16, full and causal, GQA 1:1 and 4:1, compiles for sm_90 in its shared memory without a
+    spill, a serialized wgmma or a wait beyond its own two per step."""
+    result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--gluon-dq")
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ok ") == 8 * len(hopper_bwd.DQ_KERNELS), result.stdout
+
+
+def test_the_gluon_dq_kernel_runs_only_when_asked_and_launches_per_query_tile(monkeypatch):
+    """Off unless FLASHRUN_HOPPER_BWD_DQ=1, and never outside an sm_90 GPU; its launch: one program
+    per 128 query rows and (batch, head), the GQA group and the scales as the portable dQ takes them."""
+    q, k, v, do = _inputs(d=256, dtype=torch.bfloat16)
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
+    monkeypatch.delenv(hopper_bwd.DQ_ENV, raising=False)
+    assert "off unless" in hopper_bwd.gluon_dq_reason(q, k, v, do, variant)
+    monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
+    assert "sm_90" in hopper_bwd.gluon_dq_reason(q, k, v, do, variant)
+    lse = torch.zeros(q.shape[:3])
+    grid, args, constexprs, _ = hopper_bwd.dq_launch_args(q, k, v, do, lse, lse, q, 0.0625, True,
+                                                          hopper_bwd.DQ_KERNELS[256])
+    assert grid == (-(-q.shape[2] // 128), q.shape[0] * q.shape[1])
+    assert constexprs["GROUP"] == q.shape[1] // k.shape[1] and constexprs["CAUSAL"] is True
+    assert args[-2:] == (0.0625 * 1.4426950408889634, 0.0625)
+
+
 def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(monkeypatch):
     """The library's default on a GPU: the fused backward's first use hands its check's launches
     and the call's own to the compile pool and runs the Triton atomic backward, deciding nothing

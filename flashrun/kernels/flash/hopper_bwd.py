@@ -656,6 +656,84 @@ def applies(q, k, v, do, variant, portable, fused: bool = False, then=None) -> b
 EPOCH = 0  # counts reset(): a backward's route made before one is not reused after
 
 
+# -- the Gluon dQ kernel (hopper_dq_jit) ------------------------------------------------------------
+# Where the Gluon dK/dV kernel has no room for dQ inside (head_dim 256) the deterministic backward's
+# dQ is the portable kernel's, 255 registers and one program per SM (on the H200 3.1 of the backward's
+# 5.4 ms, causal N=4096: backward-d256 probe). FLASHRUN_HOPPER_BWD_DQ=1 runs this kernel there
+# instead, plain or causal; off until the H200 times it against the portable one
+# (FLASHRUN_HOPPER_BWD_DQ=1 flashrun bench --config benchmarks/suites/head-dims.toml --head-dims 256 --mode bwd)
+DQ_ENV = "FLASHRUN_HOPPER_BWD_DQ"
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    head_dim: int
+    block_n: int = 32  # keys per stage: Q and dO (2 x 64 rows per consumer) and two stages of K and V fit 192 KB at 256
+    stages: int = 2
+    consumers: int = 2
+    consumer_regs: int = 240
+    producer_regs: int = 24
+
+    @property
+    def kernel(self):
+        from flashrun.kernels.flash.hopper_dq_jit import _fa3_bwd_dq
+
+        return _fa3_bwd_dq
+
+
+DQ_KERNELS = {256: DqConfig(256)}
+
+
+def gluon_dq_reason(q, k, v, do, variant) -> str | None:
+    """None when :func:`gluon_dq` takes this deterministic backward's dQ, else why not."""
+    if os.environ.get(DQ_ENV, "").strip().lower() not in ("1", "true", "on", "yes"):
+        return f"off unless {DQ_ENV}=1"
+    if INTERPRETED or q.device.type != "cuda" or hopper._capability(q.device.index or 0) != (9, 0):
+        return "not an sm_90 GPU"
+    if q.dtype not in DTYPES or q.dim() != 4 or variant.varlen:
+        return "dtype or packed sequences"
+    if q.shape[-1] not in DQ_KERNELS:
+        return f"head_dim {q.shape[-1]}"
+    if q.shape[0] * q.shape[1] > 65535:  # the grid's second dimension
+        return f"batch x heads {q.shape[0] * q.shape[1]} > 65535"
+    if variant.window is not None or variant.softcap or variant.alibi_slopes is not None:
+        return "a window, softcap or ALiBi"
+    if not all(tma_aligned(t) for t in (q, k, v, do)):
+        return "strides or base not 16-byte aligned"
+    return hopper._api_reason()
+
+
+def dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, cfg: DqConfig):
+    """(grid, positional args, constexprs, options) of one :func:`gluon_dq` launch; lse and delta
+    (B, H, N_Q) float32 with rows contiguous, dq laid out as q with its last dim contiguous."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashrun.kernels.flash.hopper_bwd_jit import LOG2E
+
+    z, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+
+    def desc(t, rows):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], hopper._smem_layout(rows, d, t.dtype))
+
+    grid = (cdiv(n_q, 64 * cfg.consumers), z * h)
+    args = (desc(q, 64), desc(do, 64), desc(k, cfg.block_n), desc(v, cfg.block_n), lse, delta, dq,
+            lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), dq.stride(0), dq.stride(1), dq.stride(2),
+            h, n_q, n_k, sm_scale * LOG2E, sm_scale)
+    constexprs = dict(GROUP=h // h_kv, HEAD_D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
+                      CAUSAL=bool(causal), CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    return grid, args, constexprs, {"num_warps": 4}
+
+
+def gluon_dq(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool) -> None:
+    """dQ of the deterministic backward into ``dq`` (q's shape and dtype, last dim contiguous)
+    through the Gluon dQ kernel (:func:`gluon_dq_reason`)."""
+    lse, delta = (t if t.stride(-1) == 1 else t.contiguous() for t in (lse, delta))
+    cfg = DQ_KERNELS[q.shape[-1]]
+    grid, args, constexprs, options = dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale, causal, cfg)
+    launch(cfg.kernel, grid, *args, **constexprs, **options)
+
+
 def switches() -> tuple:
     """What turns the path on or off between calls: :func:`enabled` and :func:`reset` (part of a
     backward's route key, ``attention._attn_backward``)."""
