@@ -696,6 +696,8 @@ def gluon_dq_reason(q, k, v, do, variant) -> str | None:
         return f"head_dim {q.shape[-1]}"
     if q.shape[0] * q.shape[1] > 65535:  # the grid's second dimension
         return f"batch x heads {q.shape[0] * q.shape[1]} > 65535"
+    if k.shape[2] == 0:
+        return "no keys"
     if variant.window is not None or variant.softcap or variant.alibi_slopes is not None:
         return "a window, softcap or ALiBi"
     if not all(tma_aligned(t) for t in (q, k, v, do)):
