@@ -144,15 +144,16 @@ def check_one(job) -> tuple[bool, str]:
 
 def check_dq(job) -> tuple[bool, str]:
     """Compile the Gluon dQ kernel (hopper_bwd.DQ_KERNELS[head_dim]) for one (dtype, causal, GQA
-    group) as hopper_bwd.gluon_dq launches it, and describe it: (ok, the report line)."""
-    head_dim, dtype, causal, group = job
+    group, softcap) as hopper_bwd.gluon_dq launches it, and describe it: (ok, the report line)."""
+    head_dim, dtype, causal, group, softcap = job
     cfg = hopper_bwd.DQ_KERNELS[head_dim]
-    label = f"dq d{head_dim} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'} GQA {group}:1"
+    label = (f"dq d{head_dim} {str(dtype).removeprefix('torch.')} {'causal' if causal else 'full'} GQA {group}:1"
+             + (f" softcap {softcap:g}" if softcap else ""))
     q = torch.empty(1, 2 * group, 256, head_dim, dtype=dtype)
     k = torch.empty(1, 2, 256, head_dim, dtype=dtype)
     lse = torch.empty(1, 2 * group, 256, dtype=torch.float32)
     try:
-        _, args, constexprs, options = hopper_bwd.dq_launch_args(q, k, k, q, lse, lse, q, 0.0625, causal, cfg)
+        _, args, constexprs, options = hopper_bwd.dq_launch_args(q, k, k, q, lse, lse, q, 0.0625, causal, cfg, softcap)
         kernel = compile_launch(cfg.kernel, *args, **constexprs, **options)
     except Exception as exc:  # noqa: BLE001
         return False, f"FAIL {label}: {type(exc).__name__}\n" + "".join(traceback.format_exception(exc)[-4:])
@@ -194,8 +195,8 @@ def main() -> int:
         print(f"Triton {triton.__version__}: no CUDA backend to compile sm_90 with ({exc}); nothing compiled")
         return 3
     if ns.gluon_dq:
-        dq_jobs = [(d, dtype, causal, group) for d in hopper_bwd.DQ_KERNELS for dtype in hopper_bwd.DTYPES
-                   for causal in (False, True) for group in (1, 4)]
+        dq_jobs = [(d, dtype, causal, group, softcap) for d in hopper_bwd.DQ_KERNELS for dtype in hopper_bwd.DTYPES
+                   for causal in (False, True) for group in (1, 4) for softcap in (0.0, 50.0)]
         results = [check_dq(job) for job in dq_jobs]
         print(f"Triton {triton.__version__}, sm_90, {len(dq_jobs)} compiles", flush=True)
         for _, report in results:

@@ -148,19 +148,25 @@ def test_odd_head_dims_padded_packed_on_gpu():
 
 
 # The Gluon dQ kernel (FLASHRUN_HOPPER_BWD_DQ=1, head_dim 256): GQA, ragged, N = 1 and 17, Nq != Nk
-# both ways (rows that see no key), full and causal; the deterministic backward, where it runs
+# both ways (rows that see no key), full and causal, gemma2's softcap (scores past it: q scaled by
+# 30); the deterministic backward, where it runs
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon backward is sm_90 only")
-@pytest.mark.parametrize("case", [(2, 8, 2, 1025, 1025, 256, BF16, True), (1, 4, 4, 4096, 4096, 256, FP16, False),
-                                  (1, 4, 1, 97, 130, 256, BF16, False), (1, 2, 2, 17, 17, 256, FP16, True),
-                                  (1, 2, 2, 1, 1, 256, BF16, True), (1, 4, 2, 3000, 1000, 256, BF16, True)],
-                         ids=_case_id)
-def test_the_gluon_dq_kernel_on_gpu(case, monkeypatch):
+@pytest.mark.parametrize("case,softcap", [((2, 8, 2, 1025, 1025, 256, BF16, True), 0.0),
+                                          ((1, 4, 4, 4096, 4096, 256, FP16, False), 0.0),
+                                          ((1, 4, 1, 97, 130, 256, BF16, False), 0.0),
+                                          ((1, 2, 2, 17, 17, 256, FP16, True), 0.0),
+                                          ((1, 2, 2, 1, 1, 256, BF16, True), 0.0),
+                                          ((1, 4, 2, 3000, 1000, 256, BF16, True), 0.0),
+                                          ((2, 8, 4, 2048, 2048, 256, BF16, True), 50.0),
+                                          ((1, 4, 1, 97, 1000, 256, FP16, False), 50.0)],
+                         ids=lambda x: _case_id(x) if isinstance(x, tuple) else f"softcap{x:g}")
+def test_the_gluon_dq_kernel_on_gpu(case, softcap, monkeypatch):
     monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
     calls = []
     real = hopper_bwd.gluon_dq
     monkeypatch.setattr(hopper_bwd, "gluon_dq", lambda *a: calls.append(a) or real(*a))
     *shape, dtype, causal = case
-    _check(*_inputs(*shape, dtype), causal, deterministic=True)
+    _check(*_inputs(*shape, dtype, q_scale=30.0 if softcap else 1.0), causal, deterministic=True, softcap=softcap)
     assert calls, "the Gluon dQ kernel did not run"
 
 

@@ -556,13 +556,13 @@ def test_compiles_for_hopper(python):
 
 def test_the_gluon_dq_kernel_compiles_for_hopper(python):
     """The Gluon dQ kernel (hopper_dq_jit, FLASHRUN_HOPPER_BWD_DQ=1) at each of its head dims, fp16
-    and bf16, full and causal, GQA 1:1 and 4:1, compiles for sm_90 in its shared memory without a
-    spill, a serialized wgmma or a wait beyond its own two per step."""
+    and bf16, full and causal, GQA 1:1 and 4:1, with a softcap and without, compiles for sm_90 in
+    its shared memory without a spill, a serialized wgmma or a wait beyond its own two per step."""
     result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--gluon-dq")
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("ok ") == 8 * len(hopper_bwd.DQ_KERNELS), result.stdout
+    assert result.stdout.count("ok ") == 16 * len(hopper_bwd.DQ_KERNELS), result.stdout
 
 
 def test_the_gluon_dq_kernel_runs_only_when_asked_and_launches_per_query_tile(monkeypatch):
@@ -579,7 +579,10 @@ def test_the_gluon_dq_kernel_runs_only_when_asked_and_launches_per_query_tile(mo
                                                           hopper_bwd.DQ_KERNELS[256])
     assert grid == (-(-q.shape[2] // 128), q.shape[0] * q.shape[1])
     assert constexprs["GROUP"] == q.shape[1] // k.shape[1] and constexprs["CAUSAL"] is True
-    assert args[-2:] == (0.0625 * 1.4426950408889634, 0.0625)
+    assert args[-3:] == (0.0625 * 1.4426950408889634, 0.0625, 0.0) and constexprs["SOFTCAP"] is False
+    _, args, constexprs, _ = hopper_bwd.dq_launch_args(q, k, v, do, lse, lse, q, 0.0625, True,
+                                                       hopper_bwd.DQ_KERNELS[256], softcap=50.0)
+    assert args[-3:] == (0.0625 / 50.0, 0.0625, 50.0 * 1.4426950408889634) and constexprs["SOFTCAP"] is True
 
 
 def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(monkeypatch):

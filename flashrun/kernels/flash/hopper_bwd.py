@@ -660,7 +660,7 @@ EPOCH = 0  # counts reset(): a backward's route made before one is not reused af
 # Where the Gluon dK/dV kernel has no room for dQ inside (head_dim 256) the deterministic backward's
 # dQ is the portable kernel's, 255 registers and one program per SM (on the H200 3.1 of the backward's
 # 5.4 ms, causal N=4096: backward-d256 probe). FLASHRUN_HOPPER_BWD_DQ=1 runs this kernel there
-# instead, plain or causal; off until the H200 times it against the portable one
+# instead, plain or causal, with a softcap or not; off until the H200 times it against the portable one
 # (FLASHRUN_HOPPER_BWD_DQ=1 flashrun bench --config benchmarks/suites/head-dims.toml --head-dims 256 --mode bwd)
 DQ_ENV = "FLASHRUN_HOPPER_BWD_DQ"
 
@@ -698,14 +698,16 @@ def gluon_dq_reason(q, k, v, do, variant) -> str | None:
         return f"batch x heads {q.shape[0] * q.shape[1]} > 65535"
     if k.shape[2] == 0:
         return "no keys"
-    if variant.window is not None or variant.softcap or variant.alibi_slopes is not None:
-        return "a window, softcap or ALiBi"
+    if variant.window is not None or variant.alibi_slopes is not None:
+        return "a window or ALiBi"
+    if variant.softcap > SOFTCAP_MAX:
+        return f"softcap {variant.softcap:g} > {SOFTCAP_MAX:g} (the precise tanh)"
     if not all(tma_aligned(t) for t in (q, k, v, do)):
         return "strides or base not 16-byte aligned"
     return hopper._api_reason()
 
 
-def dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, cfg: DqConfig):
+def dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, cfg: DqConfig, softcap: float = 0.0):
     """(grid, positional args, constexprs, options) of one :func:`gluon_dq` launch; lse and delta
     (B, H, N_Q) float32 with rows contiguous, dq laid out as q with its last dim contiguous."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -721,18 +723,19 @@ def dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, c
     grid = (cdiv(n_q, 64 * cfg.consumers), z * h)
     args = (desc(q, 64), desc(do, 64), desc(k, cfg.block_n), desc(v, cfg.block_n), lse, delta, dq,
             lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), dq.stride(0), dq.stride(1), dq.stride(2),
-            h, n_q, n_k, sm_scale * LOG2E, sm_scale)
+            h, n_q, n_k, sm_scale / softcap if softcap else sm_scale * LOG2E, sm_scale, softcap * LOG2E)
     constexprs = dict(GROUP=h // h_kv, HEAD_D=d, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
-                      CAUSAL=bool(causal), CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      CAUSAL=bool(causal), SOFTCAP=softcap > 0, CONSUMER_REGS=cfg.consumer_regs,
+                      PRODUCER_REGS=cfg.producer_regs)
     return grid, args, constexprs, {"num_warps": 4}
 
 
-def gluon_dq(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool) -> None:
+def gluon_dq(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, softcap: float = 0.0) -> None:
     """dQ of the deterministic backward into ``dq`` (q's shape and dtype, last dim contiguous)
     through the Gluon dQ kernel (:func:`gluon_dq_reason`)."""
     lse, delta = (t if t.stride(-1) == 1 else t.contiguous() for t in (lse, delta))
     cfg = DQ_KERNELS[q.shape[-1]]
-    grid, args, constexprs, options = dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale, causal, cfg)
+    grid, args, constexprs, options = dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale, causal, cfg, softcap)
     launch(cfg.kernel, grid, *args, **constexprs, **options)
 
 

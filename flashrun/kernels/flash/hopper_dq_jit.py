@@ -11,7 +11,9 @@ consumer (one warpgroup, its 64 rows):
     dS = P ∘ (dP − delta)
     dQ += dS K                       async wgmma, dS in fp16/bf16 registers as the A operand
 
-and dQ · sm_scale is stored once, at the end. A producer warp loads each consumer's Q and dO
+and dQ · sm_scale is stored once, at the end. SOFTCAP (gemma2's): the scores are
+c · tanh(S · sm_scale / c) (``jit._tanh``'s compiled fast form, as the Gluon dK/dV kernel takes it)
+and dS carries their derivative, 1 − t². A producer warp loads each consumer's Q and dO
 rows once and K and V blocks into a ring of ``STAGES`` stages (K read twice per step: as Kᵀ for S
 and as K for dQ). Shared memory at head_dim 256 with 32-key blocks: Q and dO 2 x 2 x 32 KB, two
 stages of K and V 2 x 32 KB: 192 KB. Registers per consumer thread: dQ 64 x 256 / 128 = 128, S
@@ -33,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -75,10 +79,10 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 
 
 @gluon.jit
-def _dq_probs(s_val, lse2, cols, rows, N_K, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """P = exp2(S · qk_scale − lse2) (rows x cols); MASKED: 0 past N_K and, CAUSAL, right of the
-    bottom-right diagonal (query i sees keys j <= i + shift)."""
-    p = gl.exp2(s_val * qk_scale - gl.expand_dims(lse2, 1))
+def _dq_probs(s2, lse2, cols, rows, N_K, shift, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """P = exp2(s2 − lse2) of the base-2 scores s2 (rows x cols); MASKED: 0 past N_K and, CAUSAL,
+    right of the bottom-right diagonal (query i sees keys j <= i + shift)."""
+    p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     if MASKED:
         keep = gl.expand_dims(cols, 0) < N_K
         if CAUSAL:
@@ -90,9 +94,9 @@ def _dq_probs(s_val, lse2, cols, rows, N_K, shift, qk_scale, MASKED: gl.constexp
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, LSE, DELTA, DQ,
                  stride_lz, stride_lh, stride_dz, stride_dh, stride_qz, stride_qh, stride_qm,
-                 H, N_Q, N_K, qk_scale, sm_scale,
+                 H, N_Q, N_K, qk_scale, sm_scale, softcap2,
                  C: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+                 CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,11 +134,18 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, L
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_val, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+        dp = dp - gl.expand_dims(delta, 1)
+        if SOFTCAP:  # qk_scale = sm_scale / c, softcap2 = c · log2 e
+            t = _tanh(s_val, qk_scale, SOFTCAP_FAST_PTX)
+            s2 = t * softcap2
+            dp = dp * (1.0 - t * t)
+        else:  # qk_scale = sm_scale · log2 e
+            s2 = s_val * qk_scale
         if i < n_unmasked:
-            p = _dq_probs(s_val, lse2, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale, False, CAUSAL)
+            p = _dq_probs(s2, lse2, i * BLOCK_N + offs_n, rows, N_K, shift, False, CAUSAL)
         else:
-            p = _dq_probs(s_val, lse2, i * BLOCK_N + offs_n, rows, N_K, shift, qk_scale, True, CAUSAL)
-        ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), ds_layout)
+            p = _dq_probs(s2, lse2, i * BLOCK_N + offs_n, rows, N_K, shift, True, CAUSAL)
+        ds = gl.convert_layout((p * dp).to(dtype), ds_layout)
         dq_tok = warpgroup_mma(ds, k, dq, is_async=True)
         dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
         mbarrier.arrive(empty_bars.index(s), count=1)  # K's last read (dQ's wgmma) is done
@@ -149,14 +160,15 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, L
 # lengths, heads and the row vectors' strides are not specialized on divisibility by 16: one compile serves every N
 @gluon.jit(do_not_specialize=["H", "N_Q", "N_K", "stride_lz", "stride_lh", "stride_dz", "stride_dh"])
 def _fa3_bwd_dq(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, stride_lz, stride_lh, stride_dz, stride_dh,
-                stride_qz, stride_qh, stride_qm, H, N_Q, N_K, qk_scale, sm_scale,
+                stride_qz, stride_qh, stride_qm, H, N_Q, N_K, qk_scale, sm_scale, softcap2,
                 GROUP: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr):
     """q_desc, do_desc: 4-D descriptors over q, dO (B, H, N_Q, D), box [1, 1, 64, HEAD_D]; k_desc,
     v_desc over k, v (B, H_KV, N_K, D), box [1, 1, BLOCK_N, HEAD_D]. LSE, DELTA: (B, H, N_Q) float32
     (natural-log LSE; delta = rowsum(dO ∘ O)), rows contiguous; DQ: (B, H, N_Q, D), last dim
-    contiguous, written in its dtype. qk_scale = sm_scale · log2 e. Grid (cdiv(N_Q, 64 CONSUMERS),
+    contiguous, written in its dtype. qk_scale = sm_scale · log2 e, or with SOFTCAP sm_scale / c
+    (softcap2 = c · log2 e). Grid (cdiv(N_Q, 64 CONSUMERS),
     B x H); launch with num_warps=4 (the default partition, consumer 0)."""
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     dtype: gl.constexpr = q_desc.dtype
@@ -180,10 +192,12 @@ def _fa3_bwd_dq(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, stride_lz, stri
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, LSE, DELTA, DQ,
                             stride_lz, stride_lh, stride_dz, stride_dh, stride_qz, stride_qh, stride_qm,
-                            H, N_Q, N_K, qk_scale, sm_scale, 0, HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+                            H, N_Q, N_K, qk_scale, sm_scale, softcap2, 0, HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL,
+                            SOFTCAP)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, LSE, DELTA, DQ,
                             stride_lz, stride_lh, stride_dz, stride_dh, stride_qz, stride_qh, stride_qm,
-                            H, N_Q, N_K, qk_scale, sm_scale, 1, HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+                            H, N_Q, N_K, qk_scale, sm_scale, softcap2, 1, HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL,
+                            SOFTCAP)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars,
                             empty_bars, H, N_Q, N_K, GROUP, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -191,7 +205,8 @@ def _fa3_bwd_dq(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, stride_lz, stri
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, LSE, DELTA, DQ,
                             stride_lz, stride_lh, stride_dz, stride_dh, stride_qz, stride_qh, stride_qm,
-                            H, N_Q, N_K, qk_scale, sm_scale, 0, HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
+                            H, N_Q, N_K, qk_scale, sm_scale, softcap2, 0, HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL,
+                            SOFTCAP)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars,
                             empty_bars, H, N_Q, N_K, GROUP, BLOCK_N, STAGES, CONSUMERS, CAUSAL)),
         ], [1], [PRODUCER_REGS])
