@@ -167,7 +167,9 @@ def test_the_gluon_dq_kernel_on_gpu(case, softcap, monkeypatch):
     monkeypatch.setattr(hopper_bwd, "gluon_dq", lambda *a: calls.append(a) or real(*a))
     *shape, dtype, causal = case
     _check(*_inputs(*shape, dtype, q_scale=30.0 if softcap else 1.0), causal, deterministic=True, softcap=softcap)
-    assert calls, "the Gluon dQ kernel did not run"
+    assert hopper_bwd._checked[(dtype, 256, "dq", softcap > 0)] is None  # its first-use check passed
+    z, h, _, n_q, _, d = shape
+    assert calls and tuple(calls[-1][0].shape) == (z, h, n_q, d), "the Gluon dQ kernel did not run this call"
 
 
 # The deterministic backward on the shapes that stress it most: GQA 8:1 at 16384, rows with no

@@ -585,6 +585,41 @@ def test_the_gluon_dq_kernel_runs_only_when_asked_and_launches_per_query_tile(mo
     assert args[-3:] == (0.0625 / 50.0, 0.0625, 50.0 * 1.4426950408889634) and constexprs["SOFTCAP"] is True
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
+def test_the_gluon_dq_kernel_runs_after_its_own_first_use_check(monkeypatch, caplog, right, softcap):
+    """FLASHRUN_HOPPER_BWD_DQ=1 where the Gluon dQ kernel applies: its first-use check (against the
+    portable backward's dQ, at the check's cap with a softcap) runs once, then the kernel computes
+    the deterministic backward's dQ; a kernel that disagrees is off for the process, with a
+    warning, and the portable dQ kernel runs. Either way the gradients are the reference's."""
+    monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
+    monkeypatch.setitem(hopper_bwd.CHECK_ATOL, torch.float32, 1e-4)
+    monkeypatch.setattr(hopper_bwd, "_checked", {})
+    monkeypatch.setattr(hopper_bwd, "gluon_dq_reason", lambda *args: None)  # as on an H200
+    calls = []
+
+    def standin(q, k, v, do, lse, delta, dq, sm_scale, causal, softcap=0.0):
+        calls.append(softcap)
+        dq.copy_(_reference(q, k, v, do, sm_scale, causal, None, softcap)[0] * (1.0 if right else 1.05))
+
+    monkeypatch.setattr(hopper_bwd, "gluon_dq", standin)
+    q, k, v, do = _inputs(n=30, n_k=20, h=4, h_kv=2)
+    variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), softcap, None)
+    o, lse = flash._attn_forward(q, k, v, 0.125, variant, "default", try_gluon=False)
+    caplog.set_level(logging.WARNING, logger="flashrun.hopper")
+    for _ in range(2):
+        dq, dk, dv = flash._attn_backward(do, q, k, v, o, lse, 0.125, variant, deterministic=True)
+        for got, ref in zip((dq, dk, dv), _reference(q, k, v, do, 0.125, True, None, softcap)):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    checked = hopper_bwd._checked[(q.dtype, q.shape[-1], "dq", softcap > 0)]
+    assert (checked is None) == right
+    assert calls[0] == (hopper_bwd.CHECK_SOFTCAP if softcap else 0.0)  # the check, at its own cap
+    if right:
+        assert calls[-2:] == [softcap, softcap] and len(calls) == 4  # checked once (full, causal), then each call
+    else:
+        assert len(calls) == 1 and "dQ backward" in caplog.text and "disagrees" in caplog.text
+
+
 def test_a_backward_first_use_in_the_background_keeps_no_route_until_decided(monkeypatch):
     """The library's default on a GPU: the fused backward's first use hands its check's launches
     and the call's own to the compile pool and runs the Triton atomic backward, deciding nothing

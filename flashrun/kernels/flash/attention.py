@@ -428,7 +428,7 @@ def _attn_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     elif N_K:
         run_dkdv(choose("bwd_dkdv", q, k, variant.causal, launch, run_dkdv, **tuning))
         hopper_bwd.LAST_PATH = hopper.TRITON_PATH
-    if N_Q and hopper_bwd.gluon_dq_reason(q, k, v, do, variant) is None:
+    if N_Q and try_gluon and hopper_bwd.dq_applies(q, k, v, do, variant, _portable_backward_check):
         hopper_bwd.gluon_dq(q, k, v, do, lse, delta, dq, sm_scale, variant.causal, variant.softcap)
     elif N_Q:
         run_dq(choose("bwd_dq", q, k, variant.causal, launch, run_dq, **tuning))

@@ -660,7 +660,8 @@ EPOCH = 0  # counts reset(): a backward's route made before one is not reused af
 # Where the Gluon dK/dV kernel has no room for dQ inside (head_dim 256) the deterministic backward's
 # dQ is the portable kernel's, 255 registers and one program per SM (on the H200 3.1 of the backward's
 # 5.4 ms, causal N=4096: backward-d256 probe). FLASHRUN_HOPPER_BWD_DQ=1 runs this kernel there
-# instead, plain or causal, with a softcap or not; off until the H200 times it against the portable one
+# instead, plain or causal, with a softcap or not, after its own first-use check (dq_applies); off
+# until the H200 times it against the portable one
 # (FLASHRUN_HOPPER_BWD_DQ=1 flashrun bench --config benchmarks/suites/head-dims.toml --head-dims 256 --mode bwd)
 DQ_ENV = "FLASHRUN_HOPPER_BWD_DQ"
 
@@ -728,6 +729,52 @@ def dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, c
                       CAUSAL=bool(causal), SOFTCAP=softcap > 0, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs)
     return grid, args, constexprs, {"num_warps": 4}
+
+
+def dq_applies(q, k, v, do, variant, portable) -> bool | None:
+    """Whether this deterministic backward's dQ takes :func:`gluon_dq`: in scope
+    (:func:`gluon_dq_reason`) and its first-use check passed, once per process, dtype, head dim and
+    softcap or not (:func:`_dq_self_check` against ``portable``, as :func:`_self_check` takes it;
+    None: compiling in the background, :func:`.hopper.first_use`)."""
+    if gluon_dq_reason(q, k, v, do, variant) is not None:
+        return False
+    softcap = variant.softcap > 0
+    key = (q.dtype, q.shape[-1], "dq", softcap)
+    if key in _checked:
+        return _checked[key] is None
+    return hopper.first_use(_checked, key, lambda: _dq_self_check(q.device, q.dtype, q.shape[-1], portable, softcap),
+                            "dQ backward" + (" with a softcap" if softcap else ""))
+
+
+def _dq_self_check(device, dtype, head_dim: int, portable, softcap: bool = False) -> str | None:
+    """None when :func:`gluon_dq` agrees with the portable backward's dQ (``portable`` as
+    :func:`_self_check` takes it) on :data:`CHECK_SHAPE`'s inputs of this dtype and head_dim, full
+    and causal (``softcap``: at :data:`CHECK_SOFTCAP`), else what went wrong. While compiling ahead
+    the launches only compile, so nothing is compared."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    z, h, h_kv, n_q, n_k = CHECK_SHAPE
+    cap = CHECK_SOFTCAP if softcap else 0.0
+    for causal in (False, True):
+        q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        scale = head_dim ** -0.5
+        try:
+            _, _, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, None, cap, None)
+            dq = torch.empty(q.shape, dtype=dtype, device=device)
+            gluon_dq(q, k, v, do, lse, delta, dq, scale, causal, cap)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any failure turns the path off
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            return f"the Gluon dQ kernel raised {type(exc).__name__}: {last}"
+        if compiling():
+            continue
+        err = (dq.float() - dq_ref.float()).abs().max().item()
+        if not err <= CHECK_ATOL[dtype]:  # NaN fails too
+            return (f"the Gluon dQ kernel disagrees with the portable one (Nq={n_q} Nk={n_k} D={head_dim} GQA "
+                    f"{h}/{h_kv} {'causal' if causal else 'full'}{f' softcap {cap:g}' if cap else ''}: "
+                    f"max |dQ| {err:.3g})")
+    return None
 
 
 def gluon_dq(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, softcap: float = 0.0) -> None:
