@@ -588,6 +588,21 @@ CHECK_MASKS = {False: ((False, None, 1), (True, None, 2)), True: ((False, (37, 5
 CHECK_SOFTCAP = 2.0
 
 
+def _check_inputs(gen: torch.Generator, device, dtype, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, dO of :data:`CHECK_SHAPE` for a first-use check, drawn from ``gen`` (on the CPU, so
+    that every device checks the same numbers)."""
+    z, h, h_kv, n_q, n_k = CHECK_SHAPE
+    q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def _raised(kernel: str, exc: Exception) -> str:
+    """A first-use check's verdict on a kernel that raised: the exception's last line."""
+    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+    return f"the Gluon {kernel} kernel raised {type(exc).__name__}: {last}"
+
+
 def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed: bool = False,
                 softcap: bool = False, alibi: bool = False) -> str | None:
     """None when the Gluon dK/dV (``fused``: and dQ) agrees with ``portable(q, k, v, do, sm_scale,
@@ -601,8 +616,7 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
     cap = CHECK_SOFTCAP if softcap else 0.0
     slopes = alibi_slopes(h, device) if alibi else None
     for causal, window, split in CHECK_MASKS[windowed]:
-        q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-        k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        q, k, v, do = _check_inputs(gen, device, dtype, head_dim)
         scale = head_dim ** -0.5
         try:
             dk_ref, dv_ref, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, window, cap, slopes)
@@ -612,8 +626,7 @@ def _self_check(device, dtype, head_dim, portable, fused: bool = False, windowed
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-            return f"the Gluon dK/dV kernel raised {type(exc).__name__}: {last}"
+            return _raised("dK/dV", exc)
         if compiling():
             continue
         errs = {name: (got.float() - ref.float()).abs().max().item()
@@ -755,8 +768,7 @@ def _dq_self_check(device, dtype, head_dim: int, portable, softcap: bool = False
     z, h, h_kv, n_q, n_k = CHECK_SHAPE
     cap = CHECK_SOFTCAP if softcap else 0.0
     for causal in (False, True):
-        q, do = (torch.randn(z, h, n_q, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-        k, v = (torch.randn(z, h_kv, n_k, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        q, k, v, do = _check_inputs(gen, device, dtype, head_dim)
         scale = head_dim ** -0.5
         try:
             _, _, lse, delta, dq_ref = portable(q, k, v, do, scale, causal, None, cap, None)
@@ -765,8 +777,7 @@ def _dq_self_check(device, dtype, head_dim: int, portable, softcap: bool = False
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-            return f"the Gluon dQ kernel raised {type(exc).__name__}: {last}"
+            return _raised("dQ", exc)
         if compiling():
             continue
         err = (dq.float() - dq_ref.float()).abs().max().item()

@@ -31,17 +31,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+from flashrun.kernels.flash.hopper_jit import HALF_M_C, LOG2E_C, _tma_load
 from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
-
-# Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-LOG2E_C = gl.constexpr(1.4426950408889634)
-HALF_M_C = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M)
 
 
 @gluon.jit
