@@ -343,10 +343,11 @@ def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
     model = families.build(config, torch.float32, "cpu", 0)
     order = _clocked(monkeypatch, model)
     batch = data.copy_task(config.vocab_size, 2, 24, 0)
-    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2"], "sdpa", {}, batch, reps=3, fp8_kv=True)
-    assert [r.attention for r in rows] == ["flash", "flash e4m3-kv", "sdpa", "flash_attention_2"]
-    flash, fp8_kv, sdpa, fa2 = rows
-    assert flash.status == fp8_kv.status == sdpa.status == "ok", (flash.note, fp8_kv.note, sdpa.note)
+    rows = speed.run(model, "flash", ["sdpa", "flash_attention_2", "none"], "sdpa", {}, batch, reps=3, fp8_kv=True)
+    assert [r.attention for r in rows] == ["flash", "flash e4m3-kv", "sdpa", "flash_attention_2", "none"]
+    flash, fp8_kv, sdpa, fa2, floor = rows
+    assert flash.status == fp8_kv.status == sdpa.status == floor.status == "ok", (flash.note, fp8_kv.note, sdpa.note)
+    assert "floor" in floor.note and floor.decode_ms is not None
     assert flash.train_tok_s == pytest.approx(48 / flash.train_ms * 1e3)
     assert flash.decode_tok_s == pytest.approx(2 / flash.decode_ms * 1e3)
     assert sdpa.speedup_train == pytest.approx(1.0)
@@ -357,7 +358,22 @@ def test_the_speed_phases_run_on_a_mini_model(monkeypatch):
     assert fa2.status == "n/a" and "flash-attn" in fa2.note
     # interleaved: every round times each implementation once, in turn (3 prefill and 3 train
     # rounds, 2 decode steps), so a drift over the run falls on all alike
-    assert order == [swap.NAME, "sdpa"] * (3 + 3) + [swap.NAME, swap.NAME, "sdpa"] * 2
+    assert order == [swap.NAME, "sdpa", swap.FLOOR] * (3 + 3) + [swap.NAME, swap.NAME, "sdpa", swap.FLOOR] * 2
+
+
+def test_the_floor_attends_to_nothing_but_every_projection_takes_its_backward():
+    # `none`: V passed through, so its time is what the model costs around its attention; q and k
+    # still reach the loss (times zero), or the floor would skip their projections' backward
+    swap.register(None)
+    config = families.build_config("llama", "mini")
+    model = families.build(config, torch.float32, "cpu", 0)
+    model.set_attn_implementation(swap.FLOOR)
+    ids = data.copy_task(config.vocab_size, 1, 16, 0).input_ids
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)  # GQA 2:1, Nq < Nk
+    out, _ = swap.floor_attention(None, q, k, v, None)
+    assert torch.equal(out, v[:, :, -3:].repeat_interleave(2, dim=1).transpose(1, 2))
 
 
 def test_an_implementation_that_fails_is_its_row_and_the_others_are_timed(monkeypatch):

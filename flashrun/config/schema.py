@@ -406,9 +406,9 @@ class ModelConfig(_Section):
     """New tokens in the `generate` check; unset: the size's (mini 16, 1b 64)."""
     speed: bool = True
     """On a GPU, time prefill, train step, decode and peak memory against the baselines (`--no-speed` skips it)."""
-    baselines: list[Literal["sdpa", "eager", "flex_attention", "flash_attention_2"]] = [
+    baselines: list[Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "none"]] = [
         "sdpa", "eager", "flex_attention", "flash_attention_2"]
-    """Attention implementations to time against."""
+    """Attention implementations to time against; `none` times the model without attention (V passed through): the floor no kernel beats."""
     reps: PositiveInt = 10
     """Timed repetitions per phase (median)."""
     out: PathField | None = None

@@ -13,6 +13,10 @@ For each implementation, on the same weights and the same copy-task batch:
 * peak memory of the train step and of the prefill (``torch.cuda.max_memory_allocated``,
   weights included).
 
+The baseline ``none`` runs the model with no attention at all (:func:`swap.floor_attention`):
+its times are what each phase costs around the attention, so ``baseline / none`` bounds the
+speedup any attention kernel can give the model (Amdahl).
+
 Each phase is warmed up for every implementation (compiling and tuning happen there), then
 timed with CUDA events with the implementations interleaved - one repetition of each in turn - so
 that a drift of the GPU's clocks or of the host over the run falls on all of them alike; the
@@ -36,6 +40,7 @@ from flashrun.model.data import Batch
 WARMUP = 2
 DECODE_STEPS = 32
 FP8_KV = "e4m3-kv"  # the label's suffix of the kernel's row over an fp8 KV cache
+FLOOR = "none"  # the baseline that times the model without attention (swap.floor_attention)
 GIB = 1 << 30
 
 
@@ -203,8 +208,10 @@ def run(model: Any, kernel_label: str, baselines: list[str], baseline: str, unfa
         label = kernel_label if impl == swap.NAME else impl
         reason = unfaithful.get(impl) or available(impl)
         rows.append(SpeedRow(label, status="n/a", note=reason) if reason else SpeedRow(label))
+        if impl == FLOOR:
+            rows[-1].note = "no attention (V passed through): the floor, not a model"
         if not reason:
-            subjects.append(_Subject(impl, rows[-1]))
+            subjects.append(_Subject(swap.FLOOR if impl == FLOOR else impl, rows[-1]))
     if fp8_kv:
         rows.insert(1, SpeedRow(f"{kernel_label} {FP8_KV}", note="decode only, one scale per key and kv head"))
         subjects.insert(1, _Subject(swap.NAME, rows[1], fp8_kv=True))

@@ -35,6 +35,7 @@ from flashrun.errors import KernelError
 
 NAME = "fr_kernel"
 REFERENCE = "fr_reference"  # the checks' reference: the family's eager attention, blind rows zeroed
+FLOOR = "fr_floor"  # speed's floor: no attention at all (:func:`floor_attention`), not a model
 
 # id(new keys a cache layer handed on unwritten) -> (those keys, the layer), whose ``attend(query,
 # causal, sm_scale, variant)`` makes the one kernel call that writes them into its cache and reads
@@ -228,9 +229,20 @@ def reference_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     return out, weights
 
 
+def floor_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """No attention: each query's own position of V, with q and k added times zero so that their
+    projections still take a backward. What a phase costs around its attention - the time no
+    attention kernel can win back (Amdahl's bound on a speedup); not a model."""
+    groups, nq = query.shape[1] // value.shape[1], query.shape[2]
+    v, k = (t[:, :, -nq:].repeat_interleave(groups, dim=1) for t in (value, key))
+    return (v + (query + k) * 0).transpose(1, 2), None
+
+
 def register(kernel: Any) -> Swap:
     """Register ``kernel`` as the attention implementation :data:`NAME`, and the checks'
-    reference as :data:`REFERENCE` (process-wide, as transformers' registry is); returns the
+    reference as :data:`REFERENCE` and speed's floor as :data:`FLOOR` (process-wide, as
+    transformers' registry is); returns the
     :class:`Swap`, whose ``calls`` count its uses."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, flash_attention_mask
@@ -240,4 +252,6 @@ def register(kernel: Any) -> Swap:
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     AttentionInterface.register(REFERENCE, reference_attention)
     AttentionMaskInterface.register(REFERENCE, eager_mask)
+    AttentionInterface.register(FLOOR, floor_attention)
+    AttentionMaskInterface.register(FLOOR, flash_attention_mask)
     return swap
