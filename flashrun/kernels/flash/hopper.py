@@ -151,9 +151,11 @@ KERNELS = {
     "d256": HopperConfig(256, block_n=64, stages=2),
     "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
     "d256-n32": HopperConfig(256, block_n=32, stages=4),
-    # d256-base's persistent twin (the same binary, a grid of the programs that fit at once); the
-    # overlapped kernel's twin ran slower than both on the H200 and was dropped
+    # d256-base's persistent twin (the same binary, a grid of the programs that fit at once)
     "d256-base-persistent": HopperConfig(256, block_n=64, stages=2, overlap=False, persistent=True),
+    # the overlapped kernel's twin ran slower than both while a stage's K and V went back together
+    # (two stages starved the producer); back as a candidate now that K goes back once S has read it
+    "d256-persistent": HopperConfig(256, block_n=64, stages=2, persistent=True),
 }
 
 # Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, fewest query tiles of

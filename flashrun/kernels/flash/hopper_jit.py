@@ -128,9 +128,11 @@ def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem
                        q1_smem.index(c), HEAD_D0, SPLIT)
         for i in range(n_blocks):
             s = it % STAGES
-            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
+            free = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(empty_bars.index(s), free)  # K's half of the stage, released once S has read it
             _load_rows(k_desc, k1_desc, off_z, off_h // GROUP, i * BLOCK_N, k_bars.index(s), k_smem.index(s),
                        k1_smem.index(s), HEAD_D0, SPLIT)
+            mbarrier.wait(empty_bars.index(STAGES + s), free)  # V's, once P V has
             if FP8:  # Vᵀ, (head dim, keys) boxes: the K-major B operand an fp8 wgmma needs
                 mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes)
                 _tma_load(v_desc, [off_z, off_h // GROUP, 0, i * BLOCK_N], v_bars.index(s), v_smem.index(s))
@@ -354,6 +356,9 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 for i in range(1, n_blocks):
                     s = (it + i) % STAGES
                     prev = (it + i - 1) % STAGES
+                    # block i - 1's S is done: its K goes back now, so that with two stages block
+                    # i + 1's K loads during this step (V once P V has read it, below)
+                    mbarrier.arrive(empty_bars.index(prev), count=1)
                     mbarrier.wait(k_bars.index(s), ((it + i) // STAGES) & 1)
                     mbarrier.wait(v_bars.index(prev), ((it + i - 1) // STAGES) & 1)
                     s_tok = _qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1)
@@ -363,7 +368,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                     p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
                                                        scale, BLOCK_N, CAUSAL, FP8)
                     acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
-                    mbarrier.arrive(empty_bars.index(prev), count=1)
+                    mbarrier.arrive(empty_bars.index(STAGES + prev), count=1)  # P V has read V
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
@@ -381,6 +386,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                     mbarrier.arrive(v_done, count=1)
                 if not TMA_O:  # (else the stage goes back once O has left it, below)
                     mbarrier.arrive(empty_bars.index(last), count=1)
+                    mbarrier.arrive(empty_bars.index(STAGES + last), count=1)
             elif not Q_FREE:
                 mbarrier.arrive(q_empty.index(C), count=1)
         else:
@@ -389,6 +395,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 phase = ((it + i) // STAGES) & 1
                 mbarrier.wait(k_bars.index(s), phase)
                 s_val = warpgroup_mma_wait(0, deps=(_qk(q, q1, k_smem, k1_smem, s, s_zero, BLOCK_N, HEAD_D0, HEAD_D1),))
+                mbarrier.arrive(empty_bars.index(s), count=1)  # S has read K
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, i, n_unmasked, offs_n, rows, N_K, shift,
                                                    scale, BLOCK_N, CAUSAL, FP8)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -398,7 +405,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 mbarrier.wait(v_bars.index(s), phase)
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout, FP8)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
-                mbarrier.arrive(empty_bars.index(s), count=1)
+                mbarrier.arrive(empty_bars.index(STAGES + s), count=1)  # P V has read V
             if not Q_FREE:
                 mbarrier.arrive(q_empty.index(C), count=1)
 
@@ -446,12 +453,13 @@ def _store_through(acc, acc1, inv_l, ring, ring1, empty_bars, o_desc, o1_desc, o
     through rows [ROW0, ROW0 + 64) of the tile's last stage ``last`` of ``ring`` and ``ring1``
     (the K or the V blocks; once every consumer is done with them: the caller waits on
     ``k_done`` or ``v_done``, which each consumer arrives on with Q's release or after its last
-    P V), then the stage back to the producer (``empty_bars``) once the stores have read it.
+    P V), then the stage (its K and V halves) back to the producer once the stores have read it.
     Rows past N_Q are clipped by the copy engine. (From the wgmma accumulator's layout a thread
     stores 2 elements of a row per 8-column group, half of each 32-byte sector a warp touches:
     those stores cost every Gluon forward 2-16 % more than these, more at short lengths: NOTES v26.)"""
     HEAD_D0: gl.constexpr = acc.shape[1]
     BLOCK_N: gl.constexpr = ring.shape[3]
+    STAGES: gl.constexpr = ring.shape[0]
     tile = ring.index(last)
     acc = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, acc.type.layout)), 1)
     # (a reshaped subslice is not implemented: the rows are sliced twice, as O's box and as a 2-D view)
@@ -466,6 +474,7 @@ def _store_through(acc, acc1, inv_l, ring, ring1, empty_bars, o_desc, o1_desc, o
         _tma_store(o1_desc, [off_z, off_h, first_row, HEAD_D0], tile1.slice(ROW0, HALF_M_C, dim=2))
     tma.store_wait(0)
     mbarrier.arrive(empty_bars.index(last), count=1)
+    mbarrier.arrive(empty_bars.index(STAGES + last), count=1)
 
 
 # lengths, heads and LSE's strides (multiples of N) are not specialized on divisibility by 16:
@@ -512,7 +521,9 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # a stage's K and V go back to the producer apart (K's at s, V's at STAGES + s): K once S has
+    # read it, so that with two stages the next K loads while P V still reads this stage's V
+    empty_bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
     # TMA_O: every consumer's last S (P V) of the tile is done: the last stage's K (V) is free for O
     k_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     v_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -524,7 +535,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=CONSUMERS)  # every consumer releases a stage
+        mbarrier.init(empty_bars.index(s), count=CONSUMERS)  # every consumer releases a stage's K
+        mbarrier.init(empty_bars.index(STAGES + s), count=CONSUMERS)  # ... and its V
     fence_async_shared()
 
     # the argument tuples are written in the call: a tuple assigned to a variable first would
