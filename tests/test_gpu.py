@@ -147,7 +147,7 @@ def test_odd_head_dims_padded_packed_on_gpu():
                      **variants), out, grads)
 
 
-# The Gluon dQ kernel (FLASHRUN_HOPPER_BWD_DQ=1, head_dim 256): GQA, ragged, N = 1 and 17, Nq != Nk
+# The Gluon dQ kernel (head_dim 256): GQA, ragged, N = 1 and 17, Nq != Nk
 # both ways (rows that see no key), full and causal, gemma2's softcap (scores past it: q scaled by
 # 30); the deterministic backward, where it runs
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon backward is sm_90 only")
@@ -161,7 +161,7 @@ def test_odd_head_dims_padded_packed_on_gpu():
                                           ((1, 4, 1, 97, 1000, 256, FP16, False), 50.0)],
                          ids=lambda x: _case_id(x) if isinstance(x, tuple) else f"softcap{x:g}")
 def test_the_gluon_dq_kernel_on_gpu(case, softcap, monkeypatch):
-    monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
+    monkeypatch.delenv(hopper_bwd.DQ_ENV, raising=False)
     calls = []
     real = hopper_bwd.gluon_dq
     monkeypatch.setattr(hopper_bwd, "gluon_dq", lambda *a: calls.append(a) or real(*a))

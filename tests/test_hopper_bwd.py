@@ -555,7 +555,7 @@ def test_compiles_for_hopper(python):
 
 
 def test_the_gluon_dq_kernel_compiles_for_hopper(python):
-    """The Gluon dQ kernel (hopper_dq_jit, FLASHRUN_HOPPER_BWD_DQ=1) at each of its head dims, fp16
+    """The Gluon dQ kernel (hopper_dq_jit) at each of its head dims, fp16
     and bf16, full and causal, GQA 1:1 and 4:1, with a softcap and without, compiles for sm_90 in
     its shared memory without a spill, a serialized wgmma or a wait beyond its own two per step."""
     result = python(str(Path(__file__).parent / "compile_hopper_bwd.py"), "--gluon-dq")
@@ -565,14 +565,14 @@ def test_the_gluon_dq_kernel_compiles_for_hopper(python):
     assert result.stdout.count("ok ") == 16 * len(hopper_bwd.DQ_KERNELS), result.stdout
 
 
-def test_the_gluon_dq_kernel_runs_only_when_asked_and_launches_per_query_tile(monkeypatch):
-    """Off unless FLASHRUN_HOPPER_BWD_DQ=1, and never outside an sm_90 GPU; its launch: one program
+def test_the_gluon_dq_kernel_runs_on_sm90_unless_turned_off_and_launches_per_query_tile(monkeypatch):
+    """Never outside an sm_90 GPU, and off with FLASHRUN_HOPPER_BWD_DQ=0; its launch: one program
     per 128 query rows and (batch, head), the GQA group and the scales as the portable dQ takes them."""
     q, k, v, do = _inputs(d=256, dtype=torch.bfloat16)
     variant = flash._variant(q, 1, k.shape[2], True, (-1, -1), 0.0, None)
-    monkeypatch.delenv(hopper_bwd.DQ_ENV, raising=False)
-    assert "off unless" in hopper_bwd.gluon_dq_reason(q, k, v, do, variant)
-    monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
+    monkeypatch.setenv(hopper_bwd.DQ_ENV, "0")
+    assert "off" in hopper_bwd.gluon_dq_reason(q, k, v, do, variant)
+    monkeypatch.delenv(hopper_bwd.DQ_ENV)
     assert "sm_90" in hopper_bwd.gluon_dq_reason(q, k, v, do, variant)
     lse = torch.zeros(q.shape[:3])
     grid, args, constexprs, _ = hopper_bwd.dq_launch_args(q, k, v, do, lse, lse, q, 0.0625, True,
@@ -588,11 +588,11 @@ def test_the_gluon_dq_kernel_runs_only_when_asked_and_launches_per_query_tile(mo
 @pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
 def test_the_gluon_dq_kernel_runs_after_its_own_first_use_check(monkeypatch, caplog, right, softcap):
-    """FLASHRUN_HOPPER_BWD_DQ=1 where the Gluon dQ kernel applies: its first-use check (against the
+    """Where the Gluon dQ kernel applies: its first-use check (against the
     portable backward's dQ, at the check's cap with a softcap) runs once, then the kernel computes
     the deterministic backward's dQ; a kernel that disagrees is off for the process, with a
     warning, and the portable dQ kernel runs. Either way the gradients are the reference's."""
-    monkeypatch.setenv(hopper_bwd.DQ_ENV, "1")
+    monkeypatch.delenv(hopper_bwd.DQ_ENV, raising=False)
     monkeypatch.setitem(hopper_bwd.CHECK_ATOL, torch.float32, 1e-4)
     monkeypatch.setattr(hopper_bwd, "_checked", {})
     monkeypatch.setattr(hopper_bwd, "gluon_dq_reason", lambda *args: None)  # as on an H200

@@ -45,8 +45,9 @@ E4M3_MAX = 448.0
 # at head_dim 128 of 64/128 x 64/128 tiles, 4/8 warps, 2/3 stages)
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 8, 2
 # The Gluon kernel per head dim, as the H200 timed them (short_forward_probe.py --cells fp8, bf16 inputs
-# quantized per (batch, kv head), 1024-16384 keys): the fastest of the one-block kernels in most cells
-GLUON = {64: "d64-persistent", 128: "d128-persistent", 256: "d256-base"}
+# quantized per (batch, kv head), 1024-16384 keys): the fastest of the one-block kernels in most cells;
+# 256's overlapped kernel since K and V go back to the producer apart (an H100: 1.03-1.05x "d256-base")
+GLUON = {64: "d64-persistent", 128: "d128-persistent", 256: "d256"}
 _checked: dict[int, str | None] = {}  # head_dim -> None (the Gluon kernel agreed) or why not
 _said: set[str] = set()  # why a GPU call ran dequantized, each said once per process
 

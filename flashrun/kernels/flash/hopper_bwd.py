@@ -671,11 +671,11 @@ EPOCH = 0  # counts reset(): a backward's route made before one is not reused af
 
 # -- the Gluon dQ kernel (hopper_dq_jit) ------------------------------------------------------------
 # Where the Gluon dK/dV kernel has no room for dQ inside (head_dim 256) the deterministic backward's
-# dQ is the portable kernel's, 255 registers and one program per SM (on the H200 3.1 of the backward's
-# 5.4 ms, causal N=4096: backward-d256 probe). FLASHRUN_HOPPER_BWD_DQ=1 runs this kernel there
-# instead, plain or causal, with a softcap or not, after its own first-use check (dq_applies); off
-# until the H200 times it against the portable one
-# (FLASHRUN_HOPPER_BWD_DQ=1 flashrun bench --config benchmarks/suites/head-dims.toml --head-dims 256 --mode bwd)
+# dQ was the portable kernel's, 255 registers and one program per SM (on the H200 3.1 of the
+# backward's 5.4 ms, causal N=4096: backward-d256 probe). This kernel runs there instead, plain or
+# causal, with a softcap or not, after its own first-use check (dq_applies): on an H100 the d256
+# backward went from 0.69-0.75x cuDNN to 0.98-1.10x (the head-dims-d256-bwd claim);
+# FLASHRUN_HOPPER_BWD_DQ=0 puts dQ back on the portable kernel
 DQ_ENV = "FLASHRUN_HOPPER_BWD_DQ"
 
 
@@ -700,8 +700,8 @@ DQ_KERNELS = {256: DqConfig(256)}
 
 def gluon_dq_reason(q, k, v, do, variant) -> str | None:
     """None when :func:`gluon_dq` takes this deterministic backward's dQ, else why not."""
-    if os.environ.get(DQ_ENV, "").strip().lower() not in ("1", "true", "on", "yes"):
-        return f"off unless {DQ_ENV}=1"
+    if os.environ.get(DQ_ENV, "").strip().lower() in ("0", "false", "off", "no"):
+        return f"off ({DQ_ENV}=0)"
     if INTERPRETED or q.device.type != "cuda" or hopper._capability(q.device.index or 0) != (9, 0):
         return "not an sm_90 GPU"
     if q.dtype not in DTYPES or q.dim() != 4 or variant.varlen:
