@@ -143,19 +143,16 @@ KERNELS = {
     # byte per clock the SM's shared memory gives; Q in registers halves that (NOTES v28)
     "d192": HopperConfig(192, block_n=64, stages=3, q_regs=True),
     "d192-persistent": HopperConfig(192, block_n=64, stages=3, persistent=True, q_regs=True),
-    # 96 as 64 + 32 columns, as 192 runs: compiled for sm_90 without a spill (Triton 3.6 and 3.9; with
-    # Q in registers the persistent one spilled 8-20 B under 3.9), not yet timed, so in no GATE row
-    # (short_forward_probe.py --cells d96 decides)
+    # 96 as 64 + 32 columns, as 192 runs (with Q in registers the persistent one spilled 8-20 B under 3.9)
     "d96": HopperConfig(96, block_n=128, stages=3),
     "d96-persistent": HopperConfig(96, block_n=128, stages=3, persistent=True),
+    # 256: two 64-key stages. Overlapped, they lost to the plain loop (d256-base) while a stage's K
+    # and V went back together (the producer starved); with K back once S has read it they win
+    # (an H100: 1.07-1.23x d256-base). Dropped after that probe: d256-base's persistent twin and a
+    # 32-key, 4-stage kernel (slower than d256-base in every cell)
     "d256": HopperConfig(256, block_n=64, stages=2),
-    "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
-    "d256-n32": HopperConfig(256, block_n=32, stages=4),
-    # d256-base's persistent twin (the same binary, a grid of the programs that fit at once)
-    "d256-base-persistent": HopperConfig(256, block_n=64, stages=2, overlap=False, persistent=True),
-    # the overlapped kernel's twin ran slower than both while a stage's K and V went back together
-    # (two stages starved the producer); back as a candidate now that K goes back once S has read it
     "d256-persistent": HopperConfig(256, block_n=64, stages=2, persistent=True),
+    "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
 }
 
 # Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, fewest query tiles of
