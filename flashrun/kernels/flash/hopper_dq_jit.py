@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashrun.kernels.flash.hopper_jit import HALF_M_C, LOG2E_C, _tma_load
+from flashrun.kernels.flash.hopper_jit import HALF_M_C, LOG2E_C, _tma_load, _unmasked_blocks
 from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
 
 
@@ -105,11 +105,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, L
     first_row = start_m + C * HALF_M_C
     rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
     shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
-    # blocks every row of this consumer's 64 sees whole need no mask; the rest (diagonal, ragged end) do
-    n_full = N_K // BLOCK_N
-    if CAUSAL:
-        n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
-    n_unmasked = gl.minimum(n_full, n_blocks)
+    n_unmasked = _unmasked_blocks(first_row, shift, N_K, n_blocks, BLOCK_N, CAUSAL)
     row_ok = rows < N_Q
     lse = gl.load(LSE + off_z * stride_lz + off_h * stride_lh + rows, mask=row_ok, other=0.0)
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)

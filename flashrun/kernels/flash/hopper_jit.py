@@ -97,6 +97,16 @@ def _tile(t, Z, H, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 
 
 @gluon.jit
+def _unmasked_blocks(first_row, shift, N_K, n_blocks, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many of the first key blocks every one of the 64 rows from ``first_row`` sees whole (no
+    mask); the rest (the causal diagonal, the ragged end) are masked. ``shift``: N_K - N_Q."""
+    n_full = N_K // BLOCK_N
+    if CAUSAL:
+        n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
+    return gl.minimum(n_full, n_blocks)
+
+
+@gluon.jit
 def _load_rows(desc, desc1, z, h, row, bar, dst, dst1, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr):
     """TMA-load rows [row, row + box) of (z, h) into dst (and the second column block into dst1),
     completing ``bar`` once every byte has landed."""
@@ -315,11 +325,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
         first_row = start_m + C * HALF_M_C
         rows = first_row + gl.arange(0, HALF_M_C, layout=row_s)
         shift = N_K - N_Q  # bottom-right alignment: row i faces key i + shift
-        # blocks every row of this half sees whole need no mask; the rest (causal diagonal, ragged end) do
-        n_full = N_K // BLOCK_N
-        if CAUSAL:
-            n_full = gl.minimum(gl.maximum(first_row + shift + 1, 0) // BLOCK_N, n_full)
-        n_unmasked = gl.minimum(n_full, n_blocks)
+        n_unmasked = _unmasked_blocks(first_row, shift, N_K, n_blocks, BLOCK_N, CAUSAL)
         if FP8:  # q's and k's descales join the scale; v's the normalization (per batch and kv head)
             descale = off_z * stride_dz + (off_h // GROUP) * stride_dh
             scale = qk_scale * gl.load(Q_DESCALE + descale) * gl.load(K_DESCALE + descale)
