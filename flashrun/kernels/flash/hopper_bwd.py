@@ -674,7 +674,7 @@ EPOCH = 0  # counts reset(): a backward's route made before one is not reused af
 # dQ was the portable kernel's, 255 registers and one program per SM (on the H200 3.1 of the
 # backward's 5.4 ms, causal N=4096: backward-d256 probe). This kernel runs there instead, plain or
 # causal, with a softcap or not, after its own first-use check (dq_applies): on an H100 the d256
-# backward went from 0.69-0.75x cuDNN to 0.98-1.10x (the head-dims-d256-bwd claim);
+# backward went from 0.69-0.75x cuDNN to 0.98-1.10x (head-dims-d256-backward-h100);
 # FLASHRUN_HOPPER_BWD_DQ=0 puts dQ back on the portable kernel
 DQ_ENV = "FLASHRUN_HOPPER_BWD_DQ"
 
