@@ -739,6 +739,40 @@ def test_kvcache_on_gpu(case):
     assert not failures, "; ".join(failures)
 
 
+@pytest.mark.parametrize("mode", ["tensor", "token"])
+@pytest.mark.parametrize("case", [c for c in KV_CASES if c[4] in (128, 256, 80)],
+                         ids=lambda c: _case_id(c).replace(", ", "_"))
+def test_an_fp8_kvcache_on_gpu(case, mode):
+    """An e4m3 cache (one scale, or one per key and kv head) read by the compiled kernel, whose V
+    tiles widen through inline PTX (decode_jit._widen; the interpreter takes Triton's cast):
+    judged on the dequantized cache, the appended keys as the cache stores them. A widening that
+    put an element in another's place fails the output."""
+    import dataclasses
+
+    from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
+    from flashrun.harness.shapes import Shape, kvcache
+    from flashrun.kernels import flash_attention_with_kvcache
+
+    lengths, h, h_kv, n_q, d, dtype, page, new, causal = case
+    shape = kvcache(Shape(1, h, h_kv, n_q, 1, d, str(dtype)[6:], causal), lengths, page, new)
+    inputs = make_inputs(shape, 0, "cuda")[0]
+    (k8, k_scale), (v8, v_scale) = to_e4m3(inputs.k, mode), to_e4m3(inputs.v, mode)
+    k_cache, v_cache = k8.clone(), v8.clone()
+    with _poisoned_allocations():
+        out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
+                                           v=inputs.v_new, block_table=inputs.block_table, causal=causal,
+                                           k_scale=k_scale, v_scale=v_scale)
+    appended = {}
+    if new:
+        appended = {"k_new": as_cached(inputs.k_new, k_scale), "v_new": as_cached(inputs.v_new, v_scale)}
+    truth = dataclasses.replace(inputs, k=from_e4m3(k8, k_scale, dtype), v=from_e4m3(v8, v_scale, dtype), **appended)
+    checks = Reference.for_kvcache(truth, causal=causal).judge(
+        out, None, POISON, cache=(from_e4m3(k_cache, k_scale, dtype), from_e4m3(v_cache, v_scale, dtype)))
+    torch.cuda.empty_cache()
+    failures = [c.reason() for c in checks if not c.passed]
+    assert not failures, "; ".join(failures)
+
+
 def test_decode_replays_from_a_cuda_graph_and_launches_lean():
     """flash_attention's decode path and the paged KV cache captured in one graph and replayed on
     new values give what eager calls give; after their first calls both launch their kept

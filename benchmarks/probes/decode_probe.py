@@ -309,17 +309,20 @@ def config_sweep(started) -> list[dict]:
     return out
 
 
-# (block_n, warps, stages, waves, maxnreg) tried for an fp8 cache; the first is decode's DECODE
-FP8_CONFIGS = [(64, 4, 3, 2, None), (64, 4, 4, 2, None), (64, 4, 3, 3, 168), (64, 4, 3, 4, 128),
-               (32, 4, 3, 4, None), (64, 8, 3, 3, None), (128, 4, 2, 3, 168), (128, 4, 3, 2, None),
-               (64, 4, 4, 4, 128)]  # (the last: two cp.async groups in flight where pages keep one)
+# (block_n, warps, stages, waves, maxnreg, V widened by PTX) tried for an fp8 cache; the first is
+# decode's default (DECODE, FP8_WAVES, FP8_REGISTERS, FP8_V_PTX). A paged cache takes the same
+# stages (FP8_PAGED_STAGES follows them here)
+FP8_CONFIGS = [(64, 4, 3, 4, 128, True), (64, 4, 3, 4, 128, False), (64, 4, 2, 4, 128, True),
+               (64, 4, 4, 4, 128, True), (64, 4, 3, 2, None, True), (128, 4, 2, 3, 168, True),
+               (128, 4, 3, 2, None, True), (32, 4, 3, 4, None, True)]
 FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8, 131072)]
 
 
 def fp8_sweep(started) -> list[dict]:
     """Launch configs of the decode kernel over an e4m3 cache (see the module's docstring)."""
     out = []
-    wide, default, waves, options = decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode._options
+    held = (decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX,
+            decode.FP8_PAGED_STAGES)
     # bf16 queries through float16 dots (decode.FP8_DOT_F16; a scale per key keeps V and P in bf16)
     cells = [("bf16", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16), ("bf16", "token", 16)]
     for b, h, h_kv, n in ((1, 8, 2, 512),) if SMOKE else FP8_SHAPES:
@@ -355,16 +358,17 @@ def fp8_sweep(started) -> list[dict]:
             else:
                 def call(k8=k8, v8=v8, ks=ks, vs=vs):
                     return flash_attention_with_kvcache(q, k8, v8, lengths, k_scale=ks, v_scale=vs)
-            for block_n, warps, stages, w, regs in FP8_CONFIGS[:2] if SMOKE else FP8_CONFIGS:
+            for block_n, warps, stages, w, regs, v_ptx in FP8_CONFIGS[:2] if SMOKE else FP8_CONFIGS:
                 if time.perf_counter() - started > BUDGET_S:
                     break
                 cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
                 decode.DECODE = decode.DECODE_WIDE = cfg
-                decode.WAVES = w
-                decode._options = (lambda c, pdl, regs=regs: {**options(c, pdl), **({"maxnreg": regs} if regs else {})})
+                decode.FP8_WAVES, decode.FP8_V_PTX, decode.FP8_PAGED_STAGES = w, v_ptx, stages
+                decode.FP8_REGISTERS = regs or 255
                 decode._plans.clear()
                 row = {"shape": f"B{b} H{h}/{h_kv} N{n}", "q": qname, "scales": kind, "page": page,
-                       "config": label(cfg) + (f" r{regs}" if regs else ""), "waves": w, **base}
+                       "config": label(cfg) + (f" r{regs}" if regs else "") + ("" if v_ptx else " cast"),
+                       "waves": w, **base}
                 try:
                     err = max_err(call().transpose(1, 2), ref)
                     row.update(err=err, ok=err <= ATOL[BF16], us=bench(call),
@@ -379,7 +383,8 @@ def fp8_sweep(started) -> list[dict]:
                       f"{base['cudnn_bf16_us']:.1f}, flash bf16 {base['flash_bf16_cache_us']:.1f}) "
                       f"{row.get('tb_s', 0):.2f} TB/s err {row.get('err', float('nan')):.2e} {row.get('error', '')}",
                       flush=True)
-    decode.DECODE_WIDE, decode.DECODE, decode.WAVES, decode._options = wide, default, waves, options
+    (decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX,
+     decode.FP8_PAGED_STAGES) = held
     decode._plans.clear()
     return out
 

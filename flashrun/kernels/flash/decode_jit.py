@@ -80,6 +80,33 @@ def _kv_tile(rows, row_ok, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.conste
 
 
 @triton.jit
+def _widen(x, dtype: tl.constexpr, PTX: tl.constexpr):
+    """An e4m3 tile as ``dtype`` (float16 or bfloat16; exact). PTX (compiled code only): through
+    cvt.rn.f16x2.e4m3x2 in inline PTX, which the compiler cannot move: the tile is widened where it
+    sits in registers as read from shared memory (16 bytes a read), then laid out for the MMA as
+    16-bit values (ldmatrix.trans). Triton moves its own cast into the MMA operand's read, and for
+    V (whose keys, the dot's reduction, are not contiguous) that read is one 1-byte shared load an
+    element: 64 a thread per 64-key tile at head_dim 128 (the sm_90 PTX: 128 ld.shared.b8 and 8-byte
+    copies into shared memory, against none and 16-byte copies this way)."""
+    if PTX:
+        if dtype == tl.float16:  # four e4m3 in a 32-bit register, two float16 pairs out
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+        else:  # bfloat16: through float16 and float32, as Triton's cast goes
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi, h<4>; .reg .b32 a, b; .reg .f32 f<4>; mov.b32 {lo, hi}, $2; "
+                "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b; "
+                "cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3; "
+                "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }",
+                "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
 def _queries_f16(q0, q1, qk_scale, BLOCK_D1: tl.constexpr):
     """(q0, q1, r): the tile's queries times ``qk_scale`` in float16, divided by the power of two r
     that puts their largest magnitude near 2**14 (an exact scaling: no overflow, no digits lost
@@ -131,7 +158,7 @@ def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, K_SCALE, V_SCALE, 
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr):
+                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, V_PTX: tl.constexpr):
     """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
     (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
     cache); PAGES at the sequence's block table row (paged cache). KV_FP8: the cache holds fp8,
@@ -141,7 +168,8 @@ def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, K_SCALE, V_SCALE, 
     (K_SCALE, V_SCALE, laid out as the cache without head_dim) multiplies its score's column and
     its probability's column (q·(s k) = s (q·k); Σ p (s v) = Σ (p s) v), not the tile; in float16
     (fp16 queries) P · scale could leave its range, so P takes each scale over the tile's largest
-    and the accumulator is kept in units of that largest (``v_unit``, the caller's scale)."""
+    and the accumulator is kept in units of that largest (``v_unit``, the caller's scale).
+    V_PTX: V's tiles widened by :func:`_widen`'s PTX (K's are read in the operand's own layout)."""
     offs_n = tl.arange(0, BLOCK_N)
     shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -156,13 +184,13 @@ def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, K_SCALE, V_SCALE, 
             if BLOCK_D1 > 0:
                 k1 = k1.to(q0.dtype)
             if KV_FP8 == KV_FP8_F16 and TOKEN_SCALES:
-                v0 = v0.to(tl.bfloat16)
+                v0 = _widen(v0, tl.bfloat16, V_PTX)
                 if BLOCK_D1 > 0:
-                    v1 = v1.to(tl.bfloat16)
+                    v1 = _widen(v1, tl.bfloat16, V_PTX)
             else:
-                v0 = v0.to(q0.dtype)
+                v0 = _widen(v0, q0.dtype, V_PTX)
                 if BLOCK_D1 > 0:
-                    v1 = v1.to(q0.dtype)
+                    v1 = _widen(v1, q0.dtype, V_PTX)
         qk = _row_dots(q0, q1, k0, k1, BLOCK_D1, UPCAST, PRECISION)  # (BLOCK_M, BLOCK_N), float32
         if TOKEN_SCALES:
             at = page * stride_sz + slot * stride_sn
@@ -230,7 +258,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                  SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                 PDL: tl.constexpr):
+                 V_PTX: tl.constexpr, PDL: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
     head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
     sequence holds N_K cached keys (or CACHE_SEQLENS[batch]) and N_NEW appended ones (APPEND).
@@ -243,7 +271,8 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
     its tiles meet the queries, see :func:`_decode_inner`) is dequantized as it is read: a
     scale for the whole cache (K's folded into qk_scale by the launcher, ``v_scale`` applied with
     the normalization), or with TOKEN_SCALES one per key and kv head (K_SCALE, V_SCALE laid out as
-    (batch or page, key, kv head); appended keys bring theirs in K_NEW_SCALE, V_NEW_SCALE). PDL: launched as a programmatic
+    (batch or page, key, kv head); appended keys bring theirs in K_NEW_SCALE, V_NEW_SCALE), V's
+    tiles widened through PTX with V_PTX (compiled code, :func:`_widen`). PDL: launched as a programmatic
     dependent launch (sm_90+): the program may start while the kernel before it drains, so it waits for that
     kernel's writes before reading anything, and lets the combine launch as the grid's last
     programs start (the combine waits for this grid's writes in turn)."""
@@ -342,7 +371,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                                              stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                              win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
                                              CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                             TOKEN_SCALES)
+                                             TOKEN_SCALES, V_PTX)
     # stage 1: key blocks every row of the tile sees in full - no mask
     acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_lo), tl.minimum(k_hi, mid_hi), n_k, N_Q,
@@ -350,7 +379,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, False,
                                          CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                             TOKEN_SCALES)
+                                             TOKEN_SCALES, V_PTX)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
     acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,
@@ -358,7 +387,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, True,
                                          CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                             TOKEN_SCALES)
+                                             TOKEN_SCALES, V_PTX)
 
     # -- epilogue: normalize; rows that saw no key output 0 and LSE = -inf (weight 0 in the combine) --
     seen = l_i > 0.0
