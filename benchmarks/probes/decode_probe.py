@@ -310,21 +310,23 @@ def config_sweep(started) -> list[dict]:
 
 
 # (block_n, warps, stages, waves, maxnreg, V widened by PTX) tried for an fp8 cache; the first is
-# decode's default (DECODE, FP8_WAVES, FP8_REGISTERS, FP8_V_PTX). A paged cache takes the same
-# stages (FP8_PAGED_STAGES follows them here)
+# decode's default (DECODE, FP8_WAVES, FP8_REGISTERS, FP8_V_PTX). A paged cache takes at most 2
+# stages (decode._config)
 FP8_CONFIGS = [(64, 4, 3, 4, 128, True), (64, 4, 3, 4, 128, False), (64, 4, 2, 4, 128, True),
-               (64, 4, 4, 4, 128, True), (64, 4, 3, 2, None, True), (128, 4, 2, 3, 168, True),
-               (128, 4, 3, 2, None, True), (32, 4, 3, 4, None, True)]
+               (64, 4, 3, 2, None, True), (128, 4, 3, 2, None, True), (128, 4, 2, 3, 168, True)]
 FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8, 131072)]
 
 
 def fp8_sweep(started) -> list[dict]:
     """Launch configs of the decode kernel over an e4m3 cache (see the module's docstring)."""
     out = []
-    held = (decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX,
-            decode.FP8_PAGED_STAGES)
+    held = decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX
     # bf16 queries through float16 dots (decode.FP8_DOT_F16; a scale per key keeps V and P in bf16)
-    cells = [("bf16", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16), ("bf16", "token", 16)]
+    # page -1: a contiguous cache laid out head-major, (B, H_kv, N, D) memory seen as (B, N, H_kv, D)
+    # (each kv head's keys in one run of memory, as cuDNN reads them), against the keys' 128-byte rows
+    # 1 KB apart in the (B, N, H_kv, D) layout
+    cells = [("bf16", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16), ("bf16", "token", 16),
+             ("bf16", "tensor", -1)]
     for b, h, h_kv, n in ((1, 8, 2, 512),) if SMOKE else FP8_SHAPES:
         gen = torch.Generator(device=DEVICE).manual_seed(2)
         q = torch.randn(b, 1, h, D, device=DEVICE, generator=gen).to(BF16)  # (B, 1, H, D)
@@ -334,6 +336,9 @@ def fp8_sweep(started) -> list[dict]:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         base["cudnn_bf16_us"] = bench(lambda: cudnn(qt, kt, vt))
         base["flash_bf16_cache_us"] = bench(lambda: flash_attention_with_kvcache(q, k, v, lengths))
+        k_hm, v_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # head-major (page -1)
+        base["flash_bf16_head_major_us"] = bench(lambda: flash_attention_with_kvcache(q, k_hm, v_hm, lengths))
+        del k_hm, v_hm
         caches = {}
         for kind in ("tensor", "token"):
             if kind == "tensor":
@@ -347,7 +352,9 @@ def fp8_sweep(started) -> list[dict]:
             caches[kind] = (k8, v8, ks, vs, reference(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2)))
         for qname, kind, page in cells:
             k8, v8, ks, vs, ref = caches[kind]
-            if page:
+            if page < 0:
+                k8, v8 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k8, v8))
+            if page > 0:
                 if kind == "token":  # the scales follow their keys into the pages
                     pool_k, pool_v, s_k, s_v, table = paged(page, k8, v8, ks, vs)
                 else:
@@ -363,7 +370,7 @@ def fp8_sweep(started) -> list[dict]:
                     break
                 cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
                 decode.DECODE = decode.DECODE_WIDE = cfg
-                decode.FP8_WAVES, decode.FP8_V_PTX, decode.FP8_PAGED_STAGES = w, v_ptx, stages
+                decode.FP8_WAVES, decode.FP8_V_PTX = w, v_ptx
                 decode.FP8_REGISTERS = regs or 255
                 decode._plans.clear()
                 row = {"shape": f"B{b} H{h}/{h_kv} N{n}", "q": qname, "scales": kind, "page": page,
@@ -383,8 +390,7 @@ def fp8_sweep(started) -> list[dict]:
                       f"{base['cudnn_bf16_us']:.1f}, flash bf16 {base['flash_bf16_cache_us']:.1f}) "
                       f"{row.get('tb_s', 0):.2f} TB/s err {row.get('err', float('nan')):.2e} {row.get('error', '')}",
                       flush=True)
-    (decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX,
-     decode.FP8_PAGED_STAGES) = held
+    decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX = held
     decode._plans.clear()
     return out
 

@@ -98,8 +98,6 @@ FP8_DOT_F16 = True
 # An fp8 cache's V tiles widened by inline PTX after a 16-byte shared read (decode_jit._widen),
 # not by Triton's cast, which becomes a 1-byte shared load per element of the transposed operand
 FP8_V_PTX = True
-PAGED_STAGES = 2  # at most, where a key block spans pages (see _config)
-FP8_PAGED_STAGES = 3
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
@@ -129,11 +127,12 @@ def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel
 # Plans
 
 
-def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0, kv_fp8: bool = False) -> LaunchConfig:
-    """The fixed config; a paged 16-bit cache whose pages do not hold whole key blocks (each key's
-    page looked up) at most PAGED_STAGES: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
-    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21); an fp8 one at
-    most FP8_PAGED_STAGES (its tiles take half the shared memory). An fp8 cache
+def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0) -> LaunchConfig:
+    """The fixed config; a paged cache whose pages do not hold whole key blocks (each key's page
+    looked up) at most 2 stages: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
+    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21); an fp8 cache
+    on the H100 1.03-1.05x faster at 2 than at 3 (the decode-fp8-sweep claim; Triton pipelines such
+    a cache's tiles one block ahead at most: the page lookup feeds the addresses). An fp8 cache
     takes the same 64-key tiles (and FP8_REGISTERS): on the H200 (decode_probe.py --fp8-sweep, the
     decode-fp8-sweep claim: GQA 32/8, 8k-128k keys) they read it 1.0-1.3x faster than 32-key tiles,
     whose quarter of the bytes per step left too few loads in flight to cover the memory's latency."""
@@ -141,7 +140,7 @@ def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0, kv_fp8: bool 
         return DECODE_INTERPRETER
     cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
     if page_size % cfg.block_n:
-        cfg = replace(cfg, num_stages=min(cfg.num_stages, FP8_PAGED_STAGES if kv_fp8 else PAGED_STAGES))
+        cfg = replace(cfg, num_stages=min(cfg.num_stages, 2))
     return cfg
 
 
@@ -263,7 +262,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
         variant = replace(variant, causal=False)
     group = dims.heads // dims.kv_heads
-    cfg = _config(dtype, dims.head_dim, dims.page_size, dims.kv_fp8)
+    cfg = _config(dtype, dims.head_dim, dims.page_size)
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
