@@ -310,9 +310,9 @@ def config_sweep(started) -> list[dict]:
 
 
 # (block_n, warps, stages, waves, maxnreg, V widened by PTX) tried for an fp8 cache; the first is
-# decode's default (DECODE, FP8_WAVES, FP8_REGISTERS, FP8_V_PTX). A paged cache takes at most 2
+# decode's default (DECODE_FP8, FP8_WAVES, FP8_REGISTERS, FP8_V_PTX). A paged cache takes at most 2
 # stages (decode._config)
-FP8_CONFIGS = [(64, 4, 3, 4, 128, True), (64, 4, 3, 4, 128, False), (64, 4, 2, 4, 128, True),
+FP8_CONFIGS = [(64, 4, 2, 4, 128, True), (64, 4, 2, 4, 128, False), (64, 4, 3, 4, 128, True),
                (64, 4, 3, 2, None, True), (128, 4, 3, 2, None, True), (128, 4, 2, 3, 168, True)]
 FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8, 131072)]
 
@@ -320,7 +320,7 @@ FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8
 def fp8_sweep(started) -> list[dict]:
     """Launch configs of the decode kernel over an e4m3 cache (see the module's docstring)."""
     out = []
-    held = decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX
+    held = decode.DECODE_FP8, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX
     # bf16 queries through float16 dots (decode.FP8_DOT_F16; a scale per key keeps V and P in bf16)
     # page -1: a contiguous cache laid out head-major, (B, H_kv, N, D) memory seen as (B, N, H_kv, D)
     # (each kv head's keys in one run of memory, as cuDNN reads them), against the keys' 128-byte rows
@@ -369,7 +369,7 @@ def fp8_sweep(started) -> list[dict]:
                 if time.perf_counter() - started > BUDGET_S:
                     break
                 cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
-                decode.DECODE = decode.DECODE_WIDE = cfg
+                decode.DECODE_FP8 = cfg
                 decode.FP8_WAVES, decode.FP8_V_PTX = w, v_ptx
                 decode.FP8_REGISTERS = regs or 255
                 decode._plans.clear()
@@ -390,7 +390,7 @@ def fp8_sweep(started) -> list[dict]:
                       f"{base['cudnn_bf16_us']:.1f}, flash bf16 {base['flash_bf16_cache_us']:.1f}) "
                       f"{row.get('tb_s', 0):.2f} TB/s err {row.get('err', float('nan')):.2e} {row.get('error', '')}",
                       flush=True)
-    decode.DECODE_WIDE, decode.DECODE, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX = held
+    decode.DECODE_FP8, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX = held
     decode._plans.clear()
     return out
 

@@ -80,6 +80,7 @@ MIN_CHUNK_BLOCKS = 4  # a split takes at least this many key blocks
 # 16-byte alignment, which vectorized no load.) 32 against 64 keys there is not yet timed.
 DECODE = LaunchConfig(block_n=64, num_warps=4, num_stages=3)
 DECODE_WIDE = LaunchConfig(block_n=32, num_warps=4, num_stages=3)
+DECODE_FP8 = LaunchConfig(block_n=64, num_warps=4, num_stages=2)  # an fp8 cache at head_dim <= 128 (see _config)
 DECODE_INTERPRETER = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 # programmatic dependent launch (sm_90+; NOTES v21): the decode kernel may start while
 # the kernel before it drains, and the combine while the decode grid's last programs run; each
@@ -127,18 +128,20 @@ def _workspace(device: torch.device, stream: int | None, o_numel: int, lse_numel
 # Plans
 
 
-def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0) -> LaunchConfig:
+def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0, kv_fp8: bool = False) -> LaunchConfig:
     """The fixed config; a paged cache whose pages do not hold whole key blocks (each key's page
     looked up) at most 2 stages: on the H200, page 16, B2/B16/B1-MQA bf16, 51.2/85.0/19.0 us
-    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21); an fp8 cache
-    on the H100 1.03-1.05x faster at 2 than at 3 (the decode-fp8-sweep claim; Triton pipelines such
-    a cache's tiles one block ahead at most: the page lookup feeds the addresses). An fp8 cache
-    takes the same 64-key tiles (and FP8_REGISTERS): on the H200 (decode_probe.py --fp8-sweep, the
-    decode-fp8-sweep claim: GQA 32/8, 8k-128k keys) they read it 1.0-1.3x faster than 32-key tiles,
-    whose quarter of the bytes per step left too few loads in flight to cover the memory's latency."""
+    against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21). An fp8 cache
+    at head_dim <= 128 takes DECODE_FP8 (and FP8_REGISTERS, FP8_WAVES): 64-key tiles, which on the
+    H200 read it 1.0-1.3x faster than 32-key ones (whose quarter of the bytes per step left too
+    few loads in flight), at 2 stages, which on the H100 read it 1.00-1.06x faster than 3 (token
+    scales the most; decode_probe.py --fp8-sweep, the decode-fp8-sweep claim: GQA 32/8, 8k-128k keys)."""
     if INTERPRETED:
         return DECODE_INTERPRETER
-    cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
+    if kv_fp8 and head_dim <= 128:
+        cfg = DECODE_FP8
+    else:
+        cfg = DECODE_WIDE if dtype == torch.float32 or head_dim > 128 else DECODE
     if page_size % cfg.block_n:
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2))
     return cfg
@@ -262,7 +265,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     if dims.n_q == 1 and variant.causal:  # one query, bottom-right: it sees every key (as FlashAttention-2 folds it)
         variant = replace(variant, causal=False)
     group = dims.heads // dims.kv_heads
-    cfg = _config(dtype, dims.head_dim, dims.page_size)
+    cfg = _config(dtype, dims.head_dim, dims.page_size, dims.kv_fp8)
     bm = block_m(group, dims.n_q, dims.head_dim)
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
