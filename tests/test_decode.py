@@ -550,21 +550,31 @@ def test_kvcache_returns_the_log_sum_exp(lengths, page_size, new_keys, causal):
 E4M3 = torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("mode", ["tensor", "token"])
+def _keys_contiguous(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` (B or page, keys, H_kv, D) with the same values, its memory (B or page, H_kv, D, keys)."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize(("mode", "v_keys"), [("tensor", False), ("token", False), ("tensor", True)],
+                         ids=["tensor", "token", "tensor-v-keys"])
 @pytest.mark.parametrize(("lengths", "page_size", "new_keys", "causal"), [
     ((0, 17, 300), 16, 2, False),  # an empty cache, pages, appended keys
     ((600,), 0, 0, False),  # split over programs
     ((33, 70), 48, 3, True),  # pages of 48, causal queries over appended keys
 ], ids=["paged-append", "split", "causal-p48"])
-def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, lengths, page_size, new_keys, causal):
+def test_an_fp8_cache_matches_the_reference_on_its_dequantized_keys(mode, v_keys, lengths, page_size, new_keys,
+                                                                     causal):
     """An e4m3 cache read as cache · scale, bf16 queries: judged by the usual rule on the
     dequantized cache (all the maths after the dequantization is bf16/fp32). New bf16 keys are
-    quantized by the call (their own power-of-two scales in token mode) and land in the cache."""
+    quantized by the call (their own power-of-two scales in token mode) and land in the cache.
+    ``v_keys``: V's memory keys-contiguous, (B or page, H_kv, D, keys) (vLLM's value cache)."""
     shape, inputs = _cache_inputs(lengths, 4, 2, 3 if causal else 1, 32, dtype=BF16, page_size=page_size,
                                   new_keys=new_keys, causal=causal)
     k8, k_scale = to_e4m3(inputs.k, mode)
     v8, v_scale = to_e4m3(inputs.v, mode)
     k_cache, v_cache = k8.clone(), v8.clone()
+    if v_keys:
+        v_cache = _keys_contiguous(v_cache)
     scales = (k_scale.clone(), v_scale.clone()) if mode == "token" else (k_scale, v_scale)
     out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
                                        v=inputs.v_new, block_table=inputs.block_table, causal=causal,

@@ -739,14 +739,16 @@ def test_kvcache_on_gpu(case):
     assert not failures, "; ".join(failures)
 
 
+@pytest.mark.parametrize("v_keys", [False, True], ids=["rows", "v-keys"])
 @pytest.mark.parametrize("mode", ["tensor", "token"])
 @pytest.mark.parametrize("case", [c for c in KV_CASES if c[4] in (128, 256, 80)],
                          ids=lambda c: _case_id(c).replace(", ", "_"))
-def test_an_fp8_kvcache_on_gpu(case, mode):
+def test_an_fp8_kvcache_on_gpu(case, mode, v_keys):
     """An e4m3 cache (one scale, or one per key and kv head) read by the compiled kernel, whose V
-    tiles widen through inline PTX (decode_jit._widen; the interpreter takes Triton's cast):
-    judged on the dequantized cache, the appended keys as the cache stores them. A widening that
-    put an element in another's place fails the output."""
+    tiles widen through inline PTX (decode_jit._widen; the interpreter takes Triton's cast), or,
+    ``v_keys``, whose V memory is keys-contiguous (B or page, H_kv, D, keys), read whole by Triton's
+    cast: judged on the dequantized cache, the appended keys as the cache stores them. A widening
+    that put an element in another's place fails the output."""
     import dataclasses
 
     from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
@@ -758,6 +760,8 @@ def test_an_fp8_kvcache_on_gpu(case, mode):
     inputs = make_inputs(shape, 0, "cuda")[0]
     (k8, k_scale), (v8, v_scale) = to_e4m3(inputs.k, mode), to_e4m3(inputs.v, mode)
     k_cache, v_cache = k8.clone(), v8.clone()
+    if v_keys:
+        v_cache = v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     with _poisoned_allocations():
         out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
                                            v=inputs.v_new, block_table=inputs.block_table, causal=causal,

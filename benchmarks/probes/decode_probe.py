@@ -165,6 +165,11 @@ def paged(page, *caches):
     return (*pools, order.view(b, per).to(torch.int32))
 
 
+def keys_contiguous(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` (B or page, keys, H_kv, D) with the same values, its memory (B or page, H_kv, D, keys)."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
 def lean() -> str:
     plans = list(decode._plans.values())
     ok = all(p.decode.compiled is not None and (p.combine is None or p.combine.compiled is not None) for p in plans)
@@ -322,11 +327,13 @@ def fp8_sweep(started) -> list[dict]:
     out = []
     held = decode.DECODE_FP8, decode.FP8_WAVES, decode.FP8_REGISTERS, decode.FP8_V_PTX
     # bf16 queries through float16 dots (decode.FP8_DOT_F16; a scale per key keeps V and P in bf16)
-    # page -1: a contiguous cache laid out head-major, (B, H_kv, N, D) memory seen as (B, N, H_kv, D)
-    # (each kv head's keys in one run of memory, as cuDNN reads them), against the keys' 128-byte rows
-    # 1 KB apart in the (B, N, H_kv, D) layout
-    cells = [("bf16", "tensor", 0), ("bf16", "token", 0), ("bf16", "tensor", 16), ("bf16", "token", 16),
-             ("bf16", "tensor", -1)]
+    # layouts of the cache's memory, all seen as (B, N, H_kv, D) (pools: (pages, page, H_kv, D)):
+    # "rows" that order itself, a key's 128-byte rows 1 KB apart; "head-major" (B, H_kv, N, D), each
+    # kv head's keys in one run, as cuDNN reads them; "v-keys" V as (B, H_kv, D, N), keys contiguous
+    # (vLLM's value-cache layout), so that V is no transposed operand
+    cells = [("bf16", "tensor", 0, "rows"), ("bf16", "token", 0, "rows"), ("bf16", "tensor", 16, "rows"),
+             ("bf16", "token", 16, "rows"), ("bf16", "tensor", 0, "head-major"), ("bf16", "tensor", 0, "v-keys"),
+             ("bf16", "token", 0, "v-keys"), ("bf16", "tensor", 16, "v-keys"), ("bf16", "token", 16, "v-keys")]
     for b, h, h_kv, n in ((1, 8, 2, 512),) if SMOKE else FP8_SHAPES:
         gen = torch.Generator(device=DEVICE).manual_seed(2)
         q = torch.randn(b, 1, h, D, device=DEVICE, generator=gen).to(BF16)  # (B, 1, H, D)
@@ -336,7 +343,7 @@ def fp8_sweep(started) -> list[dict]:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         base["cudnn_bf16_us"] = bench(lambda: cudnn(qt, kt, vt))
         base["flash_bf16_cache_us"] = bench(lambda: flash_attention_with_kvcache(q, k, v, lengths))
-        k_hm, v_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # head-major (page -1)
+        k_hm, v_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # head-major
         base["flash_bf16_head_major_us"] = bench(lambda: flash_attention_with_kvcache(q, k_hm, v_hm, lengths))
         del k_hm, v_hm
         caches = {}
@@ -350,19 +357,24 @@ def fp8_sweep(started) -> list[dict]:
                 k8, v8 = ((t.float() / s[..., None]).to(torch.float8_e4m3fn) for t, s in ((k, ks), (v, vs)))
                 kd, vd = k8.float() * ks[..., None], v8.float() * vs[..., None]
             caches[kind] = (k8, v8, ks, vs, reference(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2)))
-        for qname, kind, page in cells:
+        for qname, kind, page, layout in cells:
             k8, v8, ks, vs, ref = caches[kind]
-            if page < 0:
+            if layout == "head-major":
                 k8, v8 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k8, v8))
-            if page > 0:
+            if page:
                 if kind == "token":  # the scales follow their keys into the pages
                     pool_k, pool_v, s_k, s_v, table = paged(page, k8, v8, ks, vs)
                 else:
                     (pool_k, pool_v, table), s_k, s_v = paged(page, k8, v8), ks, vs
+                if layout == "v-keys":
+                    pool_v = keys_contiguous(pool_v)
 
                 def call(pk=pool_k, pv=pool_v, t=table, sk=s_k, sv=s_v):
                     return flash_attention_with_kvcache(q, pk, pv, lengths, block_table=t, k_scale=sk, v_scale=sv)
             else:
+                if layout == "v-keys":
+                    v8 = keys_contiguous(v8)
+
                 def call(k8=k8, v8=v8, ks=ks, vs=vs):
                     return flash_attention_with_kvcache(q, k8, v8, lengths, k_scale=ks, v_scale=vs)
             for block_n, warps, stages, w, regs, v_ptx in FP8_CONFIGS[:2] if SMOKE else FP8_CONFIGS:
@@ -373,7 +385,7 @@ def fp8_sweep(started) -> list[dict]:
                 decode.FP8_WAVES, decode.FP8_V_PTX = w, v_ptx
                 decode.FP8_REGISTERS = regs or 255
                 decode._plans.clear()
-                row = {"shape": f"B{b} H{h}/{h_kv} N{n}", "q": qname, "scales": kind, "page": page,
+                row = {"shape": f"B{b} H{h}/{h_kv} N{n}", "q": qname, "scales": kind, "page": page, "layout": layout,
                        "config": label(cfg) + (f" r{regs}" if regs else "") + ("" if v_ptx else " cast"),
                        "waves": w, **base}
                 try:
@@ -385,7 +397,7 @@ def fp8_sweep(started) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 out.append(row)
-                print(f"  fp8 {row['shape']:18s} q {qname:10s} {kind:6s} page {page:2d} {row['config']:17s} waves {w}: "
+                print(f"  fp8 {row['shape']:18s} {kind:6s} {layout:10s} page {page:2d} {row['config']:17s} waves {w}: "
                       f"{row.get('us', float('nan')):7.1f} us ({row.get('vs_cudnn_bf16', 0):.2f}x cuDNN bf16 "
                       f"{base['cudnn_bf16_us']:.1f}, flash bf16 {base['flash_bf16_cache_us']:.1f}) "
                       f"{row.get('tb_s', 0):.2f} TB/s err {row.get('err', float('nan')):.2e} {row.get('error', '')}",

@@ -97,7 +97,9 @@ FP8_WAVES = 4
 # in one instruction per pair and to bfloat16 in three
 FP8_DOT_F16 = True
 # An fp8 cache's V tiles widened by inline PTX after a 16-byte shared read (decode_jit._widen),
-# not by Triton's cast, which becomes a 1-byte shared load per element of the transposed operand
+# not by Triton's cast, which becomes a 1-byte shared load per element of the transposed operand.
+# A V cache whose keys are contiguous (memory (B or page, H_kv, D, keys), vLLM's value-cache
+# layout) is no transposed operand: Triton's cast reads it whole, without the float16 staging
 FP8_V_PTX = True
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
@@ -282,7 +284,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
             group, dims.head_dim, d0, d1, bm, cfg.block_n, queries, dims.page_size, seqlens, dims.n_new > 0,
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
             *dot_options(dtype).values(), _kv_fp8(dims, dtype), dims.scales is not None,
-            dims.kv_fp8 and FP8_V_PTX and not INTERPRETED, pdl)
+            dims.kv_fp8 and FP8_V_PTX and dims.v[1] != 1 and not INTERPRETED, pdl)
     decode = _Launch(_attn_decode, (splits, tiles, pairs), tail,
                      {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {})})
     combine = None
