@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
+from flashrun.kernels.flash.jit import _softcap_r
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (3.9 keeps
 # the old name as a stub that raises)
@@ -231,17 +231,20 @@ def _scored(sT, offs_m, rel, qk_scale, softcap2, slope2, SOFTCAP: gl.constexpr, 
     """The variants' base-2 scores of Sᵀ (keys x queries start_m + offs_m) as the portable kernels
     make them (``jit._scores``, its fast tanh in the form compiled code takes, ``jit._tanh``'s
     SOFTCAP_FAST_PTX: 4 instructions a score fewer in the sm_90 SASS than the clamped one): SOFTCAP,
-    sᵀ = softcap · tanh(Sᵀ · sm_scale / softcap)
-    (qk_scale = sm_scale / softcap, softcap2 = softcap · log2 e), with tᵀ = that tanh for the
-    backward's 1 − t²; ALIBI, minus slope2 · |i + shift − j| (slope2 = the head's slope · log2 e),
+    sᵀ = softcap · tanh(Sᵀ · sm_scale / softcap) (qk_scale = sm_scale / softcap, softcap2 =
+    softcap · log2 e), returned less softcap2, as −2 softcap2 · rᵀ with rᵀ = 1 / (1 + e^(2 Sᵀ
+    qk_scale)) (tanh = 1 − 2r, ``jit._softcap_r``), and rᵀ itself: the caller takes softcap2 + 2
+    off its LSE (P comes out 4 P) and dPᵀ − delta times r − r² = (1 − t²) / 4, so that dSᵀ is
+    right as 4 P's product and only dV, summed from 4 P, takes a 1/4 at the end: one FMA a
+    score fewer than forming t; ALIBI, minus slope2 · |i + shift − j| (slope2 = the head's slope · log2 e),
     i + shift − j being offs_m + ``rel`` (rel = start_m + shift − j per key). CAUSAL keeps only
     i + shift − j >= 0, so the bias splits into a per-key part, subtracted here, and a per-query
     part, slope2 · offs_m, which the caller folds into LSE: no tile of indices, and no second
     per-query vector (16 registers a thread in this layout; the head_dim 128 kernel spilled 32-80 B
-    with them). Both parts stay small where P is not: no cancellation. Without SOFTCAP, tᵀ is Sᵀ."""
+    with them). Both parts stay small where P is not: no cancellation. Without SOFTCAP, rᵀ is Sᵀ."""
     if SOFTCAP:
-        tT = _tanh(sT, qk_scale, SOFTCAP_FAST_PTX)
-        s2 = tT * softcap2
+        tT = _softcap_r(sT, qk_scale)
+        s2 = tT * (-2.0 * softcap2)
     else:
         tT = sT
         s2 = sT * qk_scale
@@ -449,13 +452,15 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         if ALIBI and CAUSAL:  # the bias's per-query part (_scored)
             lse2 = lse2 + slope2 * offs_m.to(gl.float32)
+        if SOFTCAP:  # the scores come less softcap2, and P as 4 P (_scored)
+            lse2 = lse2 - (softcap2 + 2.0)
         dpT, sT = warpgroup_mma_wait(0, deps=(dpT_tok, sT_tok))
         if SOFTCAP or ALIBI:  # the scores in base 2 already: _probs scales by 1
             sT, tT = _scored(sT, offs_m, start_m + shift - keys, qk_scale, softcap2, slope2, SOFTCAP, ALIBI, CAUSAL)
             p_scale = 1.0
-            if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 − t², into dPᵀ − delta at once (tᵀ dies here;
-                # kept for dSᵀ, the head_dim 128 kernel spilled 24-32 B)
-                dpT = dpT * (1.0 - tT * tT)
+            if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 − t² = 4 (r − r²), the 4 in P, into dPᵀ − delta
+                # at once (rᵀ dies here; kept for dSᵀ, the head_dim 128 kernel spilled 24-32 B)
+                dpT = dpT * (tT - tT * tT)
         else:
             p_scale = qk_scale
         if WINDOW:
@@ -521,6 +526,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
         s = gl.where(s == STAGES, 0, s)
     if FUSED_DQ:
         tma.store_wait(0)
+    if SOFTCAP:  # dV was summed from 4 P (_scored)
+        dv = dv * 0.25
+        if HEAD_D1 > 0:
+            dv1 = dv1 * 0.25
 
     if TMA_OUT and KV_ADD > 0:  # a split group's float32 adds, through this consumer's dQ tile
         _add_out(dk * sm_scale, dv, dq_smem.index(C), dk_desc, dv_desc, off_z, off_hkv // KV_ADD, key0)
@@ -739,9 +748,10 @@ def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem,
         lse = lse_smem.index(s).reshape([BLOCK_M]).load(query_s)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         dp, sc = warpgroup_mma_wait(0, deps=(dp_tok, s_tok))
-        if SOFTCAP:  # as _bwd_consumer: base-2 scores, and ds'/ds = 1 − t² into dP − delta at once
-            sc, t = _scored(sc, offs_m, keys, qk_scale, softcap2, 0.0, True, False, CAUSAL)
-            dp = dp * (1.0 - t * t)
+        if SOFTCAP:  # as _bwd_consumer: base-2 scores less softcap2, 4 P, and ds'/ds / 4 into dP − delta at once
+            sc, r = _scored(sc, offs_m, keys, qk_scale, softcap2, 0.0, True, False, CAUSAL)
+            lse2 = lse2 - (softcap2 + 2.0)
+            dp = dp * (r - r * r)
             p_scale = 1.0
         else:
             p_scale = qk_scale
@@ -796,6 +806,9 @@ def _bwd_consumer_t(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem,
         s = gl.where(s == STAGES, 0, s)
     if FUSED_DQ:
         tma.store_wait(0)
+    if SOFTCAP:  # dV was summed from 4 P (_scored)
+        dv = dv * 0.25
+        dv1 = dv1 * 0.25
 
     if TMA_OUT:  # the gradients themselves: the producer stores them (_hand_over, transposed back)
         _hand_over(dk * sm_scale, dv, dk1 * sm_scale, dv1, k_smem, v_smem, k1_smem, v1_smem, out_bars, C, HEAD_D,

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashrun.kernels.flash.hopper_jit import HALF_M_C, LOG2E_C, _tma_load, _unmasked_blocks
-from flashrun.kernels.flash.jit import SOFTCAP_FAST_PTX, _tanh
+from flashrun.kernels.flash.jit import _softcap_r
 
 
 @gluon.jit
@@ -109,6 +109,8 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, L
     row_ok = rows < N_Q
     lse = gl.load(LSE + off_z * stride_lz + off_h * stride_lh + rows, mask=row_ok, other=0.0)
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+    if SOFTCAP:
+        lse2 = lse2 - (softcap2 + 2.0)
     delta = gl.load(DELTA + off_z * stride_dz + off_h * stride_dh + rows, mask=row_ok, other=0.0)
 
     q = q_smem.index(C).reshape([HALF_M_C, HEAD_D])
@@ -126,10 +128,11 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars, empty_bars, L
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_val, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
         dp = dp - gl.expand_dims(delta, 1)
-        if SOFTCAP:  # qk_scale = sm_scale / c, softcap2 = c · log2 e
-            t = _tanh(s_val, qk_scale, SOFTCAP_FAST_PTX)
-            s2 = t * softcap2
-            dp = dp * (1.0 - t * t)
+        if SOFTCAP:  # qk_scale = sm_scale / c, softcap2 = c · log2 e; as the dK/dV kernel (its _scored): the
+            # scores less softcap2 from r (tanh = 1 − 2r), P as 4 P (lse2 below), ds'/ds / 4 = r − r²
+            r = _softcap_r(s_val, qk_scale)
+            s2 = r * (-2.0 * softcap2)
+            dp = dp * (r - r * r)
         else:  # qk_scale = sm_scale · log2 e
             s2 = s_val * qk_scale
         if i < n_unmasked:

@@ -124,6 +124,16 @@ def _in_window(rows, cols, shift, left, right, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _softcap_r(x, scale):
+    # r = 1 / (1 + e^(2 x scale)) in [0, 1], tanh(x · scale) = 1 - 2r, by rcp.approx (compiled code
+    # only: PTX), unclamped (e^2x = inf gives r = 0). 1 - tanh² = 4 r (1 - r): a backward may take
+    # r itself, one FMA a score fewer than forming t (hopper_bwd_jit._scored)
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f",
+                                     [1.0 + tl.math.exp2(x * (scale * (2.0 * LOG2E_C)))],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _tanh(x, scale, KIND: tl.constexpr):
     # tanh(x · scale) (a scalar scale: folded into the exp2's factor) from exp2 (the interpreter has no libdevice), as 1 - 2 / (1 + e^2x): one exp2 and one
     # reciprocal, within 3e-7 of tanh everywhere (absolute), which is what a score c·tanh(s / c)
@@ -134,10 +144,7 @@ def _tanh(x, scale, KIND: tl.constexpr):
     # the odd Taylor series below 0.4, (1 - e)/(1 + e) with e = exp(-2|x|) above (both within
     # about 1e-7 relative there), for float32 inputs and caps too wide for the other
     if KIND == SOFTCAP_FAST_PTX:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f",
-                                      [1.0 + tl.math.exp2(x * (scale * (2.0 * LOG2E_C)))],
-                                      dtype=tl.float32, is_pure=True, pack=1)  # 1 / (1 + e^2x), in (0, 1]
-        t = 1.0 - 2.0 * r
+        t = 1.0 - 2.0 * _softcap_r(x, scale)
     elif KIND == SOFTCAP_PRECISE:
         x = x * scale
         a = tl.abs(x)
