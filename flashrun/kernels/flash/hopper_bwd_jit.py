@@ -243,17 +243,17 @@ def _scored(sT, offs_m, rel, qk_scale, softcap2, slope2, SOFTCAP: gl.constexpr, 
     per-query vector (16 registers a thread in this layout; the head_dim 128 kernel spilled 32-80 B
     with them). Both parts stay small where P is not: no cancellation. Without SOFTCAP, rᵀ is Sᵀ."""
     if SOFTCAP:
-        tT = _softcap_r(sT, qk_scale)
-        s2 = tT * (-2.0 * softcap2)
+        rT = _softcap_r(sT, qk_scale)
+        s2 = rT * (-2.0 * softcap2)
     else:
-        tT = sT
+        rT = sT
         s2 = sT * qk_scale
     if ALIBI:
         if CAUSAL:
             s2 = s2 - gl.expand_dims(slope2 * rel.to(gl.float32), 1)
         else:
             s2 = s2 - slope2 * gl.abs((gl.expand_dims(offs_m, 0) + gl.expand_dims(rel, 1)).to(gl.float32))
-    return s2, tT
+    return s2, rT
 
 
 @gluon.jit
@@ -456,11 +456,11 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, q1_smem, do1_smem, k1_smem, v
             lse2 = lse2 - (softcap2 + 2.0)
         dpT, sT = warpgroup_mma_wait(0, deps=(dpT_tok, sT_tok))
         if SOFTCAP or ALIBI:  # the scores in base 2 already: _probs scales by 1
-            sT, tT = _scored(sT, offs_m, start_m + shift - keys, qk_scale, softcap2, slope2, SOFTCAP, ALIBI, CAUSAL)
+            sT, rT = _scored(sT, offs_m, start_m + shift - keys, qk_scale, softcap2, slope2, SOFTCAP, ALIBI, CAUSAL)
             p_scale = 1.0
             if SOFTCAP:  # through s' = c·tanh(s/c): ds'/ds = 1 − t² = 4 (r − r²), the 4 in P, into dPᵀ − delta
                 # at once (rᵀ dies here; kept for dSᵀ, the head_dim 128 kernel spilled 24-32 B)
-                dpT = dpT * (tT - tT * tT)
+                dpT = dpT * (rT - rT * rT)
         else:
             p_scale = qk_scale
         if WINDOW:

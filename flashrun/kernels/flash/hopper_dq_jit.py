@@ -12,10 +12,10 @@ consumer (one warpgroup, its 64 rows):
     dQ += dS K                       async wgmma, dS in fp16/bf16 registers as the A operand
 
 and dQ · sm_scale is stored once, at the end. SOFTCAP (gemma2's): the scores are
-c · tanh(S · sm_scale / c) (``jit._tanh``'s compiled fast form, as the Gluon dK/dV kernel takes it)
-and dS carries their derivative, 1 − t². A producer warp loads each consumer's Q and dO
-rows once and K and V blocks into a ring of ``STAGES`` stages (K read twice per step: as Kᵀ for S
-and as K for dQ). Shared memory at head_dim 256 with 32-key blocks: Q and dO 2 x 2 x 32 KB, two
+c · tanh(S · sm_scale / c), taken from r = 1 / (1 + e^2x) as the Gluon dK/dV kernel takes them
+(``hopper_bwd_jit._scored``: P formed as 4 P, dS's derivative 1 − t² as r − r²). A producer warp
+loads each consumer's Q and dO rows once and K and V blocks into a ring of ``STAGES`` stages (K
+read twice per step: as Kᵀ for S and as K for dQ). Shared memory at head_dim 256 with 32-key blocks: Q and dO 2 x 2 x 32 KB, two
 stages of K and V 2 x 32 KB: 192 KB. Registers per consumer thread: dQ 64 x 256 / 128 = 128, S
 and dP 2 x 16, dS's operand 8.
 
