@@ -136,7 +136,7 @@ def _config(dtype: torch.dtype, head_dim: int, page_size: int = 0, kv_fp8: bool 
     against 53.2/87.6/20.4 at 3 stages (contiguous: 3 stages the faster, NOTES v21). An fp8 cache
     at head_dim <= 128 takes DECODE_FP8 (and FP8_REGISTERS, FP8_WAVES): 64-key tiles, which on the
     H200 read it 1.0-1.3x faster than 32-key ones (whose quarter of the bytes per step left too
-    few loads in flight), at 2 stages, which on the H100 read it 1.00-1.06x faster than 3 (token
+    few loads in flight), at 2 stages, which on the H100 read it 1.01-1.07x faster than 3 (token
     scales the most; decode_probe.py --fp8-sweep, the decode-fp8-sweep claim: GQA 32/8, 8k-128k keys)."""
     if INTERPRETED:
         return DECODE_INTERPRETER
