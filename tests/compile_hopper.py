@@ -117,7 +117,7 @@ def check_one(job) -> tuple[bool, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", help="comma-separated flash_hopper.KERNELS names (default: all)")
+    ap.add_argument("--kernels", help="comma-separated flash_hopper.KERNELS names, with --fp8 FP8_KERNELS too (default: all)")
     ap.add_argument("--pairs", action="store_true",
                     help="per kernel only fp16 full and bf16 causal (each dtype and mask once; the CPU suite)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
@@ -129,10 +129,11 @@ def main() -> int:
     if missing:
         print(f"Triton {triton.__version__}: {missing}; nothing compiled")
         return 3
-    names = ns.kernels.split(",") if ns.kernels else list(flash_hopper.KERNELS)
+    names = ns.kernels.split(",") if ns.kernels else [*flash_hopper.KERNELS, *(flash_hopper.FP8_KERNELS if ns.fp8 else ())]
     binaries = {}  # the compiled kernel ignores `persistent` (a grid size): one compile per twin pair
     for name in names:
-        binaries.setdefault(replace(flash_hopper.KERNELS[name], persistent=False), []).append(name)
+        cfg = flash_hopper.fp8_kernel(name) if ns.fp8 else flash_hopper.KERNELS[name]
+        binaries.setdefault(replace(cfg, persistent=False), []).append(name)
     pairs = ((torch.float16, False), (torch.bfloat16, True)) if ns.pairs else \
         [(dtype, causal) for dtype in flash_hopper.DTYPES for causal in (False, True)]
     if ns.fp8:

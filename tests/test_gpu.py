@@ -973,7 +973,7 @@ def test_the_variants_on_the_gluon_backward(monkeypatch, variants, head_dim, det
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Gluon forward is sm_90 only")
 @pytest.mark.parametrize("name", ["d64", "d64-persistent", "d64-m64", "d128", "d128-persistent", "d128-m64",
-                                  "d256", "d256-base"])
+                                  "d128-n256-base", "d256", "d256-base", "d256-n128"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1037, True), (1, 4, 4, 4096, 4096, False), (1, 4, 1, 17, 300, True)],
                          ids=["gqa-ragged-causal", "4k-full", "short-mqa-causal"])
 def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):
@@ -986,7 +986,7 @@ def test_the_gluon_fp8_forward_is_within_twice_the_yardstick(name, shape):
     from flashrun.harness.reference import attention_fp8_yardstick, attention_ref
     from flashrun.kernels import quantize_qkv
 
-    cfg = flash_hopper.KERNELS[name]
+    cfg = flash_hopper.fp8_kernel(name)
     z, h, h_kv, n_q, n_k, causal = shape
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(z, h, n_q, cfg.head_dim, device="cuda", generator=gen).to(BF16)

@@ -29,7 +29,8 @@ register operand, the ``-qregs`` kernels, against the shipped ones).
 
 ``--cells fp8`` times the e4m3 forward (bf16, the bench sweep's heads, 1024 to 16384 keys, head_dim 64, 128
 and 256, full and causal; inputs quantized once by ``quantize_qkv``): shipped (``flash_attention_fp8``),
-every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``), and cuDNN's bf16 forward on
+every one-block Gluon kernel at that head_dim with FP8 (``hopper.run_fp8``), the e4m3-only ones
+(``hopper.FP8_KERNELS``, ``FP8_TILES``: wider key blocks), and cuDNN's bf16 forward on
 the unquantized inputs, three times in turns; errors are against cuDNN's bf16 output (e4m3's own, about 1e-2).
 
 ``--cells prefill`` times only the 1b models' prefill attention (llama 32/8 D64 and qwen2 12/2
@@ -135,6 +136,15 @@ def fp8_cells():
                "dtype": torch.bfloat16, "layout": "dense"}
 
 
+# e4m3-only candidates beside hopper.FP8_KERNELS (an fp8 stage holds twice the keys of a bf16 one in
+# the same bytes). Triton 3.6 (compile_hopper.py --fp8): d64-n256 spills 20 B full and 372 B causal.
+FP8_TILES = {
+    "d64-n256": hopper.HopperConfig(64, block_n=256, stages=3, persistent=True),
+    "d128-n128-s4": hopper.HopperConfig(128, block_n=128, stages=4, persistent=True),
+    "d256-n128-base": hopper.HopperConfig(256, block_n=128, stages=2, overlap=False),
+}
+
+
 def fp8_launches(cell, q, k, v) -> dict:
     """The e4m3 forwards of ``--cells fp8`` on q, k, v quantized once."""
     from flashrun.kernels import flash_attention_fp8, quantize_qkv
@@ -142,7 +152,7 @@ def fp8_launches(cell, q, k, v) -> dict:
     q8, k8, v8, *descales = quantize_qkv(q, k, v)
     causal, scale = cell["causal"], cell["d"] ** -0.5
     calls = {"shipped": lambda: flash_attention_fp8(q8, k8, v8, *descales, causal=causal)}
-    for name, cfg in hopper.KERNELS.items():
+    for name, cfg in (hopper.KERNELS | hopper.FP8_KERNELS | FP8_TILES).items():
         if cfg.head_dim == cell["d"] and not hopper.split_head_dim(cfg.head_dim)[1]:
             calls[f"gluon {name}"] = lambda cfg=cfg: hopper.run_fp8(q8, k8, v8, *descales, scale, causal, cfg)[0]
     return calls

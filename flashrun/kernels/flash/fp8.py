@@ -44,10 +44,10 @@ E4M3_MAX = 448.0
 # The portable kernel's launch (it runs in the interpreter only; on sm_90 this config spilled least
 # at head_dim 128 of 64/128 x 64/128 tiles, 4/8 warps, 2/3 stages)
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 8, 2
-# The Gluon kernel per head dim, as the H200 timed them (short_forward_probe.py --cells fp8, bf16 inputs
-# quantized per (batch, kv head), 1024-16384 keys): the fastest of the one-block kernels in most cells;
-# 256's overlapped kernel since K and V go back to the producer apart (an H100: 1.03-1.05x "d256-base")
-GLUON = {64: "d64-persistent", 128: "d128-persistent", 256: "d256"}
+# The Gluon kernel per head dim (hopper.KERNELS or hopper.FP8_KERNELS), as short_forward_probe.py
+# --cells fp8 timed them (bf16 inputs quantized per (batch, kv head), 1024-16384 keys): at 64 the
+# fastest one-block kernel in most cells (the H200); at 128 and 256 the e4m3-only tiles (an H100)
+GLUON = {64: "d64-persistent", 128: "d128-n256-base", 256: "d256-n128"}
 _checked: dict[int, str | None] = {}  # head_dim -> None (the Gluon kernel agreed) or why not
 _said: set[str] = set()  # why a GPU call ran dequantized, each said once per process
 
@@ -213,7 +213,7 @@ def _gluon(q8, k8, v8, descales, scale: float, causal: bool) -> torch.Tensor:
     """The Gluon kernel of :data:`GLUON` on e4m3 inputs; descales float32 (B, H_kv)."""
     from flashrun.kernels.flash import hopper
 
-    return hopper.run_fp8(q8, k8, seq_major(v8), *descales, scale, causal, hopper.KERNELS[GLUON[q8.shape[-1]]])[0]
+    return hopper.run_fp8(q8, k8, seq_major(v8), *descales, scale, causal, hopper.fp8_kernel(GLUON[q8.shape[-1]]))[0]
 
 
 def _run_gluon(q, k, v, descales, batch: int, kv_heads: int, scale: float, causal: bool) -> torch.Tensor:

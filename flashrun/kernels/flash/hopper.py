@@ -155,6 +155,16 @@ KERNELS = {
     "d256-base": HopperConfig(256, block_n=64, stages=2, overlap=False),
 }
 
+# e4m3-only kernels (run_fp8): an e4m3 stage holds twice a bf16 one's keys in the same bytes, which
+# no bf16 kernel could fit. An H100 (short_forward_probe.py --cells fp8, two runs, against the
+# kernels above with FP8): at 128, 256-key blocks without the overlap (which, holding two S tiles
+# of 256 columns, spills) 1.01-1.08x "d128-persistent" from 4096 keys; at 256, 128-key blocks
+# 1.12-1.27x "d256". FlashAttention-3 runs 128 x 224 and 128 x 128 tiles there (hopper/tile_size.h).
+FP8_KERNELS = {
+    "d128-n256-base": HopperConfig(128, block_n=256, stages=2, overlap=False, persistent=True),
+    "d256-n128": HopperConfig(256, block_n=128, stages=2),
+}
+
 # Where the Gluon forward runs: (head_dim, causal) -> rows (fewest keys, fewest query tiles of
 # TILE_ROWS rows over all batch entries and heads, kernel name or None) in increasing key order;
 # the last row whose fewest keys <= N_K and fewest tiles <= the call's tiles decides, None or no
@@ -380,6 +390,11 @@ def _transposed_descriptor(v: torch.Tensor, d0: int, block_n: int):
     vt = v.transpose(2, 3)
     return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d0, block_n],
                             _smem_layout(d0, block_n, v.dtype))
+
+
+def fp8_kernel(name: str) -> HopperConfig:
+    """The e4m3 forward's kernel ``name``: one of :data:`FP8_KERNELS` or of :data:`KERNELS`."""
+    return FP8_KERNELS.get(name) or KERNELS[name]
 
 
 def run_fp8(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale: float, causal: bool,
