@@ -256,3 +256,16 @@ def test_v_laid_out_seq_major_once():
     v8 = seq_major(v)
     assert torch.equal(v8.float(), v.float()) and v8.stride(2) == 1 and v8.stride(3) == 48
     assert seq_major(v8) is v8
+
+
+@pytest.mark.parametrize("head_dim,causal,n_k,name", [
+    (64, True, 1024, "d64-persistent"), (128, False, 1024, "d128-n256-base"), (128, True, 1024, "d128-persistent"),
+    (128, True, 4096, "d128-n256-base"), (256, True, 1024, "d256-n128")])
+def test_the_gluon_kernel_per_head_dim_and_mask(head_dim, causal, n_k, name):
+    """The e4m3 forward's kernel: the e4m3-only tiles at 128 and 256, but 128's 128-key blocks on
+    short causal cells; every name is a kernel hopper can launch with FP8 (one column block)."""
+    from flashrun.kernels.flash import fp8, hopper
+
+    assert fp8.kernel_name(head_dim, causal, n_k) == name
+    cfg = hopper.fp8_kernel(name)
+    assert cfg.head_dim == head_dim and hopper.split_head_dim(head_dim)[1] == 0

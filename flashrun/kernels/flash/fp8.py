@@ -46,8 +46,12 @@ E4M3_MAX = 448.0
 BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 8, 2
 # The Gluon kernel per head dim (hopper.KERNELS or hopper.FP8_KERNELS), as short_forward_probe.py
 # --cells fp8 timed them (bf16 inputs quantized per (batch, kv head), 1024-16384 keys): at 64 the
-# fastest one-block kernel in most cells (the H200); at 128 and 256 the e4m3-only tiles (an H100)
+# fastest one-block kernel in most cells (the H200); at 128 and 256 the e4m3-only tiles (an H100).
+# Causal below SHORT_CAUSAL keys, 128's 256-key blocks lose to 128-key ones (an H100, 1024 keys:
+# 0.87 against 1.01x cuDNN's e4m3 forward; a tie at 4096).
 GLUON = {64: "d64-persistent", 128: "d128-n256-base", 256: "d256-n128"}
+SHORT_CAUSAL = 4096
+GLUON_SHORT_CAUSAL = {128: "d128-persistent"}
 _checked: dict[int, str | None] = {}  # head_dim -> None (the Gluon kernel agreed) or why not
 _said: set[str] = set()  # why a GPU call ran dequantized, each said once per process
 
@@ -210,10 +214,19 @@ def gluon_reason(q: torch.Tensor, k: torch.Tensor, variant) -> str | None:
 
 
 def _gluon(q8, k8, v8, descales, scale: float, causal: bool) -> torch.Tensor:
-    """The Gluon kernel of :data:`GLUON` on e4m3 inputs; descales float32 (B, H_kv)."""
+    """The Gluon kernel of :func:`kernel_name` on e4m3 inputs; descales float32 (B, H_kv)."""
     from flashrun.kernels.flash import hopper
 
-    return hopper.run_fp8(q8, k8, seq_major(v8), *descales, scale, causal, hopper.fp8_kernel(GLUON[q8.shape[-1]]))[0]
+    cfg = hopper.fp8_kernel(kernel_name(q8.shape[-1], causal, k8.shape[2]))
+    return hopper.run_fp8(q8, k8, seq_major(v8), *descales, scale, causal, cfg)[0]
+
+
+def kernel_name(head_dim: int, causal: bool, n_k: int) -> str:
+    """The Gluon kernel the e4m3 forward runs: :data:`GLUON`'s, or causal below :data:`SHORT_CAUSAL`
+    keys :data:`GLUON_SHORT_CAUSAL`'s where it has one."""
+    if causal and n_k < SHORT_CAUSAL:
+        return GLUON_SHORT_CAUSAL.get(head_dim, GLUON[head_dim])
+    return GLUON[head_dim]
 
 
 def _run_gluon(q, k, v, descales, batch: int, kv_heads: int, scale: float, causal: bool) -> torch.Tensor:
