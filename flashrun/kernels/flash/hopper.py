@@ -158,8 +158,9 @@ KERNELS = {
 # e4m3-only kernels (run_fp8): an e4m3 stage holds twice a bf16 one's keys in the same bytes, which
 # no bf16 kernel could fit. An H100 (short_forward_probe.py --cells fp8, two runs, against the
 # kernels above with FP8): at 128, 256-key blocks without the overlap (which, holding two S tiles
-# of 256 columns, spills) 1.01-1.08x "d128-persistent" from 4096 keys; at 256, 128-key blocks
-# 1.12-1.27x "d256". FlashAttention-3 runs 128 x 224 and 128 x 128 tiles there (hopper/tile_size.h).
+# of 256 columns, spills) 0.96-1.08x "d128-persistent" from 4096 keys, 0.87-1.04x at 1024 (fp8.py
+# keeps 128-key blocks for short causal cells); at 256, 128-key blocks 1.09-1.25x "d256".
+# FlashAttention-3 runs 128 x 224 and 128 x 128 tiles there (hopper/tile_size.h).
 FP8_KERNELS = {
     "d128-n256-base": HopperConfig(128, block_n=256, stages=2, overlap=False, persistent=True),
     "d256-n128": HopperConfig(256, block_n=128, stages=2),
