@@ -508,34 +508,41 @@ def test_a_background_listing_that_raises_checks_at_once(monkeypatch, in_backgro
 
 
 def test_the_fp8_kernels_compile_for_hopper(python):
-    """The Gluon forward with FP8 (e4m3 in, bf16 out, Vᵀ tiles, P through shared memory): the
-    one-block kernels at head_dim 64 and 128 and the e4m3-only one shipped at 128 compile for sm_90
-    without a spill, their wgmmas e4m3 and P V's A from shared memory (the script: --fp8 without
-    --kernels adds 256, whose shipped 128-key kernel spills a little causal)."""
+    """The Gluon forward with FP8 (e4m3 in, bf16 out, Vᵀ tiles): the one-block kernels at head_dim 64
+    and 128 and the e4m3-only one shipped at 128 compile for sm_90 without a spill, their wgmmas e4m3,
+    P V's A from shared memory in the overlapped loops and from registers in the plain one (the
+    script: --fp8 without --kernels adds 256, whose shipped 128-key kernel spills a little causal)."""
     result = python(str(Path(__file__).parent / "compile_hopper.py"), "--fp8", "--kernels",
                     "d64,d128,d128-m64,d128-n256-base")
     if result.returncode == 3:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 8 and all("float8_e4m3fn" in line and " rs 0 " in line for line in oks), oks
+    assert len(oks) == 8 and all("float8_e4m3fn" in line for line in oks), oks
+    assert all((" rs 0 " in line) != ("d128-n256-base" in line) for line in oks), oks
     for line in oks:
         if "ptxas:" in line and "(no bundled ptxas)" not in line:
             assert "spill stores/loads 0/0 B" in line, line
 
 
 def test_fp8_launch_arguments():
-    """run_fp8's launch: V's descriptor reads the seq-contiguous v as Vᵀ tiles (head dim x keys),
-    the descales ride per (batch, kv head) with their strides, and O by TMA and Q in registers stay off."""
+    """run_fp8's launch: without the overlap (P in registers) K's descriptor reads k (heads padded to
+    16 keys) as 16-key groups, and refuses a k not laid out so; V's reads the seq-contiguous v as Vᵀ
+    tiles (head dim x keys); the descales ride per (batch, kv head) with their strides, and O by TMA
+    and Q in registers stay off."""
+    from flashrun.kernels.flash.fp8 import key_groups
+
     q = torch.empty(2, 8, 300, 128).to(torch.float8_e4m3fn)
-    k = torch.empty(2, 2, 300, 128).to(torch.float8_e4m3fn)
+    k = key_groups(torch.empty(2, 2, 300, 128).to(torch.float8_e4m3fn))
+    assert k.stride() == (2 * 304 * 128, 304 * 128, 128, 1) and key_groups(k) is k
     v = torch.empty(2, 2, 128, 304).to(torch.float8_e4m3fn)[..., :300].transpose(2, 3)  # quantize_qkv's layout
     o = torch.empty(q.shape, dtype=torch.bfloat16)
     lse = torch.empty(2, 8, 300)
     descales = tuple(torch.ones(2, 2) for _ in range(3))
     cfg = flash_hopper.KERNELS["d128-persistent"]  # q_regs off already; TMA_O would be on in bf16
     _, args, constexprs, _ = flash_hopper.launch_args(q, k, v, o, lse, 0.1, True, cfg, 132, descales=descales)
-    v_desc = args[4]
+    k_desc, v_desc = args[2], args[4]
+    assert list(k_desc.block_shape) == [1, 1, cfg.block_n, 128]  # the overlapped loop: P through shared memory
     assert list(v_desc.block_shape) == [1, 1, 128, cfg.block_n] and v_desc.base.stride(-1) == 1
     assert list(v_desc.base.shape) == [2, 2, 128, 300]
     assert args[-5:] == (*descales, 2, 1) and constexprs["FP8"] is True
@@ -546,3 +553,11 @@ def test_fp8_launch_arguments():
     bf16 = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16)
     _, args, constexprs, _ = flash_hopper.launch_args(bf16, bf16[:, :2], bf16[:, :2], bf16, lse, 0.1, True, cfg, 132)
     assert args[-5:] == (None, None, None, 0, 0) and constexprs["FP8"] is False
+    plain = flash_hopper.FP8_KERNELS["d128-n256-base"]
+    _, args, _, _ = flash_hopper.launch_args(q, k, v, o, lse, 0.1, True, plain, 132, descales=descales)
+    k_desc = args[2]
+    assert list(k_desc.shape) == [2 * 2 * 304 // 16, 2, 4, 2, 128] and list(k_desc.strides) == [2048, 256, 512, 128, 1]
+    assert list(k_desc.block_shape) == [plain.block_n // 16, 2, 4, 2, 128]
+    with pytest.raises(ValueError, match="16-key groups"):
+        flash_hopper.launch_args(q, torch.empty(2, 2, 300, 128).to(torch.float8_e4m3fn), v, o, lse, 0.1, True, plain,
+                                 132, descales=descales)

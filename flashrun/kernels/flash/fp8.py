@@ -61,9 +61,10 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, per_head:
     """bf16/fp16/fp32 ``q, k, v`` (B, H, N, D) (k, v with H_kv heads) as e4m3 and their descales:
     ``(q8, k8, v8, q_descale, k_descale, v_descale)``. The descales are float32 (B, H_kv) -
     amax / 448 over each kv head's group of q heads, and over k's and v's own heads - or, without
-    ``per_head``, one each for the whole tensor (shape ()). v8 comes laid out seq-contiguous (a
-    (B, H_kv, N, D) view of (B, H_kv, D, N) memory, each row of N keys padded to 16 bytes for TMA),
-    the layout the fp8 product P·V wants on the GPU; written in the same pass as its quantization."""
+    ``per_head``, one each for the whole tensor (shape ()). k8 comes with each head's keys padded to a
+    multiple of 16 (:func:`key_groups`), v8 seq-contiguous (a (B, H_kv, N, D) view of (B, H_kv, D, N)
+    memory, each row of N keys padded to 16 bytes for TMA): the layouts the Gluon kernel reads, each
+    written in the same pass as its quantization."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point() or t.element_size() < 2:
             raise ArgumentError(f"{name} must be a 4-D (batch, heads, seq, head_dim) float16/bfloat16/float32 tensor")
@@ -84,7 +85,22 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, per_head:
         return (x.float() / expand).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
     q_descale, k_descale, v_descale = scale(q, heads // kv_heads), scale(k, 1), scale(v, 1)
-    return cast(q, q_descale), cast(k, k_descale), seq_major(cast(v, v_descale)), q_descale, k_descale, v_descale
+    return (cast(q, q_descale), key_groups(cast(k, k_descale)), seq_major(cast(v, v_descale)), q_descale, k_descale,
+            v_descale)
+
+
+def key_groups(k8: torch.Tensor) -> torch.Tensor:
+    """``k8`` (B, H_kv, N, D) with each head's rows padded to a multiple of 16 and the heads and
+    batches contiguous (a view of (B, H_kv, N', D) memory), so that a TMA descriptor can read it as
+    16-key groups (``hopper._key_group_descriptor``). ``k8`` itself when it is laid out so already."""
+    b, h, n, d = k8.shape
+    rows = -(-n // 16) * 16
+    if (k8.stride(3) == 1 and k8.stride(2) == d and k8.stride(1) == rows * d and k8.stride(0) == h * rows * d
+            and k8.data_ptr() % 16 == 0 and d % 16 == 0):
+        return k8
+    padded = torch.zeros(b, h, rows, d, dtype=k8.dtype, device=k8.device)
+    padded[:, :, :n].copy_(k8)
+    return padded[:, :, :n]
 
 
 def seq_major(v8: torch.Tensor) -> torch.Tensor:
@@ -218,7 +234,7 @@ def _gluon(q8, k8, v8, descales, scale: float, causal: bool) -> torch.Tensor:
     from flashrun.kernels.flash import hopper
 
     cfg = hopper.fp8_kernel(kernel_name(q8.shape[-1], causal, k8.shape[2]))
-    return hopper.run_fp8(q8, k8, seq_major(v8), *descales, scale, causal, cfg)[0]
+    return hopper.run_fp8(q8, key_groups(k8), seq_major(v8), *descales, scale, causal, cfg)[0]
 
 
 def kernel_name(head_dim: int, causal: bool, n_k: int) -> str:

@@ -355,8 +355,8 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     ``programs`` caps a persistent grid (the first-use check: several tiles per program). Shared
     by the launcher and tests/compile_hopper.py (which compiles them for sm_90 without a GPU).
     The first PER_CALL positional arguments are the ones that change between calls of a plan.
-    ``descales``: e4m3 q, k, v (v laid out seq-contiguous, as ``quantize_qkv`` writes it) and their
-    float32 descales (per batch and kv head, or scalars), into a bf16 ``o`` (FP8)."""
+    ``descales``: e4m3 q, k, v (k in 16-key groups, v seq-contiguous, as ``quantize_qkv`` writes them)
+    and their float32 descales (per batch and kv head, or scalars), into a bf16 ``o`` (FP8)."""
     from flashrun.kernels.flash.hopper_jit import HALF_M, LOG2E
 
     z, h, n_q, d = q.shape
@@ -367,7 +367,10 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     v_descs = _descriptors(v, cfg.block_n, d0, d1) if not fp8 else (_transposed_descriptor(v, d0, cfg.block_n),) * 2
     scales = ((*descales, descales[0].stride(0), descales[0].stride(1)) if fp8 and descales[0].dim() == 2 else
               (*descales, 0, 0) if fp8 else (None, None, None, 0, 0))
-    args = (*_descriptors(q, HALF_M, d0, d1), *_descriptors(k, cfg.block_n, d0, d1),
+    # (the kernel's P_REGS: an fp8 loop without the overlap reads K in 16-key groups)
+    k_groups = fp8 and not cfg.overlap
+    k_descs = (_key_group_descriptor(k, cfg.block_n),) * 2 if k_groups else _descriptors(k, cfg.block_n, d0, d1)
+    args = (*_descriptors(q, HALF_M, d0, d1), *k_descs,
             *v_descs, o, lse, *(_descriptors(o, HALF_M, d0, d1) if out else (None, None)),
             o.stride(0), o.stride(1), o.stride(2),
             lse.stride(0), lse.stride(1), z, h, n_q, n_k, sm_scale * LOG2E, *scales)
@@ -381,6 +384,30 @@ def launch_args(q, k, v, o, lse, sm_scale: float, causal: bool, cfg: HopperConfi
     if cfg.persistent:
         tiles = min(tiles, programs or sms * programs_per_sm(cfg))
     return (max(tiles, 1),), args, constexprs, {"num_warps": 4, "maxnreg": cfg.maxnreg}
+
+
+def _key_group_descriptor(k: torch.Tensor, block_n: int):
+    """A descriptor over e4m3 ``k`` (B, H_KV, N, D) laid out as :func:`~flashrun.kernels.flash.fp8.key_groups`
+    writes it (each head's rows padded to a multiple of 16, heads and batches contiguous) as the 5-D
+    (B H_KV N' / 16, 2, 4, 2, D) tensor of 16-key groups with key 4i + 2g + j of a group at [., g, i,
+    j]: a box of block_n keys lands in shared memory with key 16a + 4i + 2g + j in row 16a + 8g + 2i
+    + j, the order ``hopper_jit._key_columns`` reads S's columns in."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = k.shape[3]
+    if k.stride(3) != 1 or k.stride(2) != d or k.stride(1) % (16 * d) or k.stride(0) != k.shape[1] * k.stride(1):
+        raise ValueError(f"k (strides {k.stride()}) is not laid out in 16-key groups: pass it through fp8.key_groups")
+    groups = k.shape[0] * k.shape[1] * (k.stride(1) // d) // 16
+    box = [block_n // 16, 2, 4, 2, d]
+    return TensorDescriptor(k, [groups, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], box, _box_layout(tuple(box)))
+
+
+@functools.cache
+def _box_layout(box: tuple):
+    """The shared-memory layout of an e4m3 TMA box ``box``."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv)
 
 
 def _transposed_descriptor(v: torch.Tensor, d0: int, block_n: int):
@@ -401,7 +428,7 @@ def fp8_kernel(name: str) -> HopperConfig:
 def run_fp8(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale: float, causal: bool,
             cfg: HopperConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): the e4m3 forward through ``cfg``'s Gluon kernel (``FP8``): q8, k8 e4m3 (B, H, N, D),
-    v8 e4m3 seq-contiguous as :func:`~flashrun.kernels.flash.fp8.quantize_qkv` writes it, float32
+    k8 in 16-key groups and v8 seq-contiguous as :func:`~flashrun.kernels.flash.fp8.quantize_qkv` writes them, float32
     descales per (batch, kv head) or scalars; O bf16. Head dims of one column block; not yet in
     :func:`flashrun.kernels.flash_attention_fp8`'s route (``short_forward_probe.py --cells fp8``
     times it on a GPU first)."""

@@ -124,7 +124,7 @@ def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem
               q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
               GROUP: gl.constexpr, HEAD_D0: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ACROSS: gl.constexpr,
-              FP8: gl.constexpr):
+              FP8: gl.constexpr, K_GROUPS: gl.constexpr):
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
     it = 0  # K/V blocks loaded so far: the ring's position runs on across tiles
     tile_i = 0
@@ -140,8 +140,13 @@ def _producer(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem
             s = it % STAGES
             free = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(empty_bars.index(s), free)  # K's half of the stage, released once S has read it
-            _load_rows(k_desc, k1_desc, off_z, off_h // GROUP, i * BLOCK_N, k_bars.index(s), k_smem.index(s),
-                       k1_smem.index(s), HEAD_D0, SPLIT)
+            if K_GROUPS:  # 16-key groups (B H_KV N' / 16, 2, 4, 2, D), each head's keys padded to 16: _key_columns
+                group = (off_z * (H // GROUP) + off_h // GROUP) * gl.cdiv(N_K, 16) + i * (BLOCK_N // 16)
+                mbarrier.expect(k_bars.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [group, 0, 0, 0, 0], k_bars.index(s), k_smem.index(s))
+            else:
+                _load_rows(k_desc, k1_desc, off_z, off_h // GROUP, i * BLOCK_N, k_bars.index(s), k_smem.index(s),
+                           k1_smem.index(s), HEAD_D0, SPLIT)
             mbarrier.wait(empty_bars.index(STAGES + s), free)  # V's, once P V has
             if FP8:  # Vᵀ, (head dim, keys) boxes: the K-major B operand an fp8 wgmma needs
                 mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes)
@@ -233,23 +238,47 @@ def _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N: gl.constexpr, HEAD_D0: gl.
 
 
 @gluon.jit
-def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
-    """P as P V's A operand: in registers, or FP8 through this consumer's shared tile (an async
-    wgmma's wait cannot hold 8-bit register operands: "Unexpected bitwidth in WGMMAWaitGroupOp"
-    under Triton 3.6 and 3.9), once the previous P V has read it (the caller waits first)."""
-    if FP8:
+def _key_columns(BLOCK_N: gl.constexpr, layout: gl.constexpr, K_GROUPS: gl.constexpr):
+    """The key (from the block's first) that each column of S holds. K_GROUPS: K's rows land in shared
+    memory in 16-key groups permuted (the producer's descriptor, ``hopper._key_group_descriptor``):
+    column 16a + 8g + 2i + j holds key 16a + 4i + 2g + j, so that the accumulator's registers hold P
+    already as an 8-bit A operand wants it (:func:`_p_operand`)."""
+    c = gl.arange(0, BLOCK_N, layout=layout)
+    if K_GROUPS:
+        c = (c // 16) * 16 + ((c // 2) % 4) * 4 + ((c // 8) % 2) * 2 + c % 2
+    return c
+
+
+@gluon.jit
+def _p_operand(p, p_smem, p_layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr, P_REGS: gl.constexpr):
+    """P as P V's A operand: in registers, or FP8 without P_REGS through this consumer's shared
+    tile, once the previous P V has read it (the caller waits first). FP8 with P_REGS: a thread's
+    accumulator holds columns 8g + 2i + j (j, g in {0, 1}, i its lane's quad position, per 16) where
+    an 8-bit A operand wants keys 4i + 2g + j: relabeling the columns (a register rename, no data
+    moves) gives the keys in order, as K's permuted rows made them (:func:`_key_columns`); Triton's
+    own conversion moves the bytes across lanes. An H100: the loop without the overlap ran 1.05-1.10x
+    faster so (no warpgroup barrier before P V), the overlapped ones 0.52-0.93x."""
+    if FP8 and not P_REGS:
         p_smem.store(p.to(dtype))
         fence_async_shared()
         p_op = p_smem
     else:
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = p.to(dtype)
+        if FP8:
+            M: gl.constexpr = p.shape[0]
+            N: gl.constexpr = p.shape[1]
+            p_op = gl.reshape(gl.permute(gl.reshape(p_op, [M, N // 16, 2, 4, 2]), [0, 1, 3, 2, 4]), [M, N])
+        p_op = gl.convert_layout(p_op, p_layout)
     return p_op
 
 
 @gluon.jit
 def _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1: gl.constexpr, FP8: gl.constexpr = False):
     """Wait for every wgmma in flight (the P V ones last): (acc, acc1), the P operands kept alive
-    until then (FP8: P is in shared memory)."""
+    until then. FP8: not P, which the wait cannot hold ("Unexpected bitwidth in WGMMAWaitGroupOp"
+    with 8-bit operands, Triton 3.6 and 3.9); its registers are written again only after this
+    wait (the loop's next P), and ptxas serializes a wgmma whose inputs are written while in flight
+    (warning C7515, which compile_hopper.py reports: none for these kernels)."""
     if FP8:
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
         acc1 = o1_tok
@@ -277,7 +306,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
               C: gl.constexpr, GROUP: gl.constexpr, HEAD_D0: gl.constexpr, HEAD_D1: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               OVERLAP: gl.constexpr, ACROSS: gl.constexpr, TMA_O: gl.constexpr, Q_REGS: gl.constexpr,
-              FP8: gl.constexpr):
+              FP8: gl.constexpr, P_REGS: gl.constexpr):
     D1: gl.constexpr = HEAD_D1 if HEAD_D1 > 0 else 16  # the second block's width (a placeholder without one)
     PV_OPS: gl.constexpr = 2 if HEAD_D1 > 0 else 1  # wgmmas per P V
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's K: 32 bytes of its operands' rows
@@ -316,7 +345,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
     else:
         q1_view = q_view
     s_zero = gl.zeros([HALF_M_C, BLOCK_N], gl.float32, layout=s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    offs_n = _key_columns(BLOCK_N, col_s, P_REGS)
     n_tiles = gl.cdiv(N_Q, CONSUMERS * HALF_M_C) * Z * H
     it = 0  # K/V blocks consumed so far (the producer's ring position)
     tile_i = 0
@@ -358,7 +387,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 s_val = warpgroup_mma_wait(0, deps=(s_tok,))
                 p, alpha, m_i, l_i = _softmax_step(s_val, m_i, l_i, 0, n_unmasked, offs_n, rows, N_K, shift,
                                                    scale, BLOCK_N, CAUSAL, FP8)
-                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)  # acc is still 0: no rescale
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8, P_REGS)  # acc is still 0: no rescale
                 for i in range(1, n_blocks):
                     s = (it + i) % STAGES
                     prev = (it + i - 1) % STAGES
@@ -378,7 +407,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     if HEAD_D1 > 0:
                         acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
+                    p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8, P_REGS)
                 if not Q_FREE:
                     mbarrier.arrive(q_empty.index(C), count=1)  # the last S is done: the producer may load the next Q
                 if TMA_O:
@@ -407,7 +436,7 @@ def _consumer(q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars,
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 if HEAD_D1 > 0:
                     acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, row_o1), 1)
-                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8)
+                p_op = _p_operand(p, p_smem.index(C), p_layout, dtype, FP8, P_REGS)
                 mbarrier.wait(v_bars.index(s), phase)
                 o_tok, o1_tok, p1_op = _pv(p_op, v_smem, v1_smem, s, acc, acc1, BLOCK_N, HEAD_D0, HEAD_D1, p1_layout, FP8)
                 acc, acc1 = _pv_wait(o_tok, o1_tok, p_op, p1_op, HEAD_D1, FP8)
@@ -505,6 +534,9 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
     gl.static_assert(STAGES >= 2 or not OVERLAP)  # OVERLAP holds block i - 1's stage while loading block i
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(not FP8 or (HEAD_D1 == 0 and not TMA_O and not Q_REGS))  # (a bf16 O is no e4m3 tile's size)
+    # FP8's P: in registers without the overlap (K's rows in 16-key groups), else through a shared tile
+    # (_p_operand); the host's K descriptor follows (hopper.launch_args)
+    P_REGS: gl.constexpr = FP8 and not OVERLAP
     SPLIT: gl.constexpr = HEAD_D1 > 0
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -518,7 +550,7 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
         q1_smem = q_smem
         k1_smem = k_smem
         v1_smem = v_smem
-    if FP8:  # each consumer's P, P V's A operand (_p_operand)
+    if FP8 and not P_REGS:  # each consumer's P, P V's A operand (_p_operand)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M_C, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M_C, BLOCK_N], p_layout)
     else:  # never touched
@@ -553,15 +585,15 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8)),
+                         TMA_O, Q_REGS, FP8, P_REGS)),
             (_consumer, (q_smem, q1_smem, k_smem, k1_smem, v_smem, v1_smem, p_smem, q_bars, q_empty, k_bars, v_bars,
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 1, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8)),
+                         TMA_O, Q_REGS, FP8, P_REGS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8, P_REGS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -569,8 +601,8 @@ def _fa3_fwd(q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, O, LSE, o_desc, 
                          empty_bars, k_done, v_done, O, LSE, o_desc, o1_desc, stride_oz, stride_oh, stride_om, stride_lz,
                          stride_lh, Z, H, N_Q, N_K, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, stride_dz,
                          stride_dh, 0, GROUP, HEAD_D0, HEAD_D1, BLOCK_N, STAGES, CONSUMERS, CAUSAL, OVERLAP, ACROSS,
-                         TMA_O, Q_REGS, FP8)),
+                         TMA_O, Q_REGS, FP8, P_REGS)),
             (_producer, (q_desc, q1_desc, k_desc, k1_desc, v_desc, v1_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                          v1_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, Z, H, N_Q, N_K,
-                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8)),
+                         GROUP, HEAD_D0, SPLIT, BLOCK_N, STAGES, CONSUMERS, CAUSAL, ACROSS, FP8, P_REGS)),
         ], [1], [PRODUCER_REGS])
