@@ -561,3 +561,26 @@ def test_fp8_launch_arguments():
     with pytest.raises(ValueError, match="16-key groups"):
         flash_hopper.launch_args(q, torch.empty(2, 2, 300, 128).to(torch.float8_e4m3fn), v, o, lse, 0.1, True, plain,
                                  132, descales=descales)
+
+
+def test_the_fp8_key_groups_put_every_key_where_p_v_reads_it():
+    """The register P of the e4m3 loop without the overlap, on the host: K's descriptor
+    (hopper._key_group_descriptor) lands key tau(r) in shared row r; S's column c then holds that
+    key, which hopper_jit._key_columns says (restated here); _p_operand's relabeling (reshape to
+    (M, N/16, 2, 4, 2), permute (0, 1, 3, 2, 4)) makes A's index k the column c(k). P V is right
+    only if A's k-th element is key k, for every block of keys, ragged N included."""
+    from flashrun.kernels.flash.fp8 import key_groups
+
+    n, d, block_n = 300, 128, 256
+    k = key_groups(torch.zeros(2, 2, n, d).to(torch.float8_e4m3fn))
+    desc = flash_hopper._key_group_descriptor(k, block_n)
+    ids = torch.arange(k.untyped_storage().nbytes() // d)  # each stored key row's index
+    rows = torch.as_strided(ids.repeat_interleave(d), desc.shape, desc.strides)[..., 0]
+    per_head = k.stride(1) // d
+    for head, block in ((0, 0), (0, 1), (1, 0)):  # (batch 0) a head's blocks; past its keys lie the next head's
+        group = head * (per_head // 16) + block * block_n // 16
+        tau = rows[group:group + block_n // 16].reshape(block_n) - (head * per_head + block * block_n)
+        c = torch.arange(block_n)
+        assert torch.equal(tau, (c // 16) * 16 + ((c // 2) % 4) * 4 + ((c // 8) % 2) * 2 + c % 2)  # _key_columns
+        c_of_k = c.reshape(block_n // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(block_n)  # _p_operand
+        assert torch.equal(tau[c_of_k], c)
