@@ -328,14 +328,14 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
-def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
-    """The shared-memory layout of a (1, 1, rows, cols) TMA box of ``dtype`` (made once: ~13 us
+def _smem_layout(box: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a TMA box of shape ``box`` and ``dtype`` (made once: ~13 us
     each in Python, six per forward launch, seven per backward one)."""
     from triton.experimental.gluon import language as gl
 
     gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
               torch.float8_e4m3fn: gl.float8e4nv}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gdtype)
+    return gl.NVMMASharedLayout.get_default_for(list(box), gdtype)
 
 
 def _descriptors(t: torch.Tensor, rows: int, d0: int, d1: int) -> tuple:
@@ -344,8 +344,9 @@ def _descriptors(t: torch.Tensor, rows: int, d0: int, d1: int) -> tuple:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     shape, strides = list(t.shape), list(t.stride())
-    first = TensorDescriptor(t, shape, strides, [1, 1, rows, d0], _smem_layout(rows, d0, t.dtype))
-    return first, (TensorDescriptor(t, shape, strides, [1, 1, rows, d1], _smem_layout(rows, d1, t.dtype))
+    first = TensorDescriptor(t, shape, strides, [1, 1, rows, d0], _smem_layout((1, 1, rows, d0), t.dtype))
+    return first, (TensorDescriptor(t, shape, strides, [1, 1, rows, d1],
+                                    _smem_layout((1, 1, rows, d1), t.dtype))
                    if d1 else first)
 
 
@@ -398,16 +399,9 @@ def _key_group_descriptor(k: torch.Tensor, block_n: int):
     if k.stride(3) != 1 or k.stride(2) != d or k.stride(1) % (16 * d) or k.stride(0) != k.shape[1] * k.stride(1):
         raise ValueError(f"k (strides {k.stride()}) is not laid out in 16-key groups: pass it through fp8.key_groups")
     groups = k.shape[0] * k.shape[1] * (k.stride(1) // d) // 16
-    box = [block_n // 16, 2, 4, 2, d]
-    return TensorDescriptor(k, [groups, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], box, _box_layout(tuple(box)))
-
-
-@functools.cache
-def _box_layout(box: tuple):
-    """The shared-memory layout of an e4m3 TMA box ``box``."""
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv)
+    box = (block_n // 16, 2, 4, 2, d)
+    return TensorDescriptor(k, [groups, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], list(box),
+                            _smem_layout(box, k.dtype))
 
 
 def _transposed_descriptor(v: torch.Tensor, d0: int, block_n: int):
@@ -417,7 +411,7 @@ def _transposed_descriptor(v: torch.Tensor, d0: int, block_n: int):
 
     vt = v.transpose(2, 3)
     return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d0, block_n],
-                            _smem_layout(d0, block_n, v.dtype))
+                            _smem_layout((1, 1, d0, block_n), v.dtype))
 
 
 def fp8_kernel(name: str) -> HopperConfig:

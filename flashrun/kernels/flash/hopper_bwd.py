@@ -369,7 +369,7 @@ def _per_call(q, k, v, do, lse, delta, dk, dv, dq, cfg: BwdConfig, out: bool, ad
         if t is None or not cols:
             return None
         block = [1, 1, rows, cols]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, hopper._smem_layout(rows, cols, t.dtype))
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, hopper._smem_layout(tuple(block), t.dtype))
 
     def row_desc(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_m], _row_layout())
@@ -732,7 +732,8 @@ def dq_launch_args(q, k, v, do, lse, delta, dq, sm_scale: float, causal: bool, c
     h_kv, n_k = k.shape[1], k.shape[2]
 
     def desc(t, rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], hopper._smem_layout(rows, d, t.dtype))
+        block = [1, 1, rows, d]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, hopper._smem_layout(tuple(block), t.dtype))
 
     grid = (cdiv(n_q, 64 * cfg.consumers), z * h)
     args = (desc(q, 64), desc(do, 64), desc(k, cfg.block_n), desc(v, cfg.block_n), lse, delta, dq,
