@@ -777,6 +777,54 @@ def test_an_fp8_kvcache_on_gpu(case, mode, v_keys):
     assert not failures, "; ".join(failures)
 
 
+# an e4m3 cache the Gluon decode kernel takes (head_dim 128, GQA groups of up to 16 rows, no variant):
+# (cache lengths, heads, kv heads, queries, dtype, page size, new keys) - ragged, empty, a key, a
+# block and one past it, pages of 1, 16, 48 and 256, appends
+GLUON_KV_CASES = [
+    ((1, 17, 97, 1025), 32, 8, 1, BF16, 0, 0),
+    ((0, 64, 8191, 65), 32, 8, 1, FP16, 16, 1),
+    ((5000, 1), 16, 2, 2, BF16, 48, 3),
+    ((130000,), 32, 8, 1, BF16, 1, 0),
+    ((777, 4096, 2), 16, 1, 1, FP16, 256, 2),
+]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "token"])
+@pytest.mark.parametrize("case", GLUON_KV_CASES, ids=lambda c: _case_id(c).replace(", ", "_"))
+def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode):
+    """hopper_decode_jit's kernel (its first-use check passed: the plan holds it) on an e4m3 cache,
+    judged on the dequantized cache as test_an_fp8_kvcache_on_gpu judges the portable kernel."""
+    import dataclasses
+
+    from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
+    from flashrun.harness.shapes import Shape, kvcache
+    from flashrun.kernels import flash_attention_with_kvcache
+    from flashrun.kernels.flash import decode
+    from flashrun.kernels.flash.hopper_decode_jit import _attn_decode_fp8
+
+    lengths, h, h_kv, n_q, dtype, page, new = case
+    shape = kvcache(Shape(1, h, h_kv, n_q, 1, 128, str(dtype)[6:], False), lengths, page, new)
+    inputs = make_inputs(shape, 0, "cuda")[0]
+    (k8, k_scale), (v8, v_scale) = to_e4m3(inputs.k, mode), to_e4m3(inputs.v, mode)
+    k_cache, v_cache = k8.clone(), v8.clone()
+    decode._plans.clear()
+    with _poisoned_allocations():
+        out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
+                                           v=inputs.v_new, block_table=inputs.block_table, k_scale=k_scale,
+                                           v_scale=v_scale)
+    assert [p.decode.kernel for key, p in decode._plans.items() if key[-1] == ()] == [_attn_decode_fp8], \
+        decode._gluon_checked
+    appended = {}
+    if new:
+        appended = {"k_new": as_cached(inputs.k_new, k_scale), "v_new": as_cached(inputs.v_new, v_scale)}
+    truth = dataclasses.replace(inputs, k=from_e4m3(k8, k_scale, dtype), v=from_e4m3(v8, v_scale, dtype), **appended)
+    checks = Reference.for_kvcache(truth, causal=False).judge(
+        out, None, POISON, cache=(from_e4m3(k_cache, k_scale, dtype), from_e4m3(v_cache, v_scale, dtype)))
+    torch.cuda.empty_cache()
+    failures = [c.reason() for c in checks if not c.passed]
+    assert not failures, "; ".join(failures)
+
+
 def test_decode_replays_from_a_cuda_graph_and_launches_lean():
     """flash_attention's decode path and the paged KV cache captured in one graph and replayed on
     new values give what eager calls give; after their first calls both launch their kept

@@ -584,3 +584,19 @@ def test_the_fp8_key_groups_put_every_key_where_p_v_reads_it():
         assert torch.equal(tau, (c // 16) * 16 + ((c // 2) % 4) * 4 + ((c // 8) % 2) * 2 + c % 2)  # _key_columns
         c_of_k = c.reshape(block_n // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(block_n)  # _p_operand
         assert torch.equal(tau[c_of_k], c)
+
+
+def test_the_fp8_decode_kernel_compiles_for_hopper(python):
+    """hopper_decode_jit's kernel compiles for sm_90 as the KV-cache API's plan launches it
+    (contiguous and paged caches, one scale and token scales, an append): its operand conversions
+    are asserted trivial in the kernel, so K and V reach the MMAs from the registers they were
+    loaded into; per launch 64 mma.sync and 128 e4m3 widenings (one 64-key block, unmasked and
+    masked), K by 16-byte loads (skips where this Triton cannot compile Gluon for sm_90)."""
+    result = python(str(Path(__file__).parent / "compile_decode.py"))
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    oks = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 5 and all("_attn_decode_fp8" in line for line in oks), oks
+    for line in oks:
+        assert " mma 64 " in line and " widen 128 " in line and " ld16 0 " not in line, line

@@ -101,6 +101,16 @@ FP8_DOT_F16 = True
 # A V cache whose keys are contiguous (memory (B or page, H_kv, D, keys), vLLM's value-cache
 # layout) is no transposed operand: Triton's cast reads it whole, without the float16 staging
 FP8_V_PTX = True
+# An fp8 cache at head_dim 128 with up to 16 rows and no variant on sm_90: hopper_decode_jit's Gluon
+# kernel, which reads K and V straight into the MMA operands' registers (the portable kernel moves
+# each byte through shared memory four times), once its first-use check agreed with the portable
+# kernel (hopper.first_use; FLASHRUN_HOPPER=0 turns it off with the other Gluon kernels)
+GLUON_FP8 = True
+# The Gluon kernel prefetching into L2 the key block this many ahead of the one it reads
+# (hopper_decode_jit's L2_AHEAD; 0: none)
+GLUON_L2_AHEAD = int(os.environ.get("FLASHRUN_DECODE_L2_AHEAD", "2"))
+PORTABLE_L2_AHEAD = int(os.environ.get("FLASHRUN_DECODE_L2_AHEAD_PORTABLE", "0"))  # the same for _attn_decode
+GLUON_MAXNREG = int(os.environ.get("FLASHRUN_DECODE_MAXNREG", "0"))  # 0: ptxas's choice
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
@@ -237,6 +247,7 @@ class _Plan:
     partials: tuple[int, int]  # float32 elements of O_PART and LSE_PART
     splits: int
     room: int  # cached keys a sequence may hold before the new ones (KV cache)
+    final: bool = True  # False: made while the Gluon kernel's first-use check was undecided (not kept)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_k: int, k_new=None, v_new=None,
             seqlens=None, block_table=None, alibi=None, scales=(None, None, None, None)
@@ -272,6 +283,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     tiles = cdiv(group * dims.n_q, bm)
     pairs = dims.batch * dims.kv_heads
     held = dims.kv_fp8 and dims.head_dim <= 128 and not INTERPRETED  # FP8_REGISTERS, FP8_WAVES
+    gluon = _gluon_route(dims, dtype, device, variant, bm)
     splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device, FP8_WAVES if held else None)
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale, dtype)
@@ -285,8 +297,16 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
             splits > 1, write_lse, var["CAUSAL"], var["WINDOW"], var["SOFTCAP"], var["ALIBI"],
             *dot_options(dtype).values(), _kv_fp8(dims, dtype), dims.scales is not None,
             dims.kv_fp8 and FP8_V_PTX and dims.v[1] != 1 and not INTERPRETED, pdl)
-    decode = _Launch(_attn_decode, (splits, tiles, pairs), tail,
-                     {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {})})
+    if gluon:
+        from flashrun.kernels.flash.hopper_decode_jit import NUM_WARPS, _attn_decode_fp8
+
+        decode = _Launch(_attn_decode_fp8, (splits, tiles, pairs), tail,
+                         {"num_warps": NUM_WARPS, "L2_AHEAD": GLUON_L2_AHEAD,
+                          **({"maxnreg": GLUON_MAXNREG} if GLUON_MAXNREG else {}), **({"launch_pdl": True} if pdl else {})})
+    else:
+        decode = _Launch(_attn_decode, (splits, tiles, pairs), tail,
+                         {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {}),
+                          **({"L2_AHEAD": PORTABLE_L2_AHEAD} if PORTABLE_L2_AHEAD and not INTERPRETED else {})})
     combine = None
     if splits > 1:
         cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)
@@ -297,7 +317,77 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     rows = pairs * tiles * splits * bm
     lse_shape = (dims.batch, dims.heads, dims.n_q) if write_lse else None
     return _Plan(decode, combine, dims.out, lse_shape, (rows * dims.head_dim, rows), splits,
-                 dims.capacity - dims.n_new)
+                 dims.capacity - dims.n_new, final=gluon is not None)
+
+
+_ROUTE: list[str] = []  # a forced route ("gluon" or "portable"): the first-use check's own calls
+_gluon_checked: dict[tuple, str | None] = {}  # (dtype, head_dim) -> hopper.first_use's verdict
+
+
+def _gluon_route(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: Variant, bm: int) -> bool | None:
+    """Whether a plan takes the Gluon fp8 kernel (:data:`GLUON_FP8`); None while its first-use
+    check is undecided (compiling in the background: the portable kernel runs meanwhile)."""
+    if _ROUTE:
+        return _ROUTE[-1] == "gluon"
+    from flashrun.kernels.flash import hopper
+
+    if not (GLUON_FP8 and dims.kv_fp8 and not INTERPRETED and device.type == "cuda" and dims.head_dim == 128
+            and bm == 16 and not variant.causal and variant.window is None and variant.softcap == 0
+            and variant.alibi_slopes is None and dims.k[3] == 1 and dims.v[3] == 1
+            and (dims.n_new == 0 or dims.new[3] == 1)):
+        return False
+    if (not hopper.ENABLED or hopper._disabled_by_env() or hopper._capability(device.index or 0) != (9, 0)
+            or hopper._api_reason()):
+        return False
+    return hopper.first_use(_gluon_checked, (dtype, dims.head_dim), lambda: _gluon_check(device, dtype),
+                            "fp8-cache decode")
+
+
+GLUON_CHECK_ATOL = {torch.float16: 8e-3, torch.bfloat16: 3e-2}  # as hopper.CHECK_ATOL (P rounds differently)
+
+
+def _gluon_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the Gluon fp8 kernel agrees with the portable one on small caches (contiguous and
+    pages of 16, one scale and token scales, ragged lengths, an appended key), else how not."""
+    from flashrun.kernels.tuning import compiling
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    b, h_kv, group, cap = 2, 2, 4, 320
+    q = torch.randn(b, 1, h_kv * group, 128, generator=gen).to(device=device, dtype=dtype)
+    new = [torch.randn(b, 1, h_kv, 128, generator=gen).to(device=device, dtype=dtype) for _ in range(2)]
+    lens = torch.tensor([300, 77], dtype=torch.int32, device=device)
+    kv = [torch.randn(b, cap, h_kv, 128, generator=gen).to(device) for _ in range(2)]
+    for paged in (False, True):
+        for token in (False, True):
+            k_cache, v_cache = (x.to(torch.float8_e4m3fn) for x in kv)
+            table = None
+            if paged:
+                k_cache, v_cache = (x.reshape(b * cap // 16, 16, h_kv, 128) for x in (k_cache, v_cache))
+                table = torch.arange(b * cap // 16, dtype=torch.int32, device=device).flip(0).reshape(b, -1)
+            scales = ({"k_scale": torch.rand(k_cache.shape[:3], generator=gen).to(device) + 0.5,
+                       "v_scale": torch.rand(k_cache.shape[:3], generator=gen).to(device) + 0.5}
+                      if token else {"k_scale": 0.7, "v_scale": 1.3})
+            outs = []
+            for route in ("gluon", "portable"):
+                _ROUTE.append(route)
+                try:
+                    outs.append(flash_attention_with_kvcache(q, k_cache, v_cache, lens, k=new[0], v=new[1],
+                                                             block_table=table, return_lse=True, **scales))
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                except Exception as exc:  # noqa: BLE001 - any failure turns the path off
+                    return f"the {route} kernel raised {type(exc).__name__}: {str(exc).strip()[-200:]}"
+                finally:
+                    _ROUTE.pop()
+            if compiling():
+                continue
+            (o, lse), (o_ref, lse_ref) = outs
+            err_o = (o.float() - o_ref.float()).abs().max().item()
+            err_l = (lse - lse_ref).abs().max().item()
+            if not (err_o <= GLUON_CHECK_ATOL[dtype] and err_l <= 1e-3):  # NaN fails too
+                return (f"disagrees with the portable kernel ({'pages of 16' if paged else 'contiguous'}, "
+                        f"{'token' if token else 'whole-cache'} scales: max |dO| {err_o:.3g}, max |dLSE| {err_l:.3g})")
+    return None
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -337,8 +427,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, var
     o_strides = _contiguous_strides(q.shape)
     dims = _Dims(batch, heads, k.shape[1], n_q, head_dim, order(q), order(k), order(v), tuple(q.shape),
                  (o_strides[0], o_strides[2], o_strides[1], o_strides[3]), keys=end - first)
-    return keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False,
-                                        write_lse=write_lse))
+    made = _make_plan(dims, q.dtype, q.device, variant, sm_scale, seqlens=False, write_lse=write_lse)
+    return keep(_plans, key, made) if made.final else made
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, variant: Variant,
@@ -585,15 +675,18 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         options = _hashable(options)  # (a bad value only has to fail its check, once)
     key = ("kvcache", *[_meta(t) if isinstance(t, torch.Tensor) else _hashable(t)
                         for t in (q, k_cache, v_cache, k, v, block_table, slopes, k_scale, v_scale)], options,
-           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int, bool(return_lse), PDL)
+           _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else int, bool(return_lse), PDL,
+           tuple(_ROUTE))
     plan = _plans.get(key)
     if plan is None:
         dims = _kvcache_dims(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
         # the mask folded as flash_attention folds it, against the longest a sequence can be
         variant = _variant(q.transpose(1, 2), dims.batch, dims.capacity, causal, window, softcap, alibi_slopes)
         scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
-        plan = keep(_plans, key, _make_plan(dims, q.dtype, q.device, variant, scale,
-                                          seqlens=isinstance(cache_seqlens, torch.Tensor), write_lse=bool(return_lse)))
+        plan = _make_plan(dims, q.dtype, q.device, variant, scale, seqlens=isinstance(cache_seqlens, torch.Tensor),
+                          write_lse=bool(return_lse))
+        if plan.final:
+            keep(_plans, key, plan)
     n_k = 0
     if isinstance(cache_seqlens, torch.Tensor):
         _check_in_cache(cache_seqlens, k_cache, 0 if k is None else k.shape[1], block_table)
