@@ -791,9 +791,10 @@ GLUON_KV_CASES = [
 
 @pytest.mark.parametrize("mode", ["tensor", "token"])
 @pytest.mark.parametrize("case", GLUON_KV_CASES, ids=lambda c: _case_id(c).replace(", ", "_"))
-def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode):
-    """hopper_decode_jit's kernel (its first-use check passed: the plan holds it) on an e4m3 cache,
-    judged on the dequantized cache as test_an_fp8_kvcache_on_gpu judges the portable kernel."""
+def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode, monkeypatch):
+    """hopper_decode_jit's kernel (its first-use check passed: the plan holds it; with token scales,
+    which the plan sends to the portable kernel, turned on) on an e4m3 cache, judged on the
+    dequantized cache as test_an_fp8_kvcache_on_gpu judges the portable kernel."""
     import dataclasses
 
     from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
@@ -803,6 +804,7 @@ def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode):
     from flashrun.kernels.flash.hopper_decode_jit import _attn_decode_fp8
 
     lengths, h, h_kv, n_q, dtype, page, new = case
+    monkeypatch.setattr(decode, "GLUON_TOKEN_SCALES", True)
     shape = kvcache(Shape(1, h, h_kv, n_q, 1, 128, str(dtype)[6:], False), lengths, page, new)
     inputs = make_inputs(shape, 0, "cuda")[0]
     (k8, k_scale), (v8, v_scale) = to_e4m3(inputs.k, mode), to_e4m3(inputs.v, mode)

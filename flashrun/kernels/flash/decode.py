@@ -106,10 +106,15 @@ FP8_V_PTX = True
 # each byte through shared memory four times), once its first-use check agreed with the portable
 # kernel (hopper.first_use; FLASHRUN_HOPPER=0 turns it off with the other Gluon kernels)
 GLUON_FP8 = True
+# ... and with token scales too: off, its per-block cross-warp maximum of V's scales and the
+# scales' loads ran it 1.1-1.3x slower than the portable kernel there (H100, decode-fp8 suite)
+GLUON_TOKEN_SCALES = False
 # The Gluon kernel prefetching into L2 the key block this many ahead of the one it reads
 # (hopper_decode_jit's L2_AHEAD; 0: none)
 GLUON_L2_AHEAD = int(os.environ.get("FLASHRUN_DECODE_L2_AHEAD", "2"))
 PORTABLE_L2_AHEAD = int(os.environ.get("FLASHRUN_DECODE_L2_AHEAD_PORTABLE", "0"))  # the same for _attn_decode
+GLUON_BLOCK_N = int(os.environ.get("FLASHRUN_DECODE_GLUON_BLOCK_N", "64"))  # its key block: 64 or 128
+GLUON_WAVES = int(os.environ.get("FLASHRUN_DECODE_GLUON_WAVES", str(FP8_WAVES)))  # its programs per SM
 GLUON_MAXNREG = int(os.environ.get("FLASHRUN_DECODE_MAXNREG", "0"))  # 0: ptxas's choice
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
@@ -284,7 +289,10 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     pairs = dims.batch * dims.kv_heads
     held = dims.kv_fp8 and dims.head_dim <= 128 and not INTERPRETED  # FP8_REGISTERS, FP8_WAVES
     gluon = _gluon_route(dims, dtype, device, variant, bm)
-    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device, FP8_WAVES if held else None)
+    if gluon:
+        cfg = replace(cfg, block_n=GLUON_BLOCK_N)
+    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device,
+                        GLUON_WAVES if gluon else FP8_WAVES if held else None)
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale, dtype)
     pdl = _pdl(device)
@@ -334,7 +342,7 @@ def _gluon_route(dims: _Dims, dtype: torch.dtype, device: torch.device, variant:
     if not (GLUON_FP8 and dims.kv_fp8 and not INTERPRETED and device.type == "cuda" and dims.head_dim == 128
             and bm == 16 and not variant.causal and variant.window is None and variant.softcap == 0
             and variant.alibi_slopes is None and dims.k[3] == 1 and dims.v[3] == 1
-            and (dims.n_new == 0 or dims.new[3] == 1)):
+            and (dims.n_new == 0 or dims.new[3] == 1) and (dims.scales is None or GLUON_TOKEN_SCALES)):
         return False
     if (not hopper.ENABLED or hopper._disabled_by_env() or hopper._capability(device.index or 0) != (9, 0)
             or hopper._api_reason()):

@@ -28,15 +28,19 @@ per key and kv head, appended keys, split keys as the portable kernel splits the
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+constexpr_function = triton.constexpr_function
 
 LOG2E_C = gl.constexpr(1.4426950408889634)
 # a CTA-wide barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later releases
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 BLOCK_M = 16  # the rows a program takes (mma.sync's M)
-BLOCK_N = 64  # keys per block
+BLOCK_N = 64  # keys per block (or 128: BLOCK_NS)
+BLOCK_NS = (64, 128)
 HEAD_DIM = 128
 NUM_WARPS = 4
 
@@ -45,51 +49,58 @@ NUM_WARPS = 4
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
 _A = gl.DotOperandLayout(0, _MMA, 2)
 _B = gl.DotOperandLayout(1, _MMA, 2)
-# K as read, (key, head-dim column): a thread's registers run along 32 consecutive columns; after
-# _k_operand's relabelling it is Kᵀ in _B's layout, register for register
-_K_LOAD = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [32, 0]],
-    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[BLOCK_N, HEAD_DIM])
-# V as read: a thread's first registers are four consecutive columns of a key; after _v_operand's
-# relabelling it is V in _B's layout (the same registers in another order)
-_V_LOAD = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
-    warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[BLOCK_N, HEAD_DIM])
+
+
+@constexpr_function
+def _k_load(block_n):
+    """K as read, (key, head-dim column): a thread's registers run along 32 consecutive columns;
+    after _k_operand's relabelling it is Kᵀ in _B's layout, register for register."""
+    keys = [[32, 0]] + ([[64, 0]] if block_n == 128 else [])
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], *keys],
+                                      lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[block_n, HEAD_DIM])
+
+
+@constexpr_function
+def _v_load(block_n):
+    """V as read: a thread's first registers are four consecutive columns of a key; after
+    _v_operand's relabelling it is V in _B's layout (the same registers in another order)."""
+    keys = [[32, 0]] + ([[64, 0]] if block_n == 128 else [])
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], *keys],
+                                      lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+                                      warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[block_n, HEAD_DIM])
+
+
 # Q as read and O as written (a few rows, once a program)
 _ROWS = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1], order=[1, 0])
 _PREFETCH = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
 _APPEND = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1], order=[1, 0])
 
 BM_C = gl.constexpr(BLOCK_M)
-BN_C = gl.constexpr(BLOCK_N)
 D_C = gl.constexpr(HEAD_DIM)
 MMA_C = gl.constexpr(_MMA)
 A_C = gl.constexpr(_A)
 B_C = gl.constexpr(_B)
-K_LOAD_C = gl.constexpr(_K_LOAD)
-V_LOAD_C = gl.constexpr(_V_LOAD)
 ROWS_C = gl.constexpr(_ROWS)
 APPEND_C = gl.constexpr(_APPEND)
 PREFETCH_C = gl.constexpr(_PREFETCH)
 
 
 @gluon.jit
-def _k_operand(k):
-    """K's tile (BN_C, 128) as read (_K_LOAD, e4m3) -> Kᵀ (128, BN_C) float16 in _B, its
+def _k_operand(k, BN: gl.constexpr):
+    """K's tile (BN, 128) as read (_K_LOAD, e4m3) -> Kᵀ (128, BN) float16 in _B, its
     rows in the relabelled head-dim order (column 32a + 4b + 2c + e is row 16b + 8c + 2a + e)."""
     k = k.to(gl.float16)
-    k = k.reshape([BN_C, 4, 8, 2, 2]).permute(0, 2, 3, 1, 4).reshape([BN_C, D_C]).permute(1, 0)
+    k = k.reshape([BN, 4, 8, 2, 2]).permute(0, 2, 3, 1, 4).reshape([BN, D_C]).permute(1, 0)
     return gl.convert_layout(k, B_C, assert_trivial=True)
 
 
 @gluon.jit
-def _v_operand(v):
-    """V's tile (BN_C, 128) as read (_V_LOAD, e4m3) -> float16 in _B, its columns in the
+def _v_operand(v, BN: gl.constexpr):
+    """V's tile (BN, 128) as read (_V_LOAD, e4m3) -> float16 in _B, its columns in the
     relabelled order (head-dim column 32w + 4g + r is column 32r + 8w + g)."""
     v = v.to(gl.float16)
-    v = v.reshape([BN_C, 4, 8, 4]).permute(0, 3, 1, 2).reshape([BN_C, D_C])
+    v = v.reshape([BN, 4, 8, 4]).permute(0, 3, 1, 2).reshape([BN, D_C])
     return gl.convert_layout(v, B_C, assert_trivial=True)
 
 
@@ -97,7 +108,7 @@ def _v_operand(v):
 def _rows_of(PAGES, start_n, keys, limit, stride_z, stride_n, PAGE_SIZE: gl.constexpr, ONE_PAGE: gl.constexpr):
     """Element offsets of keys ``start_n + keys`` (those below ``limit``; the rest 0) in a
     contiguous cache (from the sequence's start) or a paged one (PAGES: the block table row).
-    ONE_PAGE: the keys lie in one page (a block starting on a multiple of BN_C, which divides
+    ONE_PAGE: the keys lie in one page (a block starting on a multiple of BN, which divides
     PAGE_SIZE)."""
     cols = start_n + keys
     if PAGE_SIZE > 0:
@@ -111,20 +122,20 @@ def _rows_of(PAGES, start_n, keys, limit, stride_z, stride_n, PAGE_SIZE: gl.cons
 
 @gluon.jit
 def _load_block(K, V, K_SCALE, V_SCALE, PAGES, start_n, limit, stride_kz, stride_kn, stride_vz, stride_vn,
-                stride_sz, stride_sn, PAGE_SIZE: gl.constexpr, TOKEN_SCALES: gl.constexpr):
-    """Keys [start_n, start_n + BN_C) below ``limit`` (others zero): K in _K_LOAD, V in
+                stride_sz, stride_sn, BN: gl.constexpr, PAGE_SIZE: gl.constexpr, TOKEN_SCALES: gl.constexpr):
+    """Keys [start_n, start_n + BN) below ``limit`` (others zero): K in _K_LOAD, V in
     _V_LOAD, e4m3 as stored; with TOKEN_SCALES their scales along S's columns (0 past ``limit``)."""
-    keys = gl.arange(0, BN_C, gl.SliceLayout(1, K_LOAD_C))
-    cols = gl.arange(0, D_C, gl.SliceLayout(0, K_LOAD_C))
-    at = _rows_of(PAGES, start_n, keys, limit, stride_kz, stride_kn, PAGE_SIZE, PAGE_SIZE % BN_C == 0)
+    keys = gl.arange(0, BN, gl.SliceLayout(1, _k_load(BN)))
+    cols = gl.arange(0, D_C, gl.SliceLayout(0, _k_load(BN)))
+    at = _rows_of(PAGES, start_n, keys, limit, stride_kz, stride_kn, PAGE_SIZE, PAGE_SIZE % BN == 0)
     k = gl.load(K + at[:, None] + cols[None, :], mask=(start_n + keys < limit)[:, None], other=0.0)
-    keys = gl.arange(0, BN_C, gl.SliceLayout(1, V_LOAD_C))
-    cols = gl.arange(0, D_C, gl.SliceLayout(0, V_LOAD_C))
-    at = _rows_of(PAGES, start_n, keys, limit, stride_vz, stride_vn, PAGE_SIZE, PAGE_SIZE % BN_C == 0)
+    keys = gl.arange(0, BN, gl.SliceLayout(1, _v_load(BN)))
+    cols = gl.arange(0, D_C, gl.SliceLayout(0, _v_load(BN)))
+    at = _rows_of(PAGES, start_n, keys, limit, stride_vz, stride_vn, PAGE_SIZE, PAGE_SIZE % BN == 0)
     v = gl.load(V + at[:, None] + cols[None, :], mask=(start_n + keys < limit)[:, None], other=0.0)
     if TOKEN_SCALES:
-        keys = gl.arange(0, BN_C, gl.SliceLayout(0, MMA_C))
-        at = _rows_of(PAGES, start_n, keys, limit, stride_sz, stride_sn, PAGE_SIZE, PAGE_SIZE % BN_C == 0)
+        keys = gl.arange(0, BN, gl.SliceLayout(0, MMA_C))
+        at = _rows_of(PAGES, start_n, keys, limit, stride_sz, stride_sn, PAGE_SIZE, PAGE_SIZE % BN == 0)
         k_scale = gl.load(K_SCALE + at, mask=start_n + keys < limit, other=0.0)
         v_scale = gl.load(V_SCALE + at, mask=start_n + keys < limit, other=0.0)
     else:
@@ -134,32 +145,33 @@ def _load_block(K, V, K_SCALE, V_SCALE, PAGES, start_n, limit, stride_kz, stride
 
 
 @gluon.jit
-def _prefetch_l2(K, V, PAGES, start_n, limit, stride_kz, stride_kn, stride_vz, stride_vn, PAGE_SIZE: gl.constexpr):
+def _prefetch_l2(K, V, PAGES, start_n, limit, stride_kz, stride_kn, stride_vz, stride_vn, BN: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr):
     """prefetch.global.L2 of the K and V rows of keys [start_n, start_n + BLOCK_N) below ``limit``:
     one 128-byte row a thread, no register kept (the loads that read them later hit L2)."""
-    j = gl.arange(0, 2 * BN_C, PREFETCH_C)
-    keys = j % BN_C
-    k_at = _rows_of(PAGES, start_n, keys, limit, stride_kz, stride_kn, PAGE_SIZE, PAGE_SIZE % BN_C == 0)
-    v_at = _rows_of(PAGES, start_n, keys, limit, stride_vz, stride_vn, PAGE_SIZE, PAGE_SIZE % BN_C == 0)
-    rows = gl.where(j < BN_C, K + k_at, V + v_at)
+    j = gl.arange(0, 2 * BN, PREFETCH_C)
+    keys = j % BN
+    k_at = _rows_of(PAGES, start_n, keys, limit, stride_kz, stride_kn, PAGE_SIZE, PAGE_SIZE % BN == 0)
+    v_at = _rows_of(PAGES, start_n, keys, limit, stride_vz, stride_vn, PAGE_SIZE, PAGE_SIZE % BN == 0)
+    rows = gl.where(j < BN, K + k_at, V + v_at)
     ok = (start_n + keys < limit).to(gl.int32)
     gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $1, 0; @p prefetch.global.L2 [$2]; mov.u32 $0, 0; }",
                               "=r,r,l", [ok, rows], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _block(acc, l_i, m_i, v_unit, q, k, v, k_scale, v_scale, start_n, n_k, qk_scale, MASKED: gl.constexpr,
-           TOKEN_SCALES: gl.constexpr):
+def _block(acc, l_i, m_i, v_unit, q, k, v, k_scale, v_scale, start_n, n_k, qk_scale, BN: gl.constexpr,
+           MASKED: gl.constexpr, TOKEN_SCALES: gl.constexpr):
     """One block of keys into the rows' running softmax (the portable kernel's _decode_inner,
     without the variants): S = Q Kᵀ, token scales on S's and P's columns (P over the block's
     largest V scale, the accumulator in units of it: ``v_unit``), O += P V in float16. ``l_i``
     holds each row's sum per column of S (summed over the columns once, after the loop: a sum
     across the warps per block would cost a shared-memory round trip)."""
-    s = mma_v2(q, _k_operand(k), gl.zeros([BM_C, BN_C], gl.float32, MMA_C))
+    s = mma_v2(q, _k_operand(k, BN), gl.zeros([BM_C, BN], gl.float32, MMA_C))
     if TOKEN_SCALES:
         s = s * k_scale[None, :]
     if MASKED:
-        keys = start_n + gl.arange(0, BN_C, gl.SliceLayout(0, MMA_C))
+        keys = start_n + gl.arange(0, BN, gl.SliceLayout(0, MMA_C))
         s = gl.where((keys < n_k)[None, :], s * qk_scale, float("-inf"))
         m_ij = gl.maximum(m_i, gl.max(s, 1))
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -177,7 +189,7 @@ def _block(acc, l_i, m_i, v_unit, q, k, v, k_scale, v_scale, start_n, n_k, qk_sc
         p = p * (v_scale * (1.0 / v_top))[None, :]
         v_unit = v_top
     acc = acc * alpha[:, None]
-    acc = mma_v2(gl.convert_layout(p.to(gl.float16), A_C), _v_operand(v), acc)
+    acc = mma_v2(gl.convert_layout(p.to(gl.float16), A_C), _v_operand(v, BN), acc)
     return acc, l_i, m_ij, v_unit
 
 
@@ -242,7 +254,7 @@ def _attn_decode_fp8(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, 
     arguments, partials and outputs), restricted to what the module docstring says: both head
     dims' strides 1 (K, V, K_NEW, V_NEW), no variant. Queries enter float16 (bfloat16 ones times
     qk_scale over a power of two, as _queries_f16 does; float16 ones as they are)."""
-    gl.static_assert(BLOCK_M == BM_C and BLOCK_N == BN_C and HEAD_DIM == D_C and BLOCK_D1 == 0)
+    gl.static_assert(BLOCK_M == BM_C and (BLOCK_N == 64 or BLOCK_N == 128) and HEAD_DIM == D_C and BLOCK_D1 == 0)
     gl.static_assert(not (CAUSAL or WINDOW or SOFTCAP or ALIBI))
     if PDL:
         _gdc_wait()
@@ -261,10 +273,10 @@ def _attn_decode_fp8(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, 
         past = False
     n_k = n_cache + N_NEW
     hi = gl.where(past, 0, n_k)
-    chunk = gl.cdiv(gl.cdiv(hi, SPLITS), BN_C) * BN_C
+    chunk = gl.cdiv(gl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
     k_lo = split * chunk
     k_hi = gl.minimum(k_lo + chunk, hi)
-    k_mid = gl.maximum(k_lo, k_lo + ((k_hi - k_lo) // BN_C) * BN_C)  # [k_lo, k_mid): whole blocks
+    k_mid = gl.maximum(k_lo, k_lo + ((k_hi - k_lo) // BLOCK_N) * BLOCK_N)  # [k_lo, k_mid): whole blocks
 
     # the queries: read once, float16, columns relabelled for _k_operand, in the A operand's layout
     rows = tile * BM_C + gl.arange(0, BM_C, gl.SliceLayout(1, ROWS_C))
@@ -311,27 +323,26 @@ def _attn_decode_fp8(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, 
         _barrier()  # the program's own copies are visible to all its threads
 
     m_i = gl.full([BM_C], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_C))
-    l_i = gl.zeros([BM_C, BN_C], gl.float32, MMA_C)
+    l_i = gl.zeros([BM_C, BLOCK_N], gl.float32, MMA_C)
     v_unit = 1.0
     acc = gl.zeros([BM_C, D_C], gl.float32, MMA_C)
     # whole blocks; L2_AHEAD: the lines of the block that many ahead prefetched into L2 meanwhile
     for ahead in gl.static_range(1, L2_AHEAD):
-        _prefetch_l2(k_src, v_src, pages, k_lo + ahead * BN_C, k_hi, stride_kz, stride_kn, stride_vz, stride_vn,
-                     PAGE_SIZE)
-    for start_n in range(k_lo, k_mid, BN_C):
+        _prefetch_l2(k_src, v_src, pages, k_lo + ahead * BLOCK_N, k_hi, stride_kz, stride_kn, stride_vz, stride_vn,
+                     BLOCK_N, PAGE_SIZE)
+    for start_n in range(k_lo, k_mid, BLOCK_N):
         if L2_AHEAD > 0:
-            _prefetch_l2(k_src, v_src, pages, start_n + L2_AHEAD * BN_C, k_hi, stride_kz, stride_kn, stride_vz,
-                         stride_vn, PAGE_SIZE)
+            _prefetch_l2(k_src, v_src, pages, start_n + L2_AHEAD * BLOCK_N, k_hi, stride_kz, stride_kn, stride_vz,
+                         stride_vn, BLOCK_N, PAGE_SIZE)
         k, v, ks, vs = _load_block(k_src, v_src, k_scales, v_scales, pages, start_n, k_mid, stride_kz, stride_kn,
-                                   stride_vz, stride_vn, stride_sz, stride_sn, PAGE_SIZE, TOKEN_SCALES)
+                                   stride_vz, stride_vn, stride_sz, stride_sn, BLOCK_N, PAGE_SIZE, TOKEN_SCALES)
         acc, l_i, m_i, v_unit = _block(acc, l_i, m_i, v_unit, q, k, v, ks, vs, start_n, n_k, qk_scale,
-                                       False, TOKEN_SCALES)
+                                       BLOCK_N, False, TOKEN_SCALES)
     if k_mid < k_hi:  # the ragged end
-        k, v, ks, vs = _load_block(k_src, v_src, k_scales, v_scales, pages, k_mid, n_k, stride_kz,
-                                             stride_kn, stride_vz, stride_vn, stride_sz, stride_sn, PAGE_SIZE,
-                                             TOKEN_SCALES)
+        k, v, ks, vs = _load_block(k_src, v_src, k_scales, v_scales, pages, k_mid, n_k, stride_kz, stride_kn,
+                                   stride_vz, stride_vn, stride_sz, stride_sn, BLOCK_N, PAGE_SIZE, TOKEN_SCALES)
         acc, l_i, m_i, v_unit = _block(acc, l_i, m_i, v_unit, q, k, v, ks, vs, k_mid, n_k, qk_scale,
-                                       True, TOKEN_SCALES)
+                                       BLOCK_N, True, TOKEN_SCALES)
 
     # -- epilogue: as _attn_decode's; O's columns back in head-dim order by the store's addresses --
     l_i = gl.sum(l_i, 1)
