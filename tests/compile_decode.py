@@ -2,7 +2,7 @@
 Hopper GPU on a machine without one, as the KV-cache API's plan launches it: contiguous and paged
 (pages of 16 and 64) caches, one scale and token scales, bf16 and fp16 queries, an append. Per
 launch: what the PTX holds (mma.sync, 16-byte and 4-byte global loads, shared-memory traffic, the
-e4m3 widenings, L2 prefetches) and the registers and spills ptxas reports. The kernel asserts its
+e4m3 widenings) and the registers and spills ptxas reports. The kernel asserts its
 operand conversions trivial, so a layout that would move data fails to compile here.
 
     python tests/compile_decode.py
@@ -35,7 +35,7 @@ LAUNCHES = [
     ("pages64 fp16", 64, False, torch.float16, 0),
 ]
 COUNTS = {"mma": r"mma\.sync", "ld16": r"ld\.global\.v4\.b32", "ld4": r"ld\.global\.b32", "lds": r"ld\.shared",
-          "sts": r"st\.shared", "widen": r"cvt\.rn\.f16x2\.e4m3x2", "prefetch": r"prefetch\.global\.L2"}
+          "sts": r"st\.shared", "widen": r"cvt\.rn\.f16x2\.e4m3x2"}
 
 
 class _Captured:

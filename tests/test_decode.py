@@ -190,8 +190,7 @@ def test_plans_are_cached_and_launch_every_parameter():
     plan = decode.plan(q, k, v, 16 ** -0.5, flash.Variant())
     # the lean launch passes the per-call arguments, then the tail, in the kernel's parameter order
     assert plan.splits > 1 and plan.combine is not None
-    # 13 + an fp8 cache's 4 scale tensors; L2_AHEAD, a launch option, last
-    assert 17 + len(plan.decode.tail) + 1 == len(_attn_decode.arg_names)
+    assert 17 + len(plan.decode.tail) == len(_attn_decode.arg_names)  # 13 + an fp8 cache's 4 scale tensors
     assert 4 + len(plan.combine.tail) == len(_attn_decode_combine.arg_names)
     # the combine: a program per (row, batch and kv head, column block of the head dim)
     assert plan.combine.grid == (2, 2, 1)  # a group of 2 rows, 1 x 2 (batch, kv head) pairs, all 16 columns

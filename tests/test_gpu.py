@@ -792,9 +792,10 @@ GLUON_KV_CASES = [
 @pytest.mark.parametrize("mode", ["tensor", "token"])
 @pytest.mark.parametrize("case", GLUON_KV_CASES, ids=lambda c: _case_id(c).replace(", ", "_"))
 def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode, monkeypatch):
-    """hopper_decode_jit's kernel (its first-use check passed: the plan holds it; with token scales,
-    which the plan sends to the portable kernel, turned on) on an e4m3 cache, judged on the
-    dequantized cache as test_an_fp8_kvcache_on_gpu judges the portable kernel."""
+    """hopper_decode_jit's kernel, turned on (FLASHRUN_DECODE_GLUON=1; with token scales, which the
+    plan sends to the portable kernel, too), on an e4m3 cache: its first-use check passed (the plan
+    holds it), judged on the dequantized cache as test_an_fp8_kvcache_on_gpu judges the portable
+    kernel."""
     import dataclasses
 
     from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
@@ -804,6 +805,7 @@ def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode, monkeypatch):
     from flashrun.kernels.flash.hopper_decode_jit import _attn_decode_fp8
 
     lengths, h, h_kv, n_q, dtype, page, new = case
+    monkeypatch.setattr(decode, "GLUON_FP8", True)
     monkeypatch.setattr(decode, "GLUON_TOKEN_SCALES", True)
     shape = kvcache(Shape(1, h, h_kv, n_q, 1, 128, str(dtype)[6:], False), lengths, page, new)
     inputs = make_inputs(shape, 0, "cuda")[0]

@@ -101,21 +101,15 @@ FP8_DOT_F16 = True
 # A V cache whose keys are contiguous (memory (B or page, H_kv, D, keys), vLLM's value-cache
 # layout) is no transposed operand: Triton's cast reads it whole, without the float16 staging
 FP8_V_PTX = True
-# An fp8 cache at head_dim 128 with up to 16 rows and no variant on sm_90: hopper_decode_jit's Gluon
-# kernel, which reads K and V straight into the MMA operands' registers (the portable kernel moves
-# each byte through shared memory four times), once its first-use check agreed with the portable
-# kernel (hopper.first_use; FLASHRUN_HOPPER=0 turns it off with the other Gluon kernels)
-GLUON_FP8 = True
+# An fp8 cache at head_dim 128, one scale, up to 16 rows and no variant on sm_90 may run
+# hopper_decode_jit's Gluon kernel, which reads K and V straight into the MMA operands' registers
+# (the portable kernel moves each byte through shared memory four times), once its first-use check
+# agreed with the portable kernel. Off unless FLASHRUN_DECODE_GLUON=1 at import: on the H100 it
+# ran as fast as the portable kernel, no faster (the decode-fp8-gluon-h100 claim)
+GLUON_FP8 = os.environ.get("FLASHRUN_DECODE_GLUON", "").strip().lower() in ("1", "true", "on", "yes")
 # ... and with token scales too: off, its per-block cross-warp maximum of V's scales and the
-# scales' loads ran it 1.1-1.3x slower than the portable kernel there (H100, decode-fp8 suite)
+# scales' loads ran it 1.1-1.3x slower than the portable kernel there
 GLUON_TOKEN_SCALES = False
-# The Gluon kernel prefetching into L2 the key block this many ahead of the one it reads
-# (hopper_decode_jit's L2_AHEAD; 0: none)
-GLUON_L2_AHEAD = int(os.environ.get("FLASHRUN_DECODE_L2_AHEAD", "2"))
-PORTABLE_L2_AHEAD = int(os.environ.get("FLASHRUN_DECODE_L2_AHEAD_PORTABLE", "0"))  # the same for _attn_decode
-GLUON_BLOCK_N = int(os.environ.get("FLASHRUN_DECODE_GLUON_BLOCK_N", "64"))  # its key block: 64 or 128
-GLUON_WAVES = int(os.environ.get("FLASHRUN_DECODE_GLUON_WAVES", str(FP8_WAVES)))  # its programs per SM
-GLUON_MAXNREG = int(os.environ.get("FLASHRUN_DECODE_MAXNREG", "0"))  # 0: ptxas's choice
 COMBINE_TILE = 8192  # partial elements the combine merges per step (splits x columns; 64 registers a thread)
 COMBINE_MIN_COLS = 32  # the narrowest column block a combine program takes
 
@@ -289,10 +283,7 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
     pairs = dims.batch * dims.kv_heads
     held = dims.kv_fp8 and dims.head_dim <= 128 and not INTERPRETED  # FP8_REGISTERS, FP8_WAVES
     gluon = _gluon_route(dims, dtype, device, variant, bm)
-    if gluon:
-        cfg = replace(cfg, block_n=GLUON_BLOCK_N)
-    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device,
-                        GLUON_WAVES if gluon else FP8_WAVES if held else None)
+    splits = num_splits(pairs * tiles, dims.keys, cfg.block_n, device, FP8_WAVES if held else None)
     d0, d1 = _split_head_dim(dims.head_dim)
     var = variant.kernel_args(sm_scale, dtype)
     pdl = _pdl(device)
@@ -309,12 +300,10 @@ def _make_plan(dims: _Dims, dtype: torch.dtype, device: torch.device, variant: V
         from flashrun.kernels.flash.hopper_decode_jit import NUM_WARPS, _attn_decode_fp8
 
         decode = _Launch(_attn_decode_fp8, (splits, tiles, pairs), tail,
-                         {"num_warps": NUM_WARPS, "L2_AHEAD": GLUON_L2_AHEAD,
-                          **({"maxnreg": GLUON_MAXNREG} if GLUON_MAXNREG else {}), **({"launch_pdl": True} if pdl else {})})
+                         {"num_warps": NUM_WARPS, **({"launch_pdl": True} if pdl else {})})
     else:
         decode = _Launch(_attn_decode, (splits, tiles, pairs), tail,
-                         {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {}),
-                          **({"L2_AHEAD": PORTABLE_L2_AHEAD} if PORTABLE_L2_AHEAD and not INTERPRETED else {})})
+                         {**_options(cfg, pdl), **({"maxnreg": FP8_REGISTERS} if held else {})})
     combine = None
     if splits > 1:
         cols = combine_cols(group * dims.n_q * pairs, dims.head_dim, device)

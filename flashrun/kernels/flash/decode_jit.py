@@ -107,19 +107,6 @@ def _widen(x, dtype: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(K, V, PAGES, start_n, n_k, stride_kz, stride_kn, stride_vz, stride_vn, BLOCK_N: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr):
-    """prefetch.global.L2 of the first 128 bytes of the K and V rows of keys [start_n, start_n +
-    BLOCK_N) below n_k (compiled code only): the loads that read them later hit L2."""
-    j = tl.arange(0, 2 * BLOCK_N)
-    cols = start_n + j % BLOCK_N
-    page, slot = _slots(PAGES, start_n, cols, n_k, PAGE_SIZE, True, False)
-    rows = tl.where(j < BLOCK_N, K + page * stride_kz + slot * stride_kn, V + page * stride_vz + slot * stride_vn)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $1, 0; @p prefetch.global.L2 [$2]; mov.u32 $0, 0; }",
-                              "=r,r,l", [(cols < n_k).to(tl.int32), rows], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _queries_f16(q0, q1, qk_scale, BLOCK_D1: tl.constexpr):
     """(q0, q1, r): the tile's queries times ``qk_scale`` in float16, divided by the power of two r
     that puts their largest magnitude near 2**14 (an exact scaling: no overflow, no digits lost
@@ -171,8 +158,7 @@ def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, K_SCALE, V_SCALE, 
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, V_PTX: tl.constexpr,
-                  L2_AHEAD: tl.constexpr = 0):
+                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, V_PTX: tl.constexpr):
     """Keys [lo, hi) of one sequence and kv head into the running softmax of the tile's rows
     (``offs_i``: each row's query). K, V point at the kv head (and the sequence, contiguous
     cache); PAGES at the sequence's block table row (paged cache). KV_FP8: the cache holds fp8,
@@ -187,9 +173,6 @@ def _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, K, V, K_SCALE, V_SCALE, 
     offs_n = tl.arange(0, BLOCK_N)
     shift = n_k - N_Q  # bottom-right alignment: query i faces key i + shift
     for start_n in tl.range(lo, hi, BLOCK_N):
-        if L2_AHEAD > 0:
-            _prefetch_l2(K, V, PAGES, start_n + L2_AHEAD * BLOCK_N, tl.minimum(hi, n_k), stride_kz, stride_kn,
-                         stride_vz, stride_vn, BLOCK_N, PAGE_SIZE)
         cols = start_n + offs_n
         page, slot = _slots(PAGES, start_n, cols, n_k, PAGE_SIZE, MASKED, PAGE_SIZE % BLOCK_N == 0)
         k_rows = K + page * stride_kz + slot * stride_kn
@@ -275,7 +258,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                  SEQLENS: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                 V_PTX: tl.constexpr, PDL: tl.constexpr, L2_AHEAD: tl.constexpr = 0):
+                 V_PTX: tl.constexpr, PDL: tl.constexpr):
     """Program (split, row tile, batch * H_KV + kv head). Q and O are addressed as (batch, query,
     head, dim) through their strides, K and V as (batch or page, key, kv head, dim). The
     sequence holds N_K cached keys (or CACHE_SEQLENS[batch]) and N_NEW appended ones (APPEND).
@@ -396,7 +379,7 @@ def _attn_decode(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, ALIB
                                          stride_sz, stride_sn, offs_i, qk_scale, softcap2, slope2, win_left,
                                          win_right, BLOCK_N, HEAD_DIM, BLOCK_D0, BLOCK_D1, PAGE_SIZE, False,
                                          CAUSAL, WINDOW, SOFTCAP, ALIBI, UPCAST, PRECISION, KV_FP8,
-                                         TOKEN_SCALES, V_PTX, L2_AHEAD)
+                                             TOKEN_SCALES, V_PTX)
     # stage 2: the causal diagonal or the window's right edge, and the ragged end - masked
     acc0, acc1, l_i, m_i, v_unit = _decode_inner(acc0, acc1, l_i, m_i, v_unit, q0, q1, k_src, v_src, k_scales,
                                          v_scales, pages, tl.maximum(k_lo, mid_hi), k_hi, n_k, N_Q,

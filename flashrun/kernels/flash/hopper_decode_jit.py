@@ -20,11 +20,17 @@ loads of V) *and*, after widening to float16, are exactly the MMA operands' regi
   operand layout is asserted trivial (a register renaming), so a change that would move data
   fails to compile instead of running slower.
 
-Shared memory carries only what crosses warps: the rows' maxima and P (2 KB a block). The loop
-prefetches the next block's K and V into registers while this one is computed. What runs here:
-16 rows (GQA group x queries), head_dim 128, no causal mask, window, softcap or ALiBi (the plan
-sends those to the portable kernel); contiguous or paged caches, a scale for the whole cache or one
-per key and kv head, appended keys, split keys as the portable kernel splits them."""
+Shared memory carries only what crosses warps: the rows' maxima and P (2 KB a block). What runs
+here: 16 rows (GQA group x queries), head_dim 128, no causal mask, window, softcap or ALiBi (the
+plan sends those to the portable kernel); contiguous or paged caches, a scale for the whole cache
+or one per key and kv head, appended keys, split keys as the portable kernel splits them.
+
+Measured on an H100 (the decode-fp8-gluon-h100 claim) it is as fast as the portable kernel, no
+faster: both reach about three quarters of the copy roof, so the shared-memory round trips were not
+what holds an fp8 cache below bf16's 94 %. It is off unless ``FLASHRUN_DECODE_GLUON=1``
+(:data:`flashrun.kernels.flash.decode.GLUON_FP8`). Tried on top and slower: the next block read
+into registers while this one is computed (two programs an SM instead of four), 128-key blocks, an
+L2 prefetch of the block two or four ahead."""
 
 from __future__ import annotations
 
@@ -39,8 +45,7 @@ LOG2E_C = gl.constexpr(1.4426950408889634)
 # a CTA-wide barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later releases
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 BLOCK_M = 16  # the rows a program takes (mma.sync's M)
-BLOCK_N = 64  # keys per block (or 128: BLOCK_NS)
-BLOCK_NS = (64, 128)
+BLOCK_N = 64  # keys per block
 HEAD_DIM = 128
 NUM_WARPS = 4
 
@@ -55,8 +60,7 @@ _B = gl.DotOperandLayout(1, _MMA, 2)
 def _k_load(block_n):
     """K as read, (key, head-dim column): a thread's registers run along 32 consecutive columns;
     after _k_operand's relabelling it is Kᵀ in _B's layout, register for register."""
-    keys = [[32, 0]] + ([[64, 0]] if block_n == 128 else [])
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], *keys],
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [32, 0]],
                                       lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[block_n, HEAD_DIM])
 
@@ -65,25 +69,23 @@ def _k_load(block_n):
 def _v_load(block_n):
     """V as read: a thread's first registers are four consecutive columns of a key; after
     _v_operand's relabelling it is V in _B's layout (the same registers in another order)."""
-    keys = [[32, 0]] + ([[64, 0]] if block_n == 128 else [])
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], *keys],
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
                                       lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
                                       warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[block_n, HEAD_DIM])
 
 
 # Q as read and O as written (a few rows, once a program)
 _ROWS = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1], order=[1, 0])
-_PREFETCH = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
 _APPEND = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1], order=[1, 0])
 
 BM_C = gl.constexpr(BLOCK_M)
+BLOCK_N_C = gl.constexpr(BLOCK_N)
 D_C = gl.constexpr(HEAD_DIM)
 MMA_C = gl.constexpr(_MMA)
 A_C = gl.constexpr(_A)
 B_C = gl.constexpr(_B)
 ROWS_C = gl.constexpr(_ROWS)
 APPEND_C = gl.constexpr(_APPEND)
-PREFETCH_C = gl.constexpr(_PREFETCH)
 
 
 @gluon.jit
@@ -142,21 +144,6 @@ def _load_block(K, V, K_SCALE, V_SCALE, PAGES, start_n, limit, stride_kz, stride
         k_scale = 0.0
         v_scale = 0.0
     return k, v, k_scale, v_scale
-
-
-@gluon.jit
-def _prefetch_l2(K, V, PAGES, start_n, limit, stride_kz, stride_kn, stride_vz, stride_vn, BN: gl.constexpr,
-                 PAGE_SIZE: gl.constexpr):
-    """prefetch.global.L2 of the K and V rows of keys [start_n, start_n + BLOCK_N) below ``limit``:
-    one 128-byte row a thread, no register kept (the loads that read them later hit L2)."""
-    j = gl.arange(0, 2 * BN, PREFETCH_C)
-    keys = j % BN
-    k_at = _rows_of(PAGES, start_n, keys, limit, stride_kz, stride_kn, PAGE_SIZE, PAGE_SIZE % BN == 0)
-    v_at = _rows_of(PAGES, start_n, keys, limit, stride_vz, stride_vn, PAGE_SIZE, PAGE_SIZE % BN == 0)
-    rows = gl.where(j < BN, K + k_at, V + v_at)
-    ok = (start_n + keys < limit).to(gl.int32)
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $1, 0; @p prefetch.global.L2 [$2]; mov.u32 $0, 0; }",
-                              "=r,r,l", [ok, rows], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -247,14 +234,13 @@ def _attn_decode_fp8(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, 
                      SEQLENS: gl.constexpr, APPEND: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                      UPCAST: gl.constexpr, PRECISION: gl.constexpr, KV_FP8: gl.constexpr,
-                     TOKEN_SCALES: gl.constexpr, V_PTX: gl.constexpr, PDL: gl.constexpr,
-                     L2_AHEAD: gl.constexpr = 0):
+                     TOKEN_SCALES: gl.constexpr, V_PTX: gl.constexpr, PDL: gl.constexpr):
     """:func:`~flashrun.kernels.flash.decode_jit._attn_decode` for an e4m3 cache with
     float16/bfloat16 queries (program (split, row tile, batch * H_KV + kv head), the same
     arguments, partials and outputs), restricted to what the module docstring says: both head
     dims' strides 1 (K, V, K_NEW, V_NEW), no variant. Queries enter float16 (bfloat16 ones times
     qk_scale over a power of two, as _queries_f16 does; float16 ones as they are)."""
-    gl.static_assert(BLOCK_M == BM_C and (BLOCK_N == 64 or BLOCK_N == 128) and HEAD_DIM == D_C and BLOCK_D1 == 0)
+    gl.static_assert(BLOCK_M == BM_C and BLOCK_N == BLOCK_N_C and HEAD_DIM == D_C and BLOCK_D1 == 0)
     gl.static_assert(not (CAUSAL or WINDOW or SOFTCAP or ALIBI))
     if PDL:
         _gdc_wait()
@@ -326,14 +312,7 @@ def _attn_decode_fp8(Q, K, V, O, LSE, K_NEW, V_NEW, CACHE_SEQLENS, BLOCK_TABLE, 
     l_i = gl.zeros([BM_C, BLOCK_N], gl.float32, MMA_C)
     v_unit = 1.0
     acc = gl.zeros([BM_C, D_C], gl.float32, MMA_C)
-    # whole blocks; L2_AHEAD: the lines of the block that many ahead prefetched into L2 meanwhile
-    for ahead in gl.static_range(1, L2_AHEAD):
-        _prefetch_l2(k_src, v_src, pages, k_lo + ahead * BLOCK_N, k_hi, stride_kz, stride_kn, stride_vz, stride_vn,
-                     BLOCK_N, PAGE_SIZE)
-    for start_n in range(k_lo, k_mid, BLOCK_N):
-        if L2_AHEAD > 0:
-            _prefetch_l2(k_src, v_src, pages, start_n + L2_AHEAD * BLOCK_N, k_hi, stride_kz, stride_kn, stride_vz,
-                         stride_vn, BLOCK_N, PAGE_SIZE)
+    for start_n in range(k_lo, k_mid, BLOCK_N):  # whole blocks
         k, v, ks, vs = _load_block(k_src, v_src, k_scales, v_scales, pages, start_n, k_mid, stride_kz, stride_kn,
                                    stride_vz, stride_vn, stride_sz, stride_sn, BLOCK_N, PAGE_SIZE, TOKEN_SCALES)
         acc, l_i, m_i, v_unit = _block(acc, l_i, m_i, v_unit, q, k, v, ks, vs, start_n, n_k, qk_scale,
