@@ -739,16 +739,10 @@ def test_kvcache_on_gpu(case):
     assert not failures, "; ".join(failures)
 
 
-@pytest.mark.parametrize("v_keys", [False, True], ids=["rows", "v-keys"])
-@pytest.mark.parametrize("mode", ["tensor", "token"])
-@pytest.mark.parametrize("case", [c for c in KV_CASES if c[4] in (128, 256, 80)],
-                         ids=lambda c: _case_id(c).replace(", ", "_"))
-def test_an_fp8_kvcache_on_gpu(case, mode, v_keys):
-    """An e4m3 cache (one scale, or one per key and kv head) read by the compiled kernel, whose V
-    tiles widen through inline PTX (decode_jit._widen; the interpreter takes Triton's cast), or,
-    ``v_keys``, whose V memory is keys-contiguous (B or page, H_kv, D, keys), read whole by Triton's
-    cast: judged on the dequantized cache, the appended keys as the cache stores them. A widening
-    that put an element in another's place fails the output."""
+def _fp8_kvcache_failures(case, mode: str, v_keys: bool = False) -> list[str]:
+    """flash_attention_with_kvcache on an e4m3 cache made from a KV_CASES ``case`` (``mode``: one
+    scale or token scales; ``v_keys``: V's memory keys-contiguous), judged on the dequantized cache,
+    the appended keys as the cache stores them: the failed checks' reasons."""
     import dataclasses
 
     from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
@@ -773,19 +767,31 @@ def test_an_fp8_kvcache_on_gpu(case, mode, v_keys):
     checks = Reference.for_kvcache(truth, causal=causal).judge(
         out, None, POISON, cache=(from_e4m3(k_cache, k_scale, dtype), from_e4m3(v_cache, v_scale, dtype)))
     torch.cuda.empty_cache()
-    failures = [c.reason() for c in checks if not c.passed]
+    return [c.reason() for c in checks if not c.passed]
+
+
+@pytest.mark.parametrize("v_keys", [False, True], ids=["rows", "v-keys"])
+@pytest.mark.parametrize("mode", ["tensor", "token"])
+@pytest.mark.parametrize("case", [c for c in KV_CASES if c[4] in (128, 256, 80)],
+                         ids=lambda c: _case_id(c).replace(", ", "_"))
+def test_an_fp8_kvcache_on_gpu(case, mode, v_keys):
+    """An e4m3 cache (one scale, or one per key and kv head) read by the compiled kernel, whose V
+    tiles widen through inline PTX (decode_jit._widen; the interpreter takes Triton's cast), or,
+    ``v_keys``, whose V memory is keys-contiguous (B or page, H_kv, D, keys), read whole by Triton's
+    cast: judged on the dequantized cache, the appended keys as the cache stores them. A widening
+    that put an element in another's place fails the output."""
+    failures = _fp8_kvcache_failures(case, mode, v_keys)
     assert not failures, "; ".join(failures)
 
 
-# an e4m3 cache the Gluon decode kernel takes (head_dim 128, GQA groups of up to 16 rows, no variant):
-# (cache lengths, heads, kv heads, queries, dtype, page size, new keys) - ragged, empty, a key, a
-# block and one past it, pages of 1, 16, 48 and 256, appends
+# KV_CASES that the Gluon decode kernel takes (head_dim 128, GQA groups of up to 16 rows, no
+# variant): ragged, empty, a key, a block and one past it, pages of 1, 16, 48 and 256, appends
 GLUON_KV_CASES = [
-    ((1, 17, 97, 1025), 32, 8, 1, BF16, 0, 0),
-    ((0, 64, 8191, 65), 32, 8, 1, FP16, 16, 1),
-    ((5000, 1), 16, 2, 2, BF16, 48, 3),
-    ((130000,), 32, 8, 1, BF16, 1, 0),
-    ((777, 4096, 2), 16, 1, 1, FP16, 256, 2),
+    ((1, 17, 97, 1025), 32, 8, 1, 128, BF16, 0, 0, False),
+    ((0, 64, 8191, 65), 32, 8, 1, 128, FP16, 16, 1, False),
+    ((5000, 1), 16, 2, 2, 128, BF16, 48, 3, False),
+    ((130000,), 32, 8, 1, 128, BF16, 1, 0, False),
+    ((777, 4096, 2), 16, 1, 1, 128, FP16, 256, 2, False),
 ]
 
 
@@ -793,39 +799,17 @@ GLUON_KV_CASES = [
 @pytest.mark.parametrize("case", GLUON_KV_CASES, ids=lambda c: _case_id(c).replace(", ", "_"))
 def test_the_gluon_fp8_decode_kernel_on_gpu(case, mode, monkeypatch):
     """hopper_decode_jit's kernel, turned on (FLASHRUN_DECODE_GLUON=1; with token scales, which the
-    plan sends to the portable kernel, too), on an e4m3 cache: its first-use check passed (the plan
-    holds it), judged on the dequantized cache as test_an_fp8_kvcache_on_gpu judges the portable
-    kernel."""
-    import dataclasses
-
-    from flashrun.harness.inputs import as_cached, from_e4m3, make_inputs, to_e4m3
-    from flashrun.harness.shapes import Shape, kvcache
-    from flashrun.kernels import flash_attention_with_kvcache
+    plan sends to the portable kernel, too), judged as test_an_fp8_kvcache_on_gpu judges the
+    portable kernel; its first-use check passed (the plan holds it)."""
     from flashrun.kernels.flash import decode
     from flashrun.kernels.flash.hopper_decode_jit import _attn_decode_fp8
 
-    lengths, h, h_kv, n_q, dtype, page, new = case
     monkeypatch.setattr(decode, "GLUON_FP8", True)
     monkeypatch.setattr(decode, "GLUON_TOKEN_SCALES", True)
-    shape = kvcache(Shape(1, h, h_kv, n_q, 1, 128, str(dtype)[6:], False), lengths, page, new)
-    inputs = make_inputs(shape, 0, "cuda")[0]
-    (k8, k_scale), (v8, v_scale) = to_e4m3(inputs.k, mode), to_e4m3(inputs.v, mode)
-    k_cache, v_cache = k8.clone(), v8.clone()
     decode._plans.clear()
-    with _poisoned_allocations():
-        out = flash_attention_with_kvcache(inputs.q, k_cache, v_cache, inputs.cache_seqlens, k=inputs.k_new,
-                                           v=inputs.v_new, block_table=inputs.block_table, k_scale=k_scale,
-                                           v_scale=v_scale)
+    failures = _fp8_kvcache_failures(case, mode)
     assert [p.decode.kernel for key, p in decode._plans.items() if key[-1] == ()] == [_attn_decode_fp8], \
         decode._gluon_checked
-    appended = {}
-    if new:
-        appended = {"k_new": as_cached(inputs.k_new, k_scale), "v_new": as_cached(inputs.v_new, v_scale)}
-    truth = dataclasses.replace(inputs, k=from_e4m3(k8, k_scale, dtype), v=from_e4m3(v8, v_scale, dtype), **appended)
-    checks = Reference.for_kvcache(truth, causal=False).judge(
-        out, None, POISON, cache=(from_e4m3(k_cache, k_scale, dtype), from_e4m3(v_cache, v_scale, dtype)))
-    torch.cuda.empty_cache()
-    failures = [c.reason() for c in checks if not c.passed]
     assert not failures, "; ".join(failures)
 
 
