@@ -22,7 +22,8 @@ BUILTIN_KERNELS = ("flash", "flash-deterministic", "flash-atomic", "minimal")
 DETERMINISTIC_BACKWARD: bool | None = None
 # The environment variables that change which kernels run (tuning on a table miss, the Gluon
 # forward and backward and the backward's softcap/ALiBi, decode's programmatic dependent
-# launches): recorded with every result (flashrun.env.fingerprint) and forwarded to Ray workers
-# (flashrun.harness.cluster).
+# launches and its Gluon fp8 kernel): recorded with every result (flashrun.env.fingerprint) and
+# forwarded to Ray workers (flashrun.harness.cluster).
 KERNEL_SWITCHES = ("FLASHRUN_TUNE", "FLASHRUN_HOPPER", "FLASHRUN_HOPPER_BWD", "FLASHRUN_HOPPER_BWD_VARIANTS",
-                   "FLASHRUN_HOPPER_BWD_FUSED_VARIANTS", "FLASHRUN_HOPPER_BWD_DQ", "FLASHRUN_PDL")
+                   "FLASHRUN_HOPPER_BWD_FUSED_VARIANTS", "FLASHRUN_HOPPER_BWD_DQ", "FLASHRUN_PDL",
+                   "FLASHRUN_DECODE_GLUON")
