@@ -12,9 +12,9 @@ loads of V) *and*, after widening to float16, are exactly the MMA operands' regi
 
 * the head dim is relabelled. Q Kᵀ sums over it, so Q and K may share any order of its columns:
   ``k = 16b + 8c + 2a + e`` reads column ``32a + 4b + 2c + e``, which puts each thread's 32
-  columns of a key side by side (``_K_LOAD``). P V's output columns may come out in any order if
+  columns of a key side by side (``_k_load``). P V's output columns may come out in any order if
   the store puts them back: column ``n = 32r + 8w + g`` is head-dim column ``32w + 4g + r``, so a
-  thread's four columns of a key are one 4-byte word (``_V_LOAD``), and V's key pairs are made
+  thread's four columns of a key are one 4-byte word (``_v_load``), and V's key pairs are made
   in registers (byte permutes), not through shared memory;
 * the relabelling is reshapes and permutes of the loaded tiles, and the conversion to the MMA
   operand layout is asserted trivial (a register renaming), so a change that would move data
@@ -90,7 +90,7 @@ APPEND_C = gl.constexpr(_APPEND)
 
 @gluon.jit
 def _k_operand(k, BN: gl.constexpr):
-    """K's tile (BN, 128) as read (_K_LOAD, e4m3) -> Kᵀ (128, BN) float16 in _B, its
+    """K's tile (BN, 128) as read (_k_load, e4m3) -> Kᵀ (128, BN) float16 in _B, its
     rows in the relabelled head-dim order (column 32a + 4b + 2c + e is row 16b + 8c + 2a + e)."""
     k = k.to(gl.float16)
     k = k.reshape([BN, 4, 8, 2, 2]).permute(0, 2, 3, 1, 4).reshape([BN, D_C]).permute(1, 0)
@@ -99,7 +99,7 @@ def _k_operand(k, BN: gl.constexpr):
 
 @gluon.jit
 def _v_operand(v, BN: gl.constexpr):
-    """V's tile (BN, 128) as read (_V_LOAD, e4m3) -> float16 in _B, its columns in the
+    """V's tile (BN, 128) as read (_v_load, e4m3) -> float16 in _B, its columns in the
     relabelled order (head-dim column 32w + 4g + r is column 32r + 8w + g)."""
     v = v.to(gl.float16)
     v = v.reshape([BN, 4, 8, 4]).permute(0, 3, 1, 2).reshape([BN, D_C])
@@ -125,8 +125,8 @@ def _rows_of(PAGES, start_n, keys, limit, stride_z, stride_n, PAGE_SIZE: gl.cons
 @gluon.jit
 def _load_block(K, V, K_SCALE, V_SCALE, PAGES, start_n, limit, stride_kz, stride_kn, stride_vz, stride_vn,
                 stride_sz, stride_sn, BN: gl.constexpr, PAGE_SIZE: gl.constexpr, TOKEN_SCALES: gl.constexpr):
-    """Keys [start_n, start_n + BN) below ``limit`` (others zero): K in _K_LOAD, V in
-    _V_LOAD, e4m3 as stored; with TOKEN_SCALES their scales along S's columns (0 past ``limit``)."""
+    """Keys [start_n, start_n + BN) below ``limit`` (others zero): K in _k_load, V in
+    _v_load, e4m3 as stored; with TOKEN_SCALES their scales along S's columns (0 past ``limit``)."""
     keys = gl.arange(0, BN, gl.SliceLayout(1, _k_load(BN)))
     cols = gl.arange(0, D_C, gl.SliceLayout(0, _k_load(BN)))
     at = _rows_of(PAGES, start_n, keys, limit, stride_kz, stride_kn, PAGE_SIZE, PAGE_SIZE % BN == 0)
