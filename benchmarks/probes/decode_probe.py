@@ -25,6 +25,7 @@ queries through float16 dots (decode.FP8_DOT_F16), each checked against float32 
 the dequantized cache and timed beside cuDNN's bf16 decode and flash's bf16 cache at the same shape.
 
     OUT=/tmp/out python benchmarks/probes/decode_probe.py [--quick | --no-sweep | --fp8-sweep] [--budget-s 170] [--waves W]
+        [--fp8-configs n64w4s2x4r128,...] [--fp8-cells tensor:0,token:16,...]
 
 ``--smoke`` runs the same code on the CPU through Triton's interpreter with tiny shapes, SDPA's
 math backend for cuDNN and no graphs: a check that the script itself runs, timings meaningless.
@@ -40,6 +41,7 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -319,7 +321,18 @@ def config_sweep(started) -> list[dict]:
 # stages (decode._config)
 FP8_CONFIGS = [(64, 4, 2, 4, 128, True), (64, 4, 2, 4, 128, False), (64, 4, 3, 4, 128, True),
                (64, 4, 3, 2, None, True), (128, 4, 3, 2, None, True), (128, 4, 2, 3, 168, True)]
-FP8_SHAPES = [(1, 32, 8, 32768), (4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8, 131072)]
+FP8_CELLS = None  # --fp8-cells: the (scales, page) cells the sweep keeps, as "tensor:0,token:16"; None: all
+
+
+def fp8_config(text: str) -> tuple:
+    """``--fp8-configs`` item "n64w4s2x4r128" (block_n, warps, stages, waves, maxnreg; r0: no cap;
+    a trailing "c": Triton's cast for V, not the PTX widening) as an FP8_CONFIGS tuple."""
+    m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)x(\d+)r(\d+)(c?)", text.strip())
+    if not m:
+        raise SystemExit(f"--fp8-configs: {text!r} is not like n64w4s2x4r128")
+    n, w, s, x, r = (int(g) for g in m.groups()[:5])
+    return n, w, s, x, r or None, not m.group(6)
+FP8_SHAPES = [(4, 32, 8, 32768), (16, 32, 8, 8192), (1, 32, 8, 131072), (1, 32, 8, 32768)]  # the suite's first
 
 
 def fp8_sweep(started) -> list[dict]:
@@ -358,6 +371,8 @@ def fp8_sweep(started) -> list[dict]:
                 kd, vd = k8.float() * ks[..., None], v8.float() * vs[..., None]
             caches[kind] = (k8, v8, ks, vs, reference(q.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2)))
         for qname, kind, page, layout in cells:
+            if FP8_CELLS is not None and (layout != "rows" or f"{kind}:{page}" not in FP8_CELLS):
+                continue
             k8, v8, ks, vs, ref = caches[kind]
             if layout == "head-major":
                 k8, v8 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k8, v8))
@@ -415,9 +430,15 @@ def main() -> int:
     ap.add_argument("--waves", type=int, help="decode.WAVES for the whole run (the split target; default: decode's)")
     ap.add_argument("--no-sweep", action="store_true", help="the whole grid, without the config sweep")
     ap.add_argument("--fp8-sweep", action="store_true", help="only the launch configs over an fp8 cache")
+    ap.add_argument("--fp8-configs", help="the sweep's configs instead of FP8_CONFIGS: n64w4s2x4r128,n128w8s2x2r0,...")
+    ap.add_argument("--fp8-cells", help="the sweep's cells, in the usual layout only: tensor:0,token:16,...")
     ns = ap.parse_args()
-    global BUDGET_S
+    global BUDGET_S, FP8_CONFIGS, FP8_CELLS
     BUDGET_S = ns.budget_s
+    if ns.fp8_configs:
+        FP8_CONFIGS = [fp8_config(item) for item in ns.fp8_configs.split(",")]
+    if ns.fp8_cells:
+        FP8_CELLS = set(ns.fp8_cells.split(","))
     if ns.waves:
         decode.WAVES = ns.waves
     out_dir = Path(os.environ.get("OUT", "."))
