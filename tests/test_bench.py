@@ -185,25 +185,38 @@ def test_real_process_without_a_gpu_exits_2() -> None:
     assert "timings mean nothing" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_gpu_timing_calls_do_bench_as_its_signature_allows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU branch, minus the GPU: our arguments must bind to triton's do_bench (3.6 and 3.9
-    share this signature) and its list of quantiles becomes (median, p20, p80)."""
-    import inspect
+@pytest.mark.parametrize("flush", ["write", "read"])
+def test_gpu_timing_flushes_l2_before_every_timed_call(monkeypatch: pytest.MonkeyPatch, flush: str) -> None:
+    """The GPU branch, minus the GPU (CUDA events on a fake clock): do_bench's recipe - one call,
+    five estimate calls, warm-up calls for warmup_ms and timed calls for rep_ms - with the L2
+    flush of ``[bench] l2_flush`` before each estimate and timed call, gradients reset."""
+    log = []
 
-    import triton.testing
+    class Event:
+        clock = 0.0
 
-    signature = inspect.signature(triton.testing.do_bench)
-    calls = []
+        def __init__(self, enable_timing: bool) -> None:
+            self.at = None
 
-    def fake_do_bench(*args, **kwargs):
-        calls.append(signature.bind(*args, **kwargs).arguments)  # TypeError on an argument it lacks
-        return [1.0, 0.9, 1.2]
+        def record(self) -> None:
+            self.at = Event.clock
 
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+        def elapsed_time(self, end: "Event") -> float:
+            return end.at - self.at
+
+    def call() -> None:
+        Event.clock += 0.5  # a call of half a millisecond
+        log.append("call")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(measure, "_l2_flush", lambda device, how: lambda: log.append(f"flush {how}"))
     leaves = [torch.zeros(1, requires_grad=True)]
-    assert measure.time_call(lambda: None, torch.device("cuda"), TIMING, leaves) == (1.0, 0.9, 1.2)
-    assert calls[0]["quantiles"] == [0.5, 0.2, 0.8] and calls[0]["grad_to_none"] is leaves
-    assert (calls[0]["warmup"], calls[0]["rep"]) == (1, 2)
+    leaves[0].grad = torch.ones(1)
+    timing = measure.Timing(warmup_ms=1, rep_ms=2, l2_flush=flush)
+    assert measure.time_call(call, torch.device("cuda"), timing, leaves) == (0.5, 0.5, 0.5)
+    assert log == ["call"] + [f"flush {flush}", "call"] * 5 + ["call"] * 2 + [f"flush {flush}", "call"] * 4
+    assert leaves[0].grad is None
 
 
 # -- the CPU run: mechanics -----------------------------------------------------------------------------

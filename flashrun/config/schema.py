@@ -346,6 +346,9 @@ class BenchConfig(_Section):
     """`triton.testing.do_bench` warm-up time."""
     rep_ms: PositiveInt = 100
     """`triton.testing.do_bench` repetition time."""
+    l2_flush: Literal["write", "read"] = "write"
+    """How L2 is emptied before each timed GPU call: `write` zeroes 256 MB (`do_bench`'s way; the call then writes back
+    the dirty lines it evicts), `read` reads 256 MB (nothing left to write back)."""
     out: PathField | None = None
     """Where `<gpu>-<timestamp>.csv` and `.json` go (`--out`); unset: `<log_dir>/bench`."""
     compare: list[PathField] | None = None

@@ -180,7 +180,7 @@ def _run(cfg: Config, names: list[str], shapes: list[Shape], earlier: list[dict[
     except OSError as exc:
         raise InputError(f"cannot write the results to {out_dir}: {exc.strerror or exc}",
                          hint="pick a writable folder with --out or [bench].out") from None
-    timing = Timing(bench.warmup_ms, bench.rep_ms)
+    timing = Timing(bench.warmup_ms, bench.rep_ms, bench.l2_flush)
     jobs = [ShapeJob(index, shape, tuple(names), tuple(dict.fromkeys(bench.mode)), device.type, cfg.experiment.seed,
                      bench.baseline, timing, len(shapes), gpu_type, metrics, str(profile) if profile else None)
             for index, (gpu_type, shape) in enumerate((t, s) for t in (gpu_types or [None]) for s in shapes)]

@@ -170,42 +170,24 @@ def check(provider: Provider, attn: Attention, shape: Shape, inputs: Inputs, ref
 
 
 # -- timing ----------------------------------------------------------------------------------------------
+FLUSH_BYTES = 256 << 20  # the buffer triton.testing.do_bench zeroes before each call: 5x an H100's L2
+
+
 @dataclass(frozen=True)
 class Timing:
     warmup_ms: int
     rep_ms: int
+    l2_flush: str = "write"  # how L2 is emptied before each timed GPU call ([bench] l2_flush)
 
 
 def time_call(fn: Callable[[], object], device: torch.device, timing: Timing,
               grad_to_none: list[torch.Tensor] | None = None) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds of ``fn()``."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        got = do_bench(fn, warmup=timing.warmup_ms, rep=timing.rep_ms, grad_to_none=grad_to_none,
-                       quantiles=QUANTILES)
-        # triton 3.x returns a list for several quantiles (a bare float for one)
-        values = [float(x) for x in got] if isinstance(got, (list, tuple)) else [float(got)] * 3
-        return values[0], values[1], values[2]
-    return _cpu_bench(fn, timing, grad_to_none)
-
-
-def _cpu_bench(fn: Callable[[], object], timing: Timing,
-               grad_to_none: list[torch.Tensor] | None) -> tuple[float, float, float]:
-    """do_bench's recipe with a wall clock: estimate, warm up for warmup_ms, repeat for rep_ms."""
-
-    def once() -> float:
-        for leaf in grad_to_none or ():
-            leaf.grad = None
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-    once()
-    estimate = max(statistics.median(once() for _ in range(5)), 1e-3)
-    for _ in range(max(1, int(timing.warmup_ms / estimate))):
-        once()
-    times = sorted(once() for _ in range(max(1, int(timing.rep_ms / estimate))))
+    """(median, p20, p80) milliseconds of ``fn()``, by ``triton.testing.do_bench``'s recipe: an
+    estimate from five calls, warm-up calls for ``warmup_ms``, timed calls for ``rep_ms``; on a
+    GPU each timed call after an L2 flush, between CUDA events read once at the end, on a CPU by
+    the wall clock."""
+    times = sorted(_gpu_times(fn, device, timing, grad_to_none) if device.type == "cuda"
+                   else _cpu_times(fn, timing, grad_to_none))
 
     def quantile(p: float) -> float:  # linear interpolation, as torch.quantile and triton
         pos = p * (len(times) - 1)
@@ -215,6 +197,66 @@ def _cpu_bench(fn: Callable[[], object], timing: Timing,
 
     values = [quantile(p) for p in QUANTILES]
     return values[0], values[1], values[2]
+
+
+def _counts(estimate_ms: float, timing: Timing) -> tuple[int, int]:
+    """do_bench's warm-up and timed calls for a call of about ``estimate_ms``."""
+    estimate_ms = max(estimate_ms, 1e-3)
+    return max(1, int(timing.warmup_ms / estimate_ms)), max(1, int(timing.rep_ms / estimate_ms))
+
+
+def _l2_flush(device: torch.device, how: str) -> Callable[[], object]:
+    """What empties L2 before a timed call. ``write`` zeroes FLUSH_BYTES (do_bench's way): the
+    timed call then finds up to an L2 of dirty lines that it writes back to memory as its own
+    reads evict them, tens of microseconds on an H100 or H200, a constant that weighs on calls
+    of a hundred microseconds. ``read`` reads FLUSH_BYTES instead: an L2 that holds no input and
+    nothing to write back."""
+    buffer = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    return buffer.zero_ if how == "write" else buffer.amax
+
+
+def _gpu_times(fn: Callable[[], object], device: torch.device, timing: Timing,
+               grad_to_none: list[torch.Tensor] | None) -> list[float]:
+    flush = _l2_flush(device, timing.l2_flush)
+    fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    warmup, repeat = _counts(start.elapsed_time(end) / 5, timing)
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    for start, end in events:
+        for leaf in grad_to_none or ():  # nothing accumulates into the inputs' gradients
+            leaf.grad = None
+        flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def _cpu_times(fn: Callable[[], object], timing: Timing,
+               grad_to_none: list[torch.Tensor] | None) -> list[float]:
+
+    def once() -> float:
+        for leaf in grad_to_none or ():
+            leaf.grad = None
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    once()
+    warmup, repeat = _counts(statistics.median(once() for _ in range(5)), timing)
+    for _ in range(warmup):
+        once()
+    return [once() for _ in range(repeat)]
 
 
 def inference(shape: Shape, mode: str) -> bool:
