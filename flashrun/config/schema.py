@@ -343,9 +343,9 @@ class BenchConfig(_Section):
     """The KV-cache shapes' formats: `""` the cache in the sweep's dtype; `"tensor"`/`"token"`: float8_e4m3fn with one
     scale, or one per key and kv head (fp16/bf16 sweeps)."""
     warmup_ms: PositiveInt = 25
-    """`triton.testing.do_bench` warm-up time."""
+    """Warm-up time before the timed calls (`triton.testing.do_bench`'s recipe)."""
     rep_ms: PositiveInt = 100
-    """`triton.testing.do_bench` repetition time."""
+    """Time the timed calls fill (`triton.testing.do_bench`'s recipe)."""
     l2_flush: Literal["write", "read"] = "write"
     """How L2 is emptied before each timed GPU call: `write` zeroes 256 MB (`do_bench`'s way; the call then writes back
     the dirty lines it evicts), `read` reads 256 MB (nothing left to write back)."""

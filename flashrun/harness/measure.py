@@ -13,8 +13,8 @@ Order of work for a provider and a case (a *cell* is one mode):
    (:meth:`flashrun.harness.probe.Probe.gather`): outside the timed loop, so the timed numbers
    are those of a run without it.
 
-Timing on a GPU is ``triton.testing.do_bench`` (warm-up, L2 cleared before every call, CUDA
-events; median and p20/p80). Backward is timed alone: the forward runs once outside the timed
+Timing on a GPU is ``triton.testing.do_bench``'s recipe (warm-up, L2 emptied before every call
+as ``[bench] l2_flush`` says, CUDA events; median and p20/p80). Backward is timed alone: the forward runs once outside the timed
 region and the timed call is ``out.backward(dout, retain_graph=True)``, with the input
 gradients reset to ``None`` before each call so nothing accumulates. The forward is timed as in
 training (inputs that require grad), the FlashAttention benchmarks' convention, except for
@@ -23,7 +23,7 @@ decode-like shapes (fewer queries than keys, ``--seq-lens-k``): those are infere
 
 Inputs are fresh N(0, 1) draws (never zeros: some kernels are faster on zeros). When one input
 set fits in L2, several sets are rotated so that no call finds its inputs already cached;
-``do_bench`` clears L2 anyway, and rotation also covers the CPU timer, which clears nothing.
+the GPU timing empties L2 anyway, and rotation also covers the CPU timer, which clears nothing.
 """
 
 from __future__ import annotations
