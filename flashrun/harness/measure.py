@@ -14,9 +14,10 @@ Order of work for a provider and a case (a *cell* is one mode):
    are those of a run without it.
 
 Timing on a GPU is ``triton.testing.do_bench``'s recipe (warm-up, L2 emptied before every call
-as ``[bench] l2_flush`` says, CUDA events; median and p20/p80). Backward is timed alone: the forward runs once outside the timed
-region and the timed call is ``out.backward(dout, retain_graph=True)``, with the input
-gradients reset to ``None`` before each call so nothing accumulates. The forward is timed as in
+as ``[bench] l2_flush`` says, CUDA events; median and p20/p80). Backward is timed alone: the
+forward runs once outside the timed region and the timed call is ``out.backward(dout,
+retain_graph=True)``, with the input gradients reset to ``None`` before each call so nothing
+accumulates. The forward is timed as in
 training (inputs that require grad), the FlashAttention benchmarks' convention, except for
 decode-like shapes (fewer queries than keys, ``--seq-lens-k``): those are inference, timed under
 ``torch.no_grad()`` as a generation loop calls them (:func:`inference`).
@@ -37,7 +38,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
@@ -177,7 +178,7 @@ FLUSH_BYTES = 256 << 20  # the buffer triton.testing.do_bench zeroes before each
 class Timing:
     warmup_ms: int
     rep_ms: int
-    l2_flush: str = "write"  # how L2 is emptied before each timed GPU call ([bench] l2_flush)
+    l2_flush: Literal["write", "read"] = "write"  # how L2 is emptied before each timed GPU call
 
 
 def time_call(fn: Callable[[], object], device: torch.device, timing: Timing,
@@ -208,9 +209,8 @@ def _counts(estimate_ms: float, timing: Timing) -> tuple[int, int]:
 def _l2_flush(device: torch.device, how: str) -> Callable[[], object]:
     """What empties L2 before a timed call. ``write`` zeroes FLUSH_BYTES (do_bench's way): the
     timed call then finds up to an L2 of dirty lines that it writes back to memory as its own
-    reads evict them, tens of microseconds on an H100 or H200, a constant that weighs on calls
-    of a hundred microseconds. ``read`` reads FLUSH_BYTES instead: an L2 that holds no input and
-    nothing to write back."""
+    reads evict them, a constant in every provider's time that weighs most on short calls.
+    ``read`` reads FLUSH_BYTES instead: an L2 that holds no input and nothing to write back."""
     buffer = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     return buffer.zero_ if how == "write" else buffer.amax
 
