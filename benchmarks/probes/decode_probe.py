@@ -23,9 +23,12 @@ small sweep of decode launch configs (block_n, warps, stages, waves, smallest sp
 32/8, 8k-128k keys, one scale or a scale per key and head, contiguous or pages of 16, bf16
 queries through float16 dots (decode.FP8_DOT_F16), each checked against float32 attention over
 the dequantized cache and timed beside cuDNN's bf16 decode and flash's bf16 cache at the same shape.
+``--fp8-profile CALLS`` is that sweep's first shape for a profiler: no baselines, no timing, each
+cell and config checked once then called CALLS times, so that the fp8 kernel's launches are the only
+decode launches (ncu -k 'regex:^_attn_decode$' --launch-skip 3 --launch-count 1).
 
     OUT=/tmp/out python benchmarks/probes/decode_probe.py [--quick | --no-sweep | --fp8-sweep] [--budget-s 170] [--waves W]
-        [--fp8-configs n64w4s2x4r128,...] [--fp8-cells tensor:0,token:16,...]
+        [--fp8-configs n64w4s2x4r128,...] [--fp8-cells tensor:0,token:16,...] [--fp8-profile 5]
 
 ``--smoke`` runs the same code on the CPU through Triton's interpreter with tiny shapes, SDPA's
 math backend for cuDNN and no graphs: a check that the script itself runs, timings meaningless.
@@ -322,6 +325,7 @@ def config_sweep(started) -> list[dict]:
 FP8_CONFIGS = [(64, 4, 2, 4, 128, True), (64, 4, 2, 4, 128, False), (64, 4, 3, 4, 128, True),
                (64, 4, 3, 2, None, True), (128, 4, 3, 2, None, True), (128, 4, 2, 3, 168, True)]
 FP8_CELLS = None  # --fp8-cells: the (scales, page) cells the sweep keeps, as "tensor:0,token:16"; None: all
+PROFILE_CALLS = 0  # --fp8-profile: the first shape only, each config checked then called this often, untimed
 
 
 def fp8_config(text: str) -> tuple:
@@ -347,18 +351,20 @@ def fp8_sweep(started) -> list[dict]:
     cells = [("bf16", "tensor", 0, "rows"), ("bf16", "token", 0, "rows"), ("bf16", "tensor", 16, "rows"),
              ("bf16", "token", 16, "rows"), ("bf16", "tensor", 0, "head-major"), ("bf16", "tensor", 0, "v-keys"),
              ("bf16", "token", 0, "v-keys"), ("bf16", "tensor", 16, "v-keys"), ("bf16", "token", 16, "v-keys")]
-    for b, h, h_kv, n in ((1, 8, 2, 512),) if SMOKE else FP8_SHAPES:
+    shapes = [(1, 8, 2, 512)] if SMOKE else FP8_SHAPES
+    for b, h, h_kv, n in shapes[:1] if PROFILE_CALLS else shapes:
         gen = torch.Generator(device=DEVICE).manual_seed(2)
         q = torch.randn(b, 1, h, D, device=DEVICE, generator=gen).to(BF16)  # (B, 1, H, D)
         k, v = (torch.randn(b, n, h_kv, D, device=DEVICE, generator=gen).to(BF16) for _ in range(2))
         lengths = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
-        base = {}
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        base["cudnn_bf16_us"] = bench(lambda: cudnn(qt, kt, vt))
-        base["flash_bf16_cache_us"] = bench(lambda: flash_attention_with_kvcache(q, k, v, lengths))
-        k_hm, v_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # head-major
-        base["flash_bf16_head_major_us"] = bench(lambda: flash_attention_with_kvcache(q, k_hm, v_hm, lengths))
-        del k_hm, v_hm
+        base = {"cudnn_bf16_us": math.nan, "flash_bf16_cache_us": math.nan}
+        if not PROFILE_CALLS:  # a profile sees the fp8 kernel's launches alone
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            base["cudnn_bf16_us"] = bench(lambda: cudnn(qt, kt, vt))
+            base["flash_bf16_cache_us"] = bench(lambda: flash_attention_with_kvcache(q, k, v, lengths))
+            k_hm, v_hm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # head-major
+            base["flash_bf16_head_major_us"] = bench(lambda: flash_attention_with_kvcache(q, k_hm, v_hm, lengths))
+            del k_hm, v_hm
         caches = {}
         for kind in ("tensor", "token"):
             if kind == "tensor":
@@ -405,10 +411,15 @@ def fp8_sweep(started) -> list[dict]:
                        "waves": w, **base}
                 try:
                     err = max_err(call().transpose(1, 2), ref)
-                    row.update(err=err, ok=err <= ATOL[BF16], us=bench(call),
-                               splits=next(iter(decode._plans.values())).splits)
-                    row["vs_cudnn_bf16"] = base["cudnn_bf16_us"] / row["us"]
-                    row["tb_s"] = 2 * k8.numel() / row["us"] / 1e6
+                    row.update(err=err, ok=err <= ATOL[BF16], splits=next(iter(decode._plans.values())).splits)
+                    if PROFILE_CALLS:
+                        for _ in range(PROFILE_CALLS):
+                            call()
+                        sync()
+                    else:
+                        row["us"] = bench(call)
+                        row["vs_cudnn_bf16"] = base["cudnn_bf16_us"] / row["us"]
+                        row["tb_s"] = 2 * k8.numel() / row["us"] / 1e6
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 out.append(row)
@@ -432,8 +443,13 @@ def main() -> int:
     ap.add_argument("--fp8-sweep", action="store_true", help="only the launch configs over an fp8 cache")
     ap.add_argument("--fp8-configs", help="the sweep's configs instead of FP8_CONFIGS: n64w4s2x4r128,n128w8s2x2r0,...")
     ap.add_argument("--fp8-cells", help="the sweep's cells, in the usual layout only: tensor:0,token:16,...")
+    ap.add_argument("--fp8-profile", type=int, metavar="CALLS", default=0,
+                    help="a run for a profiler: the fp8 sweep's first shape, no baselines, each cell and config "
+                         "checked once then called CALLS times untimed (ncu --launch-skip 3 --launch-count 1 "
+                         "-k regex:^_attn_decode$ takes the first's fourth launch)")
     ns = ap.parse_args()
-    global BUDGET_S, FP8_CONFIGS, FP8_CELLS
+    global BUDGET_S, FP8_CONFIGS, FP8_CELLS, PROFILE_CALLS
+    PROFILE_CALLS = ns.fp8_profile
     BUDGET_S = ns.budget_s
     if ns.fp8_configs:
         FP8_CONFIGS = [fp8_config(item) for item in ns.fp8_configs.split(",")]
@@ -450,7 +466,7 @@ def main() -> int:
            "waves": decode.WAVES}
     print(f"{env}", flush=True)
     rows: list[dict] = []
-    if ns.fp8_sweep:
+    if ns.fp8_sweep or PROFILE_CALLS:
         found = fp8_sweep(started)
         (out_dir / "decode_fp8_sweep.json").write_text(json.dumps({"env": env, "rows": found}, indent=1, default=str))
         bad = [r for r in found if r.get("ok") is False or "error" in r]
